@@ -1,0 +1,272 @@
+"""Graph declaration: nodes, channels and versioned edges, checked before any actor starts.
+
+A graph file (graphs/ppo.py) is plain Python:
+
+    config = PPOConfig()                      # optional: a dataclass tree that --set overrides
+    def build(config) -> Graph:               # or a module-level `graph = Graph(...)`
+        g = Graph("ppo")
+        g.node("prompts", PromptSource, config.prompts)
+        g.node("generator", Generator, config.generator, replicas=2)
+        g.channel("prompts.prompts", "generator.prompts", capacity=16)
+        g.versioned("policy", src="learner", dst=["generator", "prompts"])
+        return g
+
+Every declaration remembers the file:line it was made on, so validation errors point at it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from dataflow.errors import GraphError
+from dataflow.node import Node
+
+
+def _caller_location() -> str:
+    """file:line of the first frame outside this module (where the user declared the thing)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame else "?"
+
+
+@dataclass
+class NodeSpec:
+    name: str
+    kind: type
+    config: Any
+    cpus: float
+    gpus: float
+    replicas: int
+    where: str
+    ends_run: bool = False
+
+    def replica_names(self) -> list[str]:
+        if self.replicas == 1:
+            return [self.name]
+        return [f"{self.name}[{i}]" for i in range(self.replicas)]
+
+
+@dataclass
+class ChannelSpec:
+    name: str
+    src: list[tuple[str, str]]  # (node, port) producers
+    dst: list[tuple[str, str]]  # (node, port) consumers
+    capacity: int
+    feedback: bool
+    where: str
+
+
+@dataclass
+class VersionedSpec:
+    name: str
+    src: str
+    dst: list[str]
+    where: str
+    timeout_s: float = 300.0
+
+
+@dataclass
+class Graph:
+    """A dataflow graph. Declare with node(), channel(), versioned(); the runtime validates it."""
+
+    name: str = "graph"
+    nodes: dict[str, NodeSpec] = field(default_factory=dict)
+    channels: dict[str, ChannelSpec] = field(default_factory=dict)
+    versioned_edges: dict[str, VersionedSpec] = field(default_factory=dict)
+    progress: list[str] = field(default_factory=list)
+    """Metric keys printed on each step's progress line ("a±b" prints a ± b; all when empty)."""
+    max_steps: int | None = None
+    """Steps after which the run ends (the --max-steps flag overrides it)."""
+    _problems: list[str] = field(default_factory=list, repr=False)
+
+    def node(self, name: str, kind: type, config: Any = None, *, cpus: float = 1.0,
+             gpus: float = 0.0, replicas: int = 1, ends_run: bool = False) -> str:
+        """Declare a node: `replicas` Ray actors of `kind`, each with `cpus` CPUs and `gpus` GPUs
+        (a fraction shares a GPU). `ends_run`: when this node returns, the run is over."""
+        where = _caller_location()
+        if name in self.nodes:
+            self._problems.append(f"{where}: node '{name}' is declared twice (first at {self.nodes[name].where}); give each node its own name")
+            return name
+        if config is None and isinstance(kind, type) and getattr(kind, "Config", None) is not None:
+            config = kind.Config()
+        self.nodes[name] = NodeSpec(name, kind, config, cpus, gpus, replicas, where, ends_run)
+        return name
+
+    def channel(self, src: str | list[str], dst: str | list[str], *, capacity: int,
+                name: str | None = None, feedback: bool = False) -> str:
+        """Declare a bounded FIFO channel from producer port(s) "node.port" to consumer port(s).
+
+        `capacity` bounds the items buffered across all producers. `feedback=True` marks an edge
+        that is allowed to close a cycle (the graph must otherwise be acyclic).
+        """
+        where = _caller_location()
+        srcs = [src] if isinstance(src, str) else list(src)
+        dsts = [dst] if isinstance(dst, str) else list(dst)
+        name = name or (srcs[0] if srcs else f"channel{len(self.channels)}")
+        if name in self.channels:
+            self._problems.append(f"{where}: channel '{name}' is declared twice (first at {self.channels[name].where}); pass name=... to tell them apart")
+            return name
+        parsed = {}
+        for label, ports in (("src", srcs), ("dst", dsts)):
+            parsed[label] = []
+            for port in ports:
+                node, dot, port_name = port.partition(".")
+                if not dot or not port_name:
+                    self._problems.append(f"{where}: channel '{name}': {label} '{port}' must be 'node.port'")
+                    continue
+                parsed[label].append((node, port_name))
+        self.channels[name] = ChannelSpec(name, parsed["src"], parsed["dst"], capacity, feedback, where)
+        return name
+
+    def versioned(self, name: str, *, src: str, dst: list[str], timeout_s: float = 300.0) -> str:
+        """Declare a latest-wins versioned edge (weights, policy version) from `src` to `dst`.
+
+        Subscribers are told of each publish in the order listed, each acking before the next, so a
+        node listed later (the prompt source) never sees a version before an earlier one (the
+        generators) holds it. A subscriber that does not ack within `timeout_s` fails the publish.
+        """
+        where = _caller_location()
+        if name in self.versioned_edges:
+            self._problems.append(f"{where}: versioned edge '{name}' is declared twice")
+            return name
+        self.versioned_edges[name] = VersionedSpec(name, src, list(dst), where, timeout_s)
+        return name
+
+    # ---- validation -------------------------------------------------------------------------
+    def validate(self, source: str = "graph") -> None:
+        """Raise GraphError listing every problem (file:line, node/channel, what to change)."""
+        problems = list(self._problems)
+        for spec in self.nodes.values():
+            problems += _node_problems(spec)
+        bound: dict[tuple[str, str, str], str] = {}  # (node, direction, port) -> channel
+        for ch in self.channels.values():
+            at = f"{ch.where}: channel '{ch.name}'"
+            if not isinstance(ch.capacity, int) or isinstance(ch.capacity, bool) or ch.capacity < 1:
+                problems.append(f"{at}: capacity must be an integer >= 1 (got {ch.capacity!r})")
+            if not ch.src:
+                problems.append(f"{at} has no producer: give src='node.port'")
+            if not ch.dst:
+                problems.append(f"{at} has no consumer: give dst='node.port'")
+            for direction, ports in (("output", ch.src), ("input", ch.dst)):
+                for node, port in ports:
+                    spec = self.nodes.get(node)
+                    if spec is None:
+                        problems.append(f"{at}: unknown node '{node}' (nodes: {', '.join(self.nodes) or 'none'})")
+                        continue
+                    declared = getattr(spec.kind, "outputs" if direction == "output" else "inputs", ())
+                    if port not in declared:
+                        problems.append(f"{at}: node '{node}' ({spec.kind.__name__}) has no {direction} port '{port}'"
+                                        f" ({direction} ports: {', '.join(declared) or 'none'})")
+                        continue
+                    key = (node, direction, port)
+                    if key in bound:
+                        problems.append(f"{at}: {direction} port '{node}.{port}' is already connected to channel '{bound[key]}'")
+                    bound[key] = ch.name
+        for spec in self.nodes.values():
+            if not _is_node_class(spec.kind):
+                continue
+            for direction, ports in (("input", spec.kind.inputs), ("output", spec.kind.outputs)):
+                for port in ports:
+                    if (spec.name, direction, port) not in bound:
+                        problems.append(f"{spec.where}: node '{spec.name}': {direction} port '{port}' is not connected;"
+                                        f" add g.channel(...) with {'dst' if direction == 'input' else 'src'}='{spec.name}.{port}'")
+        for edge in self.versioned_edges.values():
+            at = f"{edge.where}: versioned edge '{edge.name}'"
+            for node, attr in [(edge.src, "publishes")] + [(d, "subscribes") for d in edge.dst]:
+                spec = self.nodes.get(node)
+                if spec is None:
+                    problems.append(f"{at}: unknown node '{node}'")
+                elif _is_node_class(spec.kind) and edge.name not in getattr(spec.kind, attr):
+                    problems.append(f"{at}: node '{node}' ({spec.kind.__name__}) does not list '{edge.name}' in {attr}")
+        if not problems:
+            cycle = self._find_cycle()
+            if cycle:
+                problems.append(f"{self.channels[cycle[0]].where}: channels {' -> '.join(cycle)} form a cycle;"
+                                " pass feedback=True to the channel that closes it if the loop is intended")
+        if not self.nodes and not problems:
+            problems.append(f"{source}: the graph has no nodes")
+        if problems:
+            raise GraphError(f"{source}: invalid graph '{self.name}':\n  " + "\n  ".join(problems))
+
+    def _find_cycle(self) -> list[str] | None:
+        """A list of channel names forming a cycle over non-feedback channels, or None."""
+        out_edges: dict[str, list[tuple[str, str]]] = {n: [] for n in self.nodes}
+        for ch in self.channels.values():
+            if ch.feedback:
+                continue
+            for a, _ in ch.src:
+                for b, _ in ch.dst:
+                    out_edges[a].append((b, ch.name))
+        state: dict[str, int] = {}
+        stack: list[str] = []
+
+        def visit(node: str) -> list[str] | None:
+            state[node] = 1
+            for nxt, ch_name in out_edges[node]:
+                stack.append(ch_name)
+                if state.get(nxt) == 1:
+                    return list(stack)
+                if nxt not in state and (found := visit(nxt)):
+                    return found
+                stack.pop()
+            state[node] = 2
+            return None
+
+        for n in self.nodes:
+            if n not in state and (found := visit(n)):
+                return found
+        return None
+
+    def producers(self, channel: str) -> list[str]:
+        """Replica names producing into `channel`."""
+        return [r for node, _ in self.channels[channel].src for r in self.nodes[node].replica_names()]
+
+    def consumers(self, channel: str) -> list[str]:
+        return [r for node, _ in self.channels[channel].dst for r in self.nodes[node].replica_names()]
+
+
+def _is_node_class(kind: Any) -> bool:
+    return isinstance(kind, type) and issubclass(kind, Node)
+
+
+def _node_problems(spec: NodeSpec) -> list[str]:
+    at = f"{spec.where}: node '{spec.name}'"
+    if not _is_node_class(spec.kind):
+        return [f"{at}: {spec.kind!r} is not a Node subclass (from dataflow import Node)"]
+    problems = []
+    want = spec.kind.Config
+    if want is not None and not isinstance(spec.config, want):
+        problems.append(f"{at}: config must be a {want.__name__} (got {type(spec.config).__name__})")
+    elif want is not None and dataclasses.is_dataclass(want):
+        problems += [f"{at}: {p}" for p in _field_type_problems(spec.config)]
+    if not isinstance(spec.replicas, int) or spec.replicas < 1:
+        problems.append(f"{at}: replicas must be an integer >= 1 (got {spec.replicas!r})")
+    if not isinstance(spec.cpus, (int, float)) or spec.cpus < 0:
+        problems.append(f"{at}: cpus must be >= 0 (got {spec.cpus!r})")
+    if not isinstance(spec.gpus, (int, float)) or spec.gpus < 0 or (spec.gpus > 1 and not float(spec.gpus).is_integer()):
+        problems.append(f"{at}: gpus must be a fraction <= 1 or a whole number (got {spec.gpus!r})")
+    return problems
+
+
+def _field_type_problems(config: Any, prefix: str = "") -> list[str]:
+    """Scalar fields whose value does not match the declared type (a wrong type in a graph file)."""
+    from dataflow.config import _resolved_hints
+
+    problems = []
+    hints = _resolved_hints(type(config))
+    for f in dataclasses.fields(config):
+        value, tp = getattr(config, f.name), hints.get(f.name)
+        if dataclasses.is_dataclass(value):
+            problems += _field_type_problems(value, f"{prefix}{f.name}.")
+        elif tp in (int, float, str, bool):
+            ok = isinstance(value, tp) and not (tp is int and isinstance(value, bool))
+            if tp is float and isinstance(value, int) and not isinstance(value, bool):
+                ok = math.isfinite(value)
+            if not ok:
+                problems.append(f"setting {prefix}{f.name} must be {tp.__name__} (got {value!r})")
+    return problems

@@ -1,0 +1,104 @@
+"""The node contract: what a node kind (nodes/*.py) subclasses and what it can ask of the engine.
+
+A node kind is a class with a typed `Config` dataclass, the names of its ports, and one `run()`
+loop. The engine builds it inside a NodeHost Ray actor (dataflow/host.py) and hands it a
+`NodeContext` for everything that crosses the process boundary: channels, versioned edges,
+metrics, trace spans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+class Node:
+    """Base class of every node kind.
+
+    Subclasses set `Config` (a dataclass), `inputs` / `outputs` (channel port names),
+    `subscribes` / `publishes` (versioned edge names), and implement `run()`. Their docstring
+    states the flow: what the node consumes, produces, waits for and is unblocked by.
+    """
+
+    Config: ClassVar[type | None] = None
+    inputs: ClassVar[tuple[str, ...]] = ()
+    outputs: ClassVar[tuple[str, ...]] = ()
+    subscribes: ClassVar[tuple[str, ...]] = ()
+    publishes: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, config: Any, ctx: "NodeContext"):
+        self.config = config
+        self.ctx = ctx
+
+    async def setup(self) -> None:
+        """Build models and state. Runs inside the actor before any node's run() starts."""
+
+    async def run(self) -> None:
+        """The node's loop. Returning ends the node; its outputs are then closed."""
+        raise NotImplementedError
+
+    # State that a restarted replica or a checkpoint needs (issue 7 builds on these).
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+@dataclass
+class NodeContext:
+    """What a node sees of the engine. Built by the host; nodes never construct it."""
+
+    name: str
+    replica: int
+    num_replicas: int
+    device: str
+    max_steps: int | None
+    run_dir: str = "."
+    inputs: dict = field(default_factory=dict)   # port -> channel.ReceiveEnd
+    outputs: dict = field(default_factory=dict)  # port -> channel.SendEnd
+    tracer: Any = None                           # trace.Tracer
+    _host: Any = None                            # the NodeHost (for versioned edges and events)
+
+    @property
+    def full_name(self) -> str:
+        return f"{self.name}[{self.replica}]" if self.num_replicas > 1 else self.name
+
+    def span(self, name: str, **args):
+        """Context manager marking a unit of busy work (a trace slice; counted in busy %)."""
+        if self.tracer is None:
+            return contextlib.nullcontext()
+        return self.tracer.span(name, **args)
+
+    def log(self, text: str) -> None:
+        """A line for the user's console, printed by the driver with this node's name."""
+        self._host.emit({"kind": "log", "text": text})
+
+    def metrics(self, values: dict) -> None:
+        """Metrics not tied to a step (e.g. a reward node's failure counts)."""
+        self._host.emit({"kind": "metrics", "values": dict(values)})
+
+    def artifact(self, name: str, path: str) -> None:
+        """Tell the user where an output (final weights, a checkpoint) was written."""
+        self._host.emit({"kind": "artifact", "name": name, "path": path})
+
+    async def step_done(self, values: dict) -> bool:
+        """Report one training step's metrics. Returns False once the run's max steps is reached."""
+        return await self._host.step_done(values)
+
+    async def publish(self, edge: str, value: Any, version: int) -> None:
+        """Publish `value` at `version` on a versioned (latest-wins) edge; waits for every ack."""
+        await self._host.publish(edge, value, version)
+
+    def latest_version(self, edge: str) -> int:
+        """Newest version announced on `edge` (-1 before the first publish)."""
+        return self._host.latest_version(edge)
+
+    async def latest(self, edge: str) -> tuple[int, Any]:
+        """(version, value) of the newest publish on `edge`, fetched into this process."""
+        return await self._host.latest(edge)
+
+    async def wait_version(self, edge: str, min_version: int) -> int:
+        """Wait until `edge` has reached `min_version`; returns the version reached."""
+        return await self._host.wait_version(edge, min_version)

@@ -1,0 +1,1 @@
+"""Small graphs and node kinds that exercise the engine in tests (importable by the actors)."""

@@ -1,0 +1,197 @@
+"""Graph validation, typed --set overrides and the CLI's user-error messages (no Ray needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from dataflow import ConfigError, Graph, GraphError
+from dataflow.config import apply_overrides
+from tests.graphs.toy import Collect, Counter, Square, SquareConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+THIS = Path(__file__).name
+
+
+def line_of(text: str) -> int:
+    """Line number in this file of the first line containing `text` (after this function)."""
+    lines = Path(__file__).read_text().splitlines()
+    return next(i for i, l in enumerate(lines, 1) if text in l and "line_of(" not in l)
+
+
+def valid_graph() -> Graph:
+    g = Graph("t")
+    g.node("counter", Counter)
+    g.node("square", Square)
+    g.node("collect", Collect, ends_run=True)
+    g.channel("counter.numbers", "square.numbers", capacity=2, name="numbers")
+    g.channel("square.squares", "collect.squares", capacity=2, name="squares")
+    return g
+
+
+def problems(g: Graph) -> str:
+    with pytest.raises(GraphError) as e:
+        g.validate(source="g.py")
+    return str(e.value)
+
+
+def test_valid_graph_passes_and_knows_replicas():
+    g = valid_graph()
+    g.nodes["square"].replicas = 3
+    g.validate()
+    assert g.producers("squares") == ["square[0]", "square[1]", "square[2]"]
+    assert g.consumers("numbers") == ["square[0]", "square[1]", "square[2]"]
+
+
+def test_unknown_port_names_node_port_and_line():
+    g = Graph("t")
+    g.node("counter", Counter)
+    g.node("square", Square)
+    g.node("collect", Collect)
+    g.channel("counter.numbers", "square.numbrs", capacity=2)  # typo on purpose
+    g.channel("square.squares", "collect.squares", capacity=2)
+    msg = problems(g)
+    assert f"{THIS}:{line_of('square.numbrs')}" in msg
+    assert "node 'square' (Square) has no input port 'numbrs'" in msg
+    assert "input ports: numbers" in msg
+
+
+def test_duplicate_names():
+    g = valid_graph()
+    g.node("square", Square)
+    g.channel("counter.numbers", "square.numbers", capacity=2, name="numbers")
+    msg = problems(g)
+    assert "node 'square' is declared twice" in msg
+    assert "channel 'numbers' is declared twice" in msg
+
+
+@pytest.mark.parametrize("capacity", [0, -3, 1.5])
+def test_capacity_must_be_positive_integer(capacity):
+    g = valid_graph()
+    g.channels["numbers"].capacity = capacity
+    assert "channel 'numbers'" in problems(g) and "capacity must be an integer >= 1" in problems(g)
+
+
+def test_channel_without_producer_or_consumer():
+    g = Graph("t")
+    g.node("counter", Counter)
+    g.channel("counter.numbers", [], capacity=1, name="dangling")
+    g.channel([], "counter.numbers", capacity=1, name="sourceless")
+    msg = problems(g)
+    assert "channel 'dangling' has no consumer" in msg
+    assert "channel 'sourceless' has no producer" in msg
+
+
+def test_unconnected_port_is_reported():
+    g = Graph("t")
+    g.node("counter", Counter)
+    msg = problems(g)
+    assert "node 'counter': output port 'numbers' is not connected" in msg
+
+
+def test_cycle_needs_feedback_edge():
+    g = Graph("t")
+    g.node("a", Square)
+    g.node("b", Square)
+    g.channel("a.squares", "b.numbers", capacity=1, name="ab")
+    g.channel("b.squares", "a.numbers", capacity=1, name="ba")
+    msg = problems(g)
+    assert "form a cycle" in msg and "feedback=True" in msg
+    g.channels["ba"].feedback = True
+    g.validate()
+
+
+def test_wrong_config_type_in_graph_file():
+    g = valid_graph()
+    g.nodes["square"].config = SquareConfig(fail_on="three")
+    assert "setting fail_on must be int (got 'three')" in problems(g)
+    g.nodes["square"].config = object()
+    assert "config must be a SquareConfig" in problems(g)
+
+
+def test_bad_resources():
+    g = valid_graph()
+    g.nodes["square"].gpus = 1.5
+    g.nodes["counter"].replicas = 0
+    msg = problems(g)
+    assert "gpus must be a fraction <= 1 or a whole number" in msg
+    assert "replicas must be an integer >= 1" in msg
+
+
+@dataclass
+class Inner:
+    lr: float = 1e-3
+    name: str = "a"
+    flag: bool = False
+    choice: "str | None" = None
+
+
+@dataclass
+class Outer:
+    inner: Inner = field(default_factory=Inner)
+    steps: int = 3
+
+
+def test_overrides_convert_types():
+    c = apply_overrides(Outer(), ["inner.lr=2e-4", "steps=7", "inner.flag=true", "inner.choice=none"])
+    assert c.inner.lr == 2e-4 and c.steps == 7 and c.inner.flag is True and c.inner.choice is None
+    assert Outer().steps == 3  # the original is untouched
+
+
+@pytest.mark.parametrize("item, expected", [
+    ("inner.lrr=1", "unknown setting 'inner.lrr'. Did you mean inner.lr?"),
+    ("steps=three", "--set steps=three: expected an integer"),
+    ("inner.flag=maybe", "expected a bool"),
+    ("inner=3", "is a group of settings"),
+    ("steps", "expected key=value"),
+])
+def test_override_errors(item, expected):
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(Outer(), [item])
+    assert expected in str(e.value)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dataflow.run", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_user_errors_are_short_and_exit_2(tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("from dataflow import Graph\n\ngraph = Graph(\n  'x'\nx = 1\n")
+    empty = tmp_path / "empty.py"
+    empty.write_text("x = 1\n")
+    cases = [
+        (["tests/graphs/squares.py", "--set", "square.fail_onn=3"], "unknown setting 'square.fail_onn'"),
+        (["tests/graphs/squares.py", "--set", "capacity=lots"], "--set capacity=lots: expected an integer"),
+        (["tests/graphs/squares.py", "--set", "capacity=0"], "channel 'numbers': capacity must be an integer >= 1"),
+        ([str(broken)], f"{broken}:3: syntax error"),
+        ([str(empty)], "defines neither `build(config) -> Graph` nor `graph = Graph(...)`"),
+        (["no/such/graph.py"], "no/such/graph.py: no such graph file"),
+    ]
+    for args, expected in cases:
+        r = run_cli(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert expected in r.stderr, (args, r.stderr)
+        assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_cli_describe_lists_nodes_channels_placement_settings():
+    r = run_cli("tests/graphs/squares.py", "--describe", "--set", "square_replicas=3")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "square" in out and "replicas=3" in out
+    assert "numbers" in out and "capacity=4" in out
+    assert "placement:" in out and "5 bundles" in out
+    assert "counter.count = 20" in out
+
+
+def test_cli_help_is_complete():
+    r = run_cli("--help")
+    for flag in ("--set", "--address", "--max-steps", "--describe", "--trace", "--out"):
+        assert flag in r.stdout
