@@ -1,0 +1,247 @@
+"""NodeHost: the Ray actor that hosts one replica of one node.
+
+Lifecycle, driven by the runtime (dataflow/runtime.py):
+  1. __init__     light: pins torch threads, builds the tracer.
+  2. connect()    gets the wiring (peer actor handles), builds channel ends, the node, node.setup().
+  3. run()        runs node.run(); returns a status dict (never raises: failures come back as data
+                  with the node name, traceback and the item being processed).
+  4. poll()       called by the driver every ~0.5 s: events (logs, step metrics), trace data,
+                  channel statistics.
+  5. stop()       cancels run(); every blocking wait in channels is cancellable.
+Between actors: channel_take / channel_receiver_closed (channel pulls) and on_publish
+(versioned edges) are called by peers, never by the driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from dataflow import channel as channels
+from dataflow.node import NodeContext
+from dataflow.trace import Tracer
+
+
+@dataclass
+class HostSpec:
+    node: str
+    replica: int
+    num_replicas: int
+    kind: type
+    config: Any
+    cpus: float
+    gpus: float
+    max_steps: int | None
+    trace: bool
+    run_dir: str
+
+
+class NodeHost:
+    def __init__(self, spec: HostSpec):
+        import torch
+
+        self.spec = spec
+        self.name = spec.node if spec.num_replicas == 1 else f"{spec.node}[{spec.replica}]"
+        # Each replica computes with the CPUs it was given: oversubscribing threads across the
+        # actors of one machine costs more than it gains.
+        torch.set_num_threads(max(1, int(spec.cpus)))
+        self.device = "cuda" if spec.gpus > 0 and torch.cuda.is_available() else "cpu"
+        self.tracer = Tracer(self.name, enabled=spec.trace, device=self.device)
+        self.endpoint = channels.ChannelEndpoint()
+        self.events: list[dict] = []
+        self.steps = 0
+        self.node = None
+        self.ctx: NodeContext | None = None
+        self._run_task: asyncio.Task | None = None
+        self._last_item: dict[str, dict] = {}
+        # versioned edges: edge -> (version, [ObjectRef]); subscribers per published edge
+        self._versions: dict[str, tuple[int, list]] = {}
+        self._fetched: dict[str, tuple[int, Any]] = {}
+        self._version_changed: asyncio.Condition | None = None
+        self._subscribers: dict[str, list[tuple[str, Any]]] = {}
+        self._publish_timeout: dict[str, float] = {}
+
+    # ---- set-up -----------------------------------------------------------------------------
+    async def connect(self, wiring: dict) -> dict:
+        """Build channel ends from the wiring and set the node up. Returns {"device": ...}."""
+        self._version_changed = asyncio.Condition()
+        outputs = {}
+        for port, w in wiring["outputs"].items():
+            outputs[port] = channels.SendEnd(
+                w["channel"], producer=self.name, capacity=w["capacity"],
+                consumer_keys=w["consumers"], tracer=self.tracer)
+            self.endpoint.register(outputs[port])
+        inputs = {}
+        for port, w in wiring["inputs"].items():
+            end = channels.ReceiveEnd(
+                w["channel"], consumer_key=self.name, producers=w["producers"],
+                prefetch=w["prefetch"], tracer=self.tracer)
+            inputs[port] = _TrackedInput(end, self._last_item)
+        for edge, subs in wiring["publishes"].items():
+            self._subscribers[edge] = subs
+            self._publish_timeout[edge] = wiring["publish_timeout"][edge]
+        self.ctx = NodeContext(
+            name=self.spec.node, replica=self.spec.replica, num_replicas=self.spec.num_replicas,
+            device=self.device, max_steps=self.spec.max_steps, inputs=inputs, outputs=outputs,
+            tracer=self.tracer, run_dir=self.spec.run_dir, _host=self)
+        self.node = self.spec.kind(self.spec.config, self.ctx)
+        try:
+            with self.tracer.span("setup"):
+                await self.node.setup()
+        except Exception as e:
+            return self._failure(e, phase="setup")
+        return {"status": "ready", "device": self.device}
+
+    # ---- running ----------------------------------------------------------------------------
+    async def run(self) -> dict:
+        self._run_task = asyncio.current_task()
+        try:
+            await self.node.run()
+            return {"status": "done", "steps": self.steps}
+        except asyncio.CancelledError:
+            return {"status": "stopped", "steps": self.steps}
+        except channels.BrokenChannel:
+            # Every consumer of an output is gone (the run is ending downstream): a normal stop.
+            return {"status": "done", "steps": self.steps}
+        except Exception as e:
+            return self._failure(e, phase="run")
+        finally:
+            for end in self.ctx.outputs.values():
+                end.close()
+            for end in self.ctx.inputs.values():
+                end.close()
+
+    async def stop(self) -> None:
+        """Cancel run(): the node's current wait or await raises CancelledError."""
+        if self._run_task is not None and not self._run_task.done():
+            self._run_task.cancel()
+
+    def _failure(self, e: BaseException, phase: str) -> dict:
+        item = ""
+        if self._last_item:
+            port, meta = next(reversed(self._last_item.items()))
+            shown = ", ".join(f"{k}={v}" for k, v in meta.items() if k != "t_send_us")
+            item = f"last item received on input '{port}': {shown}"
+        return {"status": "failed", "phase": phase, "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(), "item": item}
+
+    # ---- driver calls -----------------------------------------------------------------------
+    async def poll(self) -> dict:
+        events, self.events = self.events, []
+        stats = {}
+        if self.ctx is not None:
+            for end in list(self.ctx.outputs.values()) + list(self.ctx.inputs.values()):
+                s = end.statistics()
+                stats[f"{'out' if isinstance(end, channels.SendEnd) else 'in'}:{end.channel}"] = s.current_buffer_used
+        return {"events": events, "trace": self.tracer.drain(), "depths": stats}
+
+    async def clock(self) -> int:
+        return self.tracer.now_us()  # the clock every trace event of this process uses
+
+    def emit(self, event: dict) -> None:
+        event["t"] = time.time()
+        self.events.append(event)
+
+    async def step_done(self, values: dict) -> bool:
+        self.steps += 1
+        self.emit({"kind": "step", "step": self.steps, "values": values})
+        return self.spec.max_steps is None or self.steps < self.spec.max_steps
+
+    # ---- channels (called by peer actors) ---------------------------------------------------
+    async def channel_take(self, channel: str, consumer_key: str, max_items: int):
+        return await self.endpoint.take(channel, consumer_key, max_items)
+
+    async def channel_receiver_closed(self, channel: str, consumer_key: str) -> None:
+        await self.endpoint.receiver_closed(channel, consumer_key)
+
+    # ---- versioned edges --------------------------------------------------------------------
+    async def publish(self, edge: str, value: Any, version: int) -> None:
+        import ray
+
+        with self.tracer.span("weight push send", edge=edge, version=version):
+            ref = ray.put(value)
+            self._store_version(edge, version, [ref])
+            self._fetched[edge] = (version, value)
+            # In the declared order, each subscriber acks before the next hears of it (graph.py).
+            for sub_name, handle in self._subscribers.get(edge, []):
+                try:
+                    await asyncio.wait_for(handle.on_publish.remote(edge, version, [ref]),
+                                           self._publish_timeout[edge])
+                except asyncio.TimeoutError:
+                    raise RuntimeError(f"publishing '{edge}' v{version} from {self.name} to {sub_name}: "
+                                       f"no ack within {self._publish_timeout[edge]:.0f} s") from None
+                except Exception as e:
+                    raise RuntimeError(f"publishing '{edge}' v{version} from {self.name} to {sub_name} "
+                                       f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+
+    async def on_publish(self, edge: str, version: int, boxed_ref: list) -> bool:
+        self._store_version(edge, version, boxed_ref)
+        async with self._version_changed:
+            self._version_changed.notify_all()
+        return True
+
+    def _store_version(self, edge: str, version: int, boxed_ref: list) -> None:
+        if version >= self._versions.get(edge, (-1, None))[0]:
+            self._versions[edge] = (version, boxed_ref)
+
+    def latest_version(self, edge: str) -> int:
+        return self._versions.get(edge, (-1, None))[0]
+
+    async def latest(self, edge: str) -> tuple[int, Any]:
+        version, box = self._versions.get(edge, (-1, None))
+        if version < 0:
+            return -1, None
+        cached = self._fetched.get(edge)
+        if cached is None or cached[0] != version:
+            with self.tracer.span("weight push receive", edge=edge, version=version):
+                self._fetched[edge] = (version, await box[0])
+        return self._fetched[edge]
+
+    async def wait_version(self, edge: str, min_version: int) -> int:
+        async with self._version_changed:
+            await self._version_changed.wait_for(lambda: self.latest_version(edge) >= min_version)
+        return self.latest_version(edge)
+
+
+class _TrackedInput:
+    """A ReceiveEnd that remembers the meta of the last item it handed out (for error reports)."""
+
+    def __init__(self, end, last_item: dict):
+        self._end = end
+        self._last = last_item
+        self.channel = end.channel
+
+    def _seen(self, msg):
+        self._last.pop(self.channel, None)
+        self._last[self.channel] = msg.meta
+        return msg
+
+    async def recv(self):
+        return self._seen(await self._end.recv())
+
+    def recv_nowait(self):
+        return self._seen(self._end.recv_nowait())
+
+    async def recv_batch(self, max_items: int, timeout_s: float | None = None):
+        batch = await self._end.recv_batch(max_items, timeout_s)
+        if batch:
+            self._seen(batch[-1])
+        return batch
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        try:
+            return await self.recv()
+        except channels.EndOfChannel:
+            raise StopAsyncIteration from None
+
+    def statistics(self):
+        return self._end.statistics()
+
+    def close(self):
+        self._end.close()

@@ -1,0 +1,422 @@
+"""The driver: loads a graph file, starts one Ray actor per node replica, wires them, watches them.
+
+    load_graph(path, overrides) -> Graph        (user mistakes raise UserError, nothing started)
+    describe(graph) -> str                      (--describe)
+    await run_graph(graph, options) -> summary  (the run, top to bottom, in one function)
+
+The driver never touches items: channels pull directly between node actors. It only polls each
+host for events (progress, logs, trace data) and waits on the hosts' run() calls, so a node that
+raises or dies is reported by name within a poll interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dataflow.config import apply_overrides, flatten
+from dataflow.errors import ConfigError, NodeFailed, UserError
+from dataflow.graph import Graph
+from dataflow.host import HostSpec, NodeHost
+from dataflow.trace import TraceCollector, measure_clock_offset
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+POLL_INTERVAL_S = 0.5
+STOP_GRACE_S = 5.0
+
+
+# ---- loading ------------------------------------------------------------------------------------
+def load_graph(path: str, overrides: list[str] = ()) -> tuple[Graph, Any]:
+    """Import a graph file and build its Graph with --set overrides applied. Returns (graph, config)."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"{path}: no such graph file")
+    for p in (str(PROJECT_ROOT), str(file.resolve().parent)):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    module_name = f"dataflow_graph_{file.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise UserError(f"{path}:{e.lineno}: syntax error: {e.msg}\n    {(e.text or '').strip()}") from None
+    except Exception as e:
+        raise UserError(f"{_user_frame(e, file)}: {type(e).__name__}: {e}") from None
+    # Node classes defined in the graph file itself travel to the actors by value.
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(module)
+
+    config = getattr(module, "config", None)
+    if overrides:
+        if config is None or not dataclasses.is_dataclass(config):
+            raise ConfigError(f"{path}: --set given, but the graph file defines no `config` dataclass to set")
+        config = apply_overrides(config, list(overrides))
+    if hasattr(module, "build"):
+        try:
+            graph = module.build(config) if config is not None else module.build()
+        except UserError:
+            raise
+        except Exception as e:
+            raise UserError(f"{_user_frame(e, file)}: build() raised {type(e).__name__}: {e}") from None
+    elif isinstance(getattr(module, "graph", None), Graph):
+        graph = module.graph
+    else:
+        raise UserError(f"{path}: defines neither `build(config) -> Graph` nor `graph = Graph(...)`; add one")
+    if not isinstance(graph, Graph):
+        raise UserError(f"{path}: build() returned {type(graph).__name__}, expected a dataflow Graph")
+    graph.validate(source=path)
+    return graph, config
+
+
+def _user_frame(e: BaseException, file: Path) -> str:
+    """file:line of the deepest traceback frame inside the graph file (else the file)."""
+    where = str(file)
+    for frame in traceback.extract_tb(e.__traceback__):
+        if Path(frame.filename).resolve() == file.resolve():
+            where = f"{file}:{frame.lineno}"
+    return where
+
+
+def describe(graph: Graph, config: Any = None) -> str:
+    lines = [f"graph '{graph.name}'", "nodes:"]
+    for n in graph.nodes.values():
+        res = f"cpus={n.cpus:g} gpus={n.gpus:g}"
+        lines.append(f"  {n.name:<12} {n.kind.__name__:<16} replicas={n.replicas} {res}"
+                     f"{'  (ends the run)' if n.ends_run else ''}")
+    lines.append("channels:")
+    for c in graph.channels.values():
+        src = ", ".join(f"{a}.{b}" for a, b in c.src)
+        dst = ", ".join(f"{a}.{b}" for a, b in c.dst)
+        lines.append(f"  {c.name:<12} {src} -> {dst}  capacity={c.capacity}{'  feedback' if c.feedback else ''}")
+    if graph.versioned_edges:
+        lines.append("versioned edges (latest wins):")
+        for e in graph.versioned_edges.values():
+            lines.append(f"  {e.name:<12} {e.src} -> {', '.join(e.dst)}")
+    lines.append("placement: " + _placement_text(graph))
+    if config is not None and dataclasses.is_dataclass(config):
+        lines.append("settings (--set key=value):")
+        lines += [f"  {k} = {v!r}" for k, v in flatten(config)]
+    return "\n".join(lines)
+
+
+def _placement_text(graph: Graph) -> str:
+    bundles = _bundles(graph)
+    cpus = sum(b.get("CPU", 0) for _, b in bundles)
+    gpus = sum(b.get("GPU", 0) for _, b in bundles)
+    return (f"one placement group (PACK) of {len(bundles)} bundles, {cpus:g} CPUs and {gpus:g} GPUs "
+            "in all; one bundle per node replica")
+
+
+def _bundles(graph: Graph) -> list[tuple[str, dict]]:
+    out = []
+    for n in graph.nodes.values():
+        for replica_name in n.replica_names():
+            bundle = {"CPU": float(n.cpus)}
+            if n.gpus:
+                bundle["GPU"] = float(n.gpus)
+            out.append((replica_name, bundle))
+    return out
+
+
+# ---- running ------------------------------------------------------------------------------------
+@dataclass
+class RunOptions:
+    address: str | None = None
+    max_steps: int | None = None
+    trace_path: str | None = None
+    out_dir: str | None = None
+    verbose: bool = False
+    quiet: bool = False
+
+
+@dataclass
+class RunSummary:
+    status: str
+    steps: int
+    seconds: float
+    run_dir: str
+    metrics_path: str
+    artifacts: dict = field(default_factory=dict)
+    report: str = ""
+
+
+async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> RunSummary:
+    """Run `graph` to its end (sources exhausted, max steps, or a failure). Raises NodeFailed."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    run_dir = Path(options.out_dir or f"runs/{graph.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    max_steps = options.max_steps if options.max_steps is not None else graph.max_steps
+    started_ray = _start_ray(graph, options)
+    monitor = _Monitor(graph, run_dir, options, config)
+    hosts: dict[str, Any] = {}
+    pg = None
+    try:
+        # 1. Place: one bundle per replica in one PACK placement group.
+        bundles = _bundles(graph)
+        pg = placement_group([b for _, b in bundles], strategy="PACK")
+        try:
+            await asyncio.wait_for(pg.ready(), timeout=60)
+        except asyncio.TimeoutError:
+            raise UserError(f"the graph needs {_placement_text(graph)}, which this Ray cluster cannot place "
+                            f"(available: {ray.available_resources()}); lower cpus/gpus/replicas") from None
+        actor_cls = ray.remote(NodeHost)
+        for index, (replica_name, bundle) in enumerate(bundles):
+            spec = graph.nodes[replica_name.split("[")[0]]
+            host_spec = HostSpec(node=spec.name, replica=spec.replica_names().index(replica_name),
+                                 num_replicas=spec.replicas, kind=spec.kind, config=spec.config,
+                                 cpus=spec.cpus, gpus=spec.gpus, max_steps=max_steps,
+                                 trace=options.trace_path is not None, run_dir=str(run_dir.resolve()))
+            hosts[replica_name] = actor_cls.options(
+                name=None, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+            ).remote(host_spec)
+
+        # 2. Clocks: one time base for every trace event (NTP-style offset per process).
+        for name, host in hosts.items():
+            samples = []
+            for _ in range(3):
+                t0 = time.time_ns() // 1000
+                remote = await host.clock.remote()
+                samples.append((t0, remote, time.time_ns() // 1000))
+            monitor.trace.set_clock_offset(name, measure_clock_offset(samples))
+
+        # 3. Wire and set up every node (models are built here, in parallel).
+        setups = await _gather_named({n: h.connect.remote(_wiring(graph, n, hosts)) for n, h in hosts.items()})
+        for name, result in setups.items():
+            _raise_if_failed(name, result)
+        monitor.started()
+
+        # 4. Run until the sources end, a run-ending node returns, or something fails.
+        running = {asyncio.ensure_future(_awaitable(h.run.remote())): n for n, h in hosts.items()}
+        status = "done"
+        while running:
+            done, _ = await asyncio.wait(running, timeout=POLL_INTERVAL_S)
+            await monitor.poll(hosts)
+            for fut in done:
+                name = running.pop(fut)
+                result = _result(name, fut)
+                _raise_if_failed(name, result)
+                if graph.nodes[name.split("[")[0]].ends_run and running:
+                    status = "max steps reached" if max_steps and monitor.step >= max_steps else "done"
+                    await _stop_all(hosts, running)
+                    running = {}
+                    break
+        await monitor.poll(hosts)
+        return monitor.finish(status)
+    finally:
+        await _shutdown(hosts, pg, started_ray, remove_placement_group)
+
+
+def _start_ray(graph: Graph, options: RunOptions) -> bool:
+    """Start a local Ray instance (or join `address`). Returns True if we started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    env = {"PYTHONPATH": os.pathsep.join(p for p in [str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")] if p)}
+    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=options.verbose,
+                                  configure_logging=options.verbose, runtime_env={"env_vars": env})
+    address = options.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        kwargs["runtime_env"] = {"env_vars": env, "working_dir": str(PROJECT_ROOT),
+                                 "excludes": ["runs/", ".git/", ".venv/"]}
+        ray.init(address=address, **kwargs)
+    else:
+        # Logical CPUs: a node's `cpus` is a share, so a 2-core laptop can still host the whole graph.
+        needed = math.ceil(sum(b["CPU"] for _, b in _bundles(graph)))
+        ray.init(num_cpus=max(os.cpu_count() or 1, needed), **kwargs)
+    return True
+
+
+def _wiring(graph: Graph, replica_name: str, hosts: dict) -> dict:
+    node = replica_name.split("[")[0]
+    wiring: dict[str, Any] = {"outputs": {}, "inputs": {}, "publishes": {}, "publish_timeout": {}}
+    for ch in graph.channels.values():
+        producers = graph.producers(ch.name)
+        for n, port in ch.src:
+            if n == node:
+                wiring["outputs"][port] = {"channel": ch.name, "consumers": graph.consumers(ch.name),
+                                           "capacity": max(1, math.ceil(ch.capacity / len(producers)))}
+        for n, port in ch.dst:
+            if n == node:
+                wiring["inputs"][port] = {"channel": ch.name, "producers": [(p, hosts[p]) for p in producers],
+                                          "prefetch": max(1, math.ceil(ch.capacity / len(graph.consumers(ch.name))))}
+    for edge in graph.versioned_edges.values():
+        if edge.src == node:
+            wiring["publishes"][edge.name] = [(r, hosts[r]) for d in edge.dst for r in graph.nodes[d].replica_names()]
+            wiring["publish_timeout"][edge.name] = edge.timeout_s
+    return wiring
+
+
+async def _awaitable(ref):
+    return await ref
+
+
+async def _gather_named(refs: dict) -> dict:
+    names = list(refs)
+    results = await asyncio.gather(*(_awaitable(refs[n]) for n in names), return_exceptions=True)
+    return dict(zip(names, results))
+
+
+def _result(name: str, fut: asyncio.Future) -> Any:
+    try:
+        return fut.result()
+    except BaseException as e:  # the actor died, or Ray could not run the call
+        return e
+
+
+def _raise_if_failed(name: str, result: Any) -> None:
+    if isinstance(result, BaseException):
+        summary = _death_summary(result)
+        raise NodeFailed(name, summary)
+    if isinstance(result, dict) and result.get("status") == "failed":
+        raise NodeFailed(name, f"{result['error']} (during {result['phase']})", result["traceback"], result["item"])
+
+
+def _death_summary(e: BaseException) -> str:
+    from ray.exceptions import ActorDiedError, RayActorError
+
+    if isinstance(e, (ActorDiedError, RayActorError)):
+        text = str(e)
+        if "SIGKILL" in text or "killed" in text.lower() or "exit" in text.lower():
+            return "its process died (killed or crashed); see the node's log with --verbose"
+        return "its actor died: " + text.strip().splitlines()[0]
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+
+async def _stop_all(hosts: dict, running: dict) -> None:
+    """Cancel every still-running node and give them STOP_GRACE_S to close their channels."""
+    for name in set(running.values()):
+        try:
+            hosts[name].stop.remote()
+        except Exception:
+            pass
+    if running:
+        await asyncio.wait(running, timeout=STOP_GRACE_S)
+
+
+async def _shutdown(hosts: dict, pg, started_ray: bool, remove_placement_group) -> None:
+    import ray
+
+    for host in hosts.values():
+        try:
+            ray.kill(host)
+        except Exception:
+            pass
+    if pg is not None:
+        try:
+            remove_placement_group(pg)
+        except Exception:
+            pass
+    if started_ray:
+        ray.shutdown()
+
+
+class _Monitor:
+    """Turns host events into progress lines, metrics.jsonl and the trace/idle report."""
+
+    def __init__(self, graph: Graph, run_dir: Path, options: RunOptions, config: Any):
+        self.graph = graph
+        self.options = options
+        self.run_dir = run_dir
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.metrics_file = open(self.metrics_path, "w")
+        self.trace = TraceCollector(enabled=options.trace_path is not None)
+        self.t_start = time.time()
+        self.t_running = None
+        self.step = 0
+        self.depths: dict[str, int] = {}
+        self.artifacts: dict[str, str] = {}
+        if config is not None and dataclasses.is_dataclass(config):
+            (run_dir / "config.json").write_text(json.dumps({k: _jsonable(v) for k, v in flatten(config)}, indent=1))
+
+    def started(self) -> None:
+        self.t_running = time.time()
+        self.say(f"[dataflow] graph '{self.graph.name}' running: {len(self.graph.nodes)} nodes, "
+                 f"start-up {self.t_running - self.t_start:.1f} s; metrics -> {self.metrics_path}")
+
+    def say(self, text: str) -> None:
+        if not self.options.quiet:
+            print(text, flush=True)
+
+    async def poll(self, hosts: dict) -> None:
+        replies = await _gather_named({n: h.poll.remote() for n, h in hosts.items()})
+        depths: dict[str, int] = {}
+        for name, reply in replies.items():
+            if isinstance(reply, BaseException):
+                continue  # a dead host is reported by its run() result
+            self.trace.add(name, reply["trace"])
+            for key, value in reply["depths"].items():
+                ch = key.split(":", 1)[1]
+                depths[ch] = depths.get(ch, 0) + value
+            for event in reply["events"]:
+                self._handle(name, event)
+        self.depths = depths
+
+    def _handle(self, name: str, event: dict) -> None:
+        kind = event["kind"]
+        if kind == "log":
+            self.say(f"[{name}] {event['text']}")
+        elif kind == "artifact":
+            self.artifacts[event["name"]] = event["path"]
+        elif kind in ("step", "metrics"):
+            values = event["values"]
+            record = {"time_s": round(event["t"] - (self.t_running or self.t_start), 3), "node": name}
+            if kind == "step":
+                self.step = event["step"]
+                record["step"] = event["step"]
+            record.update({k: _jsonable(v) for k, v in values.items()})
+            record.update({f"queue/{ch}": d for ch, d in self.depths.items()})
+            self.metrics_file.write(json.dumps(record) + "\n")
+            self.metrics_file.flush()
+            if kind == "step":
+                self.say(self._progress_line(event["step"], values))
+
+    def _progress_line(self, step: int, values: dict) -> str:
+        parts = [f"step {step:>4}"]
+        keys = self.graph.progress or [k for k, v in values.items() if isinstance(v, (int, float))]
+        for key in keys:
+            if "±" in key:
+                a, b = key.split("±")
+                if a in values:
+                    parts.append(f"{a.split('/')[0]} {values[a]:.3f} ± {values.get(b, float('nan')):.3f}")
+            elif key in values:
+                v = values[key]
+                parts.append(f"{key.split('/')[-1]} {v:.4g}" if isinstance(v, float) else f"{key.split('/')[-1]} {v}")
+        if self.depths:
+            parts.append("queues " + " ".join(f"{c}:{d}" for c, d in self.depths.items()))
+        return " | ".join(parts)
+
+    def finish(self, status: str) -> RunSummary:
+        self.metrics_file.close()
+        seconds = time.time() - self.t_start
+        report = self.trace.report()
+        if self.options.trace_path:
+            self.trace.write(self.options.trace_path)
+            self.artifacts["trace"] = self.options.trace_path
+        return RunSummary(status, self.step, seconds, str(self.run_dir), str(self.metrics_path),
+                          dict(self.artifacts), report)
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, (int, float, str, bool)) or v is None:
+        return v
+    if hasattr(v, "item"):
+        return v.item()
+    return str(v)
