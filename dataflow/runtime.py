@@ -398,7 +398,8 @@ class _Monitor:
                     parts.append(f"{a.split('/')[0]} {values[a]:.3f} ± {values.get(b, float('nan')):.3f}")
             elif key in values:
                 v = values[key]
-                parts.append(f"{key.split('/')[-1]} {v:.4g}" if isinstance(v, float) else f"{key.split('/')[-1]} {v}")
+                label = key.split("/")[0] if key.endswith("/mean") else key.split("/")[-1]
+                parts.append(f"{label} {v:.4g}" if isinstance(v, float) else f"{label} {v}")
         if self.depths:
             parts.append("queues " + " ".join(f"{c}:{d}" for c, d in self.depths.items()))
         return " | ".join(parts)
