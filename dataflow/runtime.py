@@ -17,7 +17,9 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -28,11 +30,12 @@ from dataflow.config import apply_overrides, flatten
 from dataflow.errors import ConfigError, NodeFailed, UserError
 from dataflow.graph import Graph
 from dataflow.host import HostSpec, NodeHost
-from dataflow.trace import TraceCollector, measure_clock_offset
+from dataflow.trace import TraceCollector, Tracer, measure_clock_offset
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 POLL_INTERVAL_S = 0.5
 STOP_GRACE_S = 5.0
+ROOT_CAUSE_GRACE_S = 2.0  # how long a channel error waits for the failure of the node it names
 
 
 # ---- loading ------------------------------------------------------------------------------------
@@ -165,6 +168,7 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
     started_ray = _start_ray(graph, options)
     monitor = _Monitor(graph, run_dir, options, config)
     hosts: dict[str, Any] = {}
+    running: dict[asyncio.Future, str] = {}  # run() calls in flight -> replica name
     pg = None
     try:
         # 1. Place: one bundle per replica in one PACK placement group.
@@ -203,23 +207,26 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
         monitor.started()
 
         # 4. Run until the sources end, a run-ending node returns, or something fails.
-        running = {asyncio.ensure_future(_awaitable(h.run.remote())): n for n, h in hosts.items()}
+        running.update({asyncio.ensure_future(_awaitable(h.run.remote())): n for n, h in hosts.items()})
         status = "done"
         while running:
             done, _ = await asyncio.wait(running, timeout=POLL_INTERVAL_S)
             await monitor.poll(hosts)
-            for fut in done:
-                name = running.pop(fut)
-                result = _result(name, fut)
-                _raise_if_failed(name, result)
-                if graph.nodes[name.split("[")[0]].ends_run and running:
-                    status = "max steps reached" if max_steps and monitor.step >= max_steps else "done"
-                    await _stop_all(hosts, running)
-                    running = {}
-                    break
+            results = {running.pop(fut): _result(fut) for fut in done}
+            if any(_failed(r) for r in results.values()):
+                await _wait_for_root_cause(results, running)
+                await monitor.poll(hosts)  # the failed node's last logs
+                _raise_first_failure(results)
+            if any(graph.nodes[name.split("[")[0]].ends_run for name in results):
+                status = "max steps reached" if max_steps and monitor.step >= max_steps else "done"
+                await _stop_all(hosts, running)
+                break
         await monitor.poll(hosts)
         return monitor.finish(status)
     finally:
+        for fut in running:  # still waiting when a failure or Ctrl-C ends the run: not reported
+            fut.cancel()
+        monitor.metrics_file.close()
         await _shutdown(hosts, pg, started_ray, remove_placement_group)
 
 
@@ -229,6 +236,9 @@ def _start_ray(graph: Graph, options: RunOptions) -> bool:
 
     if ray.is_initialized():
         return False
+    # ray.init replaces the SIGTERM handler with its own sys.exit(); keep the CLI's (run.py), so
+    # SIGTERM stops the run like Ctrl-C does.
+    sigterm_handler = signal.getsignal(signal.SIGTERM)
     env = {"PYTHONPATH": os.pathsep.join(p for p in [str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")] if p)}
     kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=options.verbose,
                                   configure_logging=options.verbose, runtime_env={"env_vars": env})
@@ -241,6 +251,8 @@ def _start_ray(graph: Graph, options: RunOptions) -> bool:
         # Logical CPUs: a node's `cpus` is a share, so a 2-core laptop can still host the whole graph.
         needed = math.ceil(sum(b["CPU"] for _, b in _bundles(graph)))
         ray.init(num_cpus=max(os.cpu_count() or 1, needed), **kwargs)
+    if sigterm_handler is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, sigterm_handler)
     return True
 
 
@@ -274,11 +286,41 @@ async def _gather_named(refs: dict) -> dict:
     return dict(zip(names, results))
 
 
-def _result(name: str, fut: asyncio.Future) -> Any:
+def _result(fut: asyncio.Future) -> Any:
     try:
         return fut.result()
     except BaseException as e:  # the actor died, or Ray could not run the call
         return e
+
+
+def _failed(result: Any) -> bool:
+    return isinstance(result, BaseException) or (isinstance(result, dict) and result.get("status") == "failed")
+
+
+def _is_echo(result: Any) -> bool:
+    """A node that failed only because a producer it reads from failed or died."""
+    return isinstance(result, dict) and result.get("status") == "failed" and result.get("channel_error", False)
+
+
+async def _wait_for_root_cause(results: dict, running: dict) -> None:
+    """When every failure so far is a consumer's channel error, wait briefly for the failure of
+    the node it names (a killed actor is noticed by its consumers and the driver at about the
+    same time), so that node is reported instead of its echo downstream."""
+    deadline = time.monotonic() + ROOT_CAUSE_GRACE_S
+    while running and all(_is_echo(r) for r in results.values() if _failed(r)):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        done, _ = await asyncio.wait(running, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        results.update({running.pop(fut): _result(fut) for fut in done})
+
+
+def _raise_first_failure(results: dict) -> None:
+    """Raise for the root cause: a dead actor, else a node's own error, else a channel error."""
+    failures = [(name, r) for name, r in results.items() if _failed(r)]
+    failures.sort(key=lambda f: 0 if isinstance(f[1], BaseException) else 2 if _is_echo(f[1]) else 1)
+    for name, result in failures:
+        _raise_if_failed(name, result)
 
 
 def _raise_if_failed(name: str, result: Any) -> None:
@@ -286,6 +328,8 @@ def _raise_if_failed(name: str, result: Any) -> None:
         summary = _death_summary(result)
         raise NodeFailed(name, summary)
     if isinstance(result, dict) and result.get("status") == "failed":
+        if result.get("user_error"):  # a mistake the user can fix (missing file, bad setting)
+            raise UserError(f"node '{name}' ({result['phase']}): {result['message']}")
         raise NodeFailed(name, f"{result['error']} (during {result['phase']})", result["traceback"], result["item"])
 
 
@@ -338,6 +382,8 @@ class _Monitor:
         self.metrics_path = run_dir / "metrics.jsonl"
         self.metrics_file = open(self.metrics_path, "w")
         self.trace = TraceCollector(enabled=options.trace_path is not None)
+        # Run-level counters (queue depths, staleness) live on a driver track of the same trace.
+        self.driver_tracer = Tracer("driver", enabled=options.trace_path is not None)
         self.t_start = time.time()
         self.t_running = None
         self.step = 0
@@ -368,6 +414,10 @@ class _Monitor:
             for event in reply["events"]:
                 self._handle(name, event)
         self.depths = depths
+        if depths:
+            self.driver_tracer.counter("queue depth", **depths)
+            self.driver_tracer.counter("samples in flight", items=sum(depths.values()))
+        self.trace.add("driver", self.driver_tracer.drain(), node=False)
 
     def _handle(self, name: str, event: dict) -> None:
         kind = event["kind"]
@@ -387,6 +437,9 @@ class _Monitor:
             self.metrics_file.flush()
             if kind == "step":
                 self.say(self._progress_line(event["step"], values))
+                if "staleness/mean" in values:
+                    self.driver_tracer.counter("staleness", mean=values["staleness/mean"],
+                                               max=values.get("staleness/max", 0))
 
     def _progress_line(self, step: int, values: dict) -> str:
         parts = [f"step {step:>4}"]

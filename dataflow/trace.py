@@ -406,12 +406,14 @@ class TraceCollector:
     def set_clock_offset(self, process_name: str, offset_us: float) -> None:
         self._offsets[process_name] = round(offset_us)
 
-    def add(self, process_name: str, drained: dict) -> None:
+    def add(self, process_name: str, drained: dict, node: bool = True) -> None:
+        """Merge one drain of `process_name`. node=False: a track of counters only (the driver's),
+        written to the trace but left out of the busy/idle tables."""
         p = self._procs.get(process_name)
         if p is None:
             p = self._procs[process_name] = {
                 "device": drained["device"], "gpu": drained.get("gpu"), "window": list(drained["window"]),
-                "state_us": {}, "wait_us": {}, "blocked_us": {}, "spans": {}, "dropped": 0}
+                "state_us": {}, "wait_us": {}, "blocked_us": {}, "spans": {}, "dropped": 0, "node": node}
         p["window"] = [min(p["window"][0], drained["window"][0]), max(p["window"][1], drained["window"][1])]
         for group in ("state_us", "wait_us", "blocked_us"):
             for k, v in drained[group].items():

@@ -214,7 +214,9 @@ def rows_from_doc(doc: dict) -> tuple[dict, list]:
             rows.setdefault(ev["pid"], {}).setdefault(kind, []).append([ev["ts"], ev["ts"] + ev["dur"]])
         elif ev["ph"] == "C" and ev["name"] == UTIL_COUNTER:
             rows.setdefault(ev["pid"], {}).setdefault("util", []).append((ev["ts"], ev["args"]))
-    return aggregates, [(names.get(pid, str(pid)), rows[pid]) for pid in sorted(rows)]
+    counters_only = {n for n, a in aggregates["processes"].items() if not a.get("node", True)}
+    return aggregates, [(names.get(pid, str(pid)), rows[pid]) for pid in sorted(rows)
+                        if names.get(pid) not in counters_only]
 
 
 # ---- summary and table --------------------------------------------------------------------------
@@ -235,7 +237,8 @@ def summarize(aggregates: dict, top: int = 8) -> dict:
      "idle_causes": [{"who", "kind", "channel", "seconds", "fraction"}],   # largest first
      "dropped_events", "thinned_events"}
     """
-    procs, gpus = aggregates["processes"], aggregates["gpus"]
+    procs = {n: a for n, a in aggregates["processes"].items() if a.get("node", True)}
+    gpus = aggregates["gpus"]
     starts = [a["window"][0] for a in list(procs.values()) + list(gpus.values())]
     ends = [a["window"][1] for a in list(procs.values()) + list(gpus.values())]
     window = [min(starts), max(ends)] if starts else [0, 0]
