@@ -53,7 +53,7 @@ def critic_update(model, optimizer, samples: list[dict], pad_id: int, c: CriticC
         rng.shuffle(order)
         for start in range(0, len(order), c.minibatch_size):
             mb = [samples[i] for i in order[start:start + c.minibatch_size]]
-            batch = pad_batch(mb, pad_id, token_keys=("values", "returns"))
+            batch = pad_batch(mb, pad_id, token_keys=("values", "returns"), device=next(model.parameters()).device)
             values = model(batch["input_ids"], batch["attention_mask"])
             loss, stats = value_loss(values, batch["values"], batch["returns"], batch["response_mask"], c.value_clip)
             optimizer.zero_grad(set_to_none=True)
@@ -83,7 +83,7 @@ class Critic(Node):
     def _advantages(self, items: list[dict]) -> dict:
         c = self.config
         samples = [s for item in items for s in item["samples"]]
-        batch = pad_batch(samples, self.tokenizer.pad_token_id, token_keys=("token_rewards",))
+        batch = pad_batch(samples, self.tokenizer.pad_token_id, token_keys=("token_rewards",), device=self.ctx.device)
         with torch.no_grad():
             values = self.model(batch["input_ids"], batch["attention_mask"]) * batch["response_mask"]
         advantages, returns = gae_advantages(batch["token_rewards"], values, batch["response_mask"], c.gamma, c.lam)

@@ -90,8 +90,10 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
     "ref_logprobs", and "failed". Failed samples are masked out of every loss term.
     """
     keys = ("logprobs", "ref_logprobs", "advantage_tokens")
-    full = pad_batch(samples, pad_id, token_keys=keys)
-    mask = full["response_mask"] * torch.tensor([0.0 if s["failed"] else 1.0 for s in samples])[:, None]
+    device = next(model.parameters()).device
+    full = pad_batch(samples, pad_id, token_keys=keys, device=device)
+    failed = torch.tensor([0.0 if s["failed"] else 1.0 for s in samples], device=device)
+    mask = full["response_mask"] * failed[:, None]
     advantages = masked_whiten(full["advantage_tokens"], mask) if c.whiten_advantages else full["advantage_tokens"]
     # Proximal ("old") log-probs: when every sample came from the current weights, the behaviour
     # log-probs are them (up to float noise) and the extra forward pass is skipped.
@@ -107,7 +109,7 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
         order = list(range(len(samples)))
         rng.shuffle(order)
         for start in range(0, len(order), c.minibatch_size):
-            idx = torch.tensor(order[start:start + c.minibatch_size])
+            idx = torch.tensor(order[start:start + c.minibatch_size], device=device)
             logprobs, entropy = sequence_logprobs(model, full["input_ids"][idx], full["attention_mask"][idx],
                                                   mask[idx], temperature=c.temperature)
             pg_loss, pg_stats = ppo_policy_loss(

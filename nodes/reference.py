@@ -31,7 +31,7 @@ class ReferenceConfig:
 def add_logprobs(model, pad_id: int, items: list[dict], key: str) -> None:
     """Set samples[key] = per-token log-probs under `model` for every response of `items`."""
     samples = [s for item in items for s in item["samples"]]
-    batch = pad_batch(samples, pad_id, token_keys=())
+    batch = pad_batch(samples, pad_id, token_keys=(), device=next(model.parameters()).device)
     with torch.no_grad():
         logprobs, _ = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"],
                                         batch["response_mask"], with_entropy=False)

@@ -1,0 +1,71 @@
+"""Tracing on vs off on the CPU PPO demo, side by side in one invocation.
+
+    python bench/trace_overhead.py [--steps 40] [--rounds 2] [--set k=v ...]
+
+Runs graphs/ppo.py `rounds` times each with --trace off and on, alternating (off, on, off, on, ...)
+so drift on the machine hits both alike, on one Ray instance. Reports the median samples/s of the
+learner steps (first 5 steps of each run skipped as warm-up), the on/off ratio, and the trace size
+per minute of run (the 5-minute budget is 50 MB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def one_run(overrides: list[str], steps: int, out_dir: str, trace: bool) -> dict:
+    from dataflow.runtime import RunOptions, load_graph, run_graph
+
+    graph, config = load_graph(str(ROOT / "graphs/ppo.py"), overrides)
+    trace_path = f"{out_dir}/trace.json" if trace else None
+    options = RunOptions(max_steps=steps, out_dir=out_dir, quiet=True, trace_path=trace_path)
+    summary = asyncio.run(run_graph(graph, options, config))
+    records = [json.loads(l) for l in Path(summary.metrics_path).read_text().splitlines()]
+    rates = [r["perf/samples_per_s"] for r in records if "step" in r][5:]
+    run_s = [r["time_s"] for r in records if "step" in r][-1]
+    size = os.path.getsize(trace_path) if trace else 0
+    return {"rate": statistics.median(rates), "run_s": run_s, "trace_bytes": size}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    args = p.parse_args()
+    import ray
+
+    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(4, os.cpu_count() or 1),
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    results = {False: [], True: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.rounds):
+            for trace in (False, True):
+                r = one_run(args.overrides, args.steps, f"{tmp}/{i}-{trace}", trace)
+                results[trace].append(r)
+                print(f"round {i} trace={'on ' if trace else 'off'}: {r['rate']:.1f} samples/s, "
+                      f"{r['trace_bytes'] / 1e6:.2f} MB in {r['run_s']:.0f} s", flush=True)
+    ray.shutdown()
+    off = statistics.median(r["rate"] for r in results[False])
+    on = statistics.median(r["rate"] for r in results[True])
+    mb_per_min = statistics.median(r["trace_bytes"] / 1e6 / (r["run_s"] / 60) for r in results[True])
+    print("\n| tracing | samples/s (median) |\n|---|---|")
+    print(f"| off | {off:.1f} |\n| on | {on:.1f} |")
+    print(f"\non / off = {on / off:.3f} (goal >= 0.98); trace size {mb_per_min:.2f} MB per minute "
+          f"(-> {5 * mb_per_min:.1f} MB for a 5-minute run; budget 50 MB)")
+
+
+if __name__ == "__main__":
+    main()

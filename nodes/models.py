@@ -1,0 +1,311 @@
+"""Small causal LMs for the built-in tasks: build/load, a value model, sampling, log-probs, batching.
+
+Token alignment used everywhere in this file and expected by nodes/rl_math.py: a batch is
+`input_ids [B, T]` laid out as [left-padded prompt | right-padded response] (see pad_batch), and
+any per-token quantity at column t concerns the action input_ids[:, t]:
+  logprobs[:, t] = log pi(input_ids[:, t] | input_ids[:, :t])   (from the logits at t - 1)
+  values[:, t]   = V(input_ids[:, :t])                          (the state token t is chosen in)
+so masks, rewards, log-probs and values share one [B, T] layout with response_mask = 1 on the
+response tokens (their <eos> included).
+
+Position ids are always cumsum(attention_mask) - 1, so a sequence gets the same log-probs whatever
+padding surrounds it (sampling with a KV cache and a fresh forward agree to ~1e-6).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+from nodes.rl_math import entropy_from_logits, logprobs_from_logits
+from nodes.tasks import load_tokenizer
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """A randomly initialised policy (no download). Defaults: the built-in tasks' model."""
+
+    family: str = "llama"
+    """Architecture: "llama" or "qwen2" (both RoPE, RMSNorm, SwiGLU)."""
+    n_layer: int = 2
+    """Transformer blocks."""
+    n_embd: int = 128
+    """Hidden size."""
+    n_head: int = 4
+    """Attention heads (n_embd must be divisible by it)."""
+    intermediate_size: int = 256
+    """MLP width."""
+    max_position_embeddings: int = 64
+    """Longest prompt + response, in tokens."""
+    seed: int = 0
+    """Seed of the random initialisation (the global torch RNG is left untouched)."""
+
+    def __post_init__(self):
+        if self.family not in ("llama", "qwen2"):
+            raise ValueError(f"ModelConfig.family={self.family!r}; use 'llama' or 'qwen2'")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"ModelConfig: n_embd={self.n_embd} is not divisible by "
+                             f"n_head={self.n_head}; change one of them")
+
+
+def as_model_config(values: ModelConfig | dict | None) -> ModelConfig:
+    """A ModelConfig from itself, None (defaults), a dict or another dataclass with the same
+    field names; unknown keys are rejected with the list of valid ones."""
+    if isinstance(values, ModelConfig):
+        return values
+    if values is None:
+        return ModelConfig()
+    if dataclasses.is_dataclass(values):
+        values = dataclasses.asdict(values)
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = set(values) - names
+    if unknown:
+        raise ValueError(f"ModelConfig: unknown keys {sorted(unknown)}; valid: {sorted(names)}")
+    return ModelConfig(**values)
+
+
+def _hf_config(cfg: ModelConfig, tokenizer):
+    cls = LlamaConfig if cfg.family == "llama" else Qwen2Config
+    return cls(vocab_size=len(tokenizer), hidden_size=cfg.n_embd, num_hidden_layers=cfg.n_layer,
+               num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head,
+               intermediate_size=cfg.intermediate_size,
+               max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
+               pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+               eos_token_id=tokenizer.eos_token_id)
+
+
+def build_policy(model_config: ModelConfig | dict | None, tokenizer) -> nn.Module:
+    """A random-init causal LM (LlamaForCausalLM / Qwen2ForCausalLM) sized by `model_config`.
+
+    The vocab comes from the tokenizer; embeddings are tied; the same seed gives the same weights.
+    """
+    cfg = as_model_config(model_config)
+    hf_config = _hf_config(cfg, tokenizer)
+    cls = LlamaForCausalLM if cfg.family == "llama" else Qwen2ForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = cls(hf_config)
+    return model
+
+
+def save_policy(model: nn.Module, tokenizer, path: str) -> None:
+    """Write a normal HF model directory (config, safetensors weights, tokenizer)."""
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def load_policy(path: str):
+    """(model, tokenizer) from a local HF model directory; never downloads.
+
+    Raises FileNotFoundError naming the directory and the missing file when the directory, its
+    config.json, its weights (model.safetensors[.index.json] or pytorch_model.bin) or its
+    tokenizer.json is missing.
+    """
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: model directory does not exist")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path}: missing config.json; not a saved HF model directory")
+    weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+    if not any(os.path.isfile(os.path.join(path, w)) for w in weights):
+        raise FileNotFoundError(f"{path}: missing weights (model.safetensors); the save was "
+                                "incomplete: save again with save_policy()")
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    return model, tokenizer
+
+
+class ValueModel(nn.Module):
+    """Critic: a causal LM backbone (no LM head) and a scalar head.
+
+    forward(input_ids, attention_mask) -> values [B, T], token-aligned (module docstring):
+    values[:, t] is the head applied to the hidden state at t - 1; values[:, 0] = 0.
+    Build from a ModelConfig (random init) or from_policy (a copy of the policy's trunk).
+    """
+
+    def __init__(self, backbone: nn.Module, hidden_size: int, seed: int = 0,
+                 gradient_checkpointing: bool = False):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            # Small init: initial values ~0, so early advantages are ~the rewards themselves.
+            nn.init.normal_(self.value_head.weight, std=0.1 / hidden_size ** 0.5)
+            nn.init.zeros_(self.value_head.bias)
+        if gradient_checkpointing:
+            self.backbone.activation_checkpointing_enable()
+
+    @classmethod
+    def from_config(cls, model_config: ModelConfig | dict | None, tokenizer,
+                    gradient_checkpointing: bool = False) -> "ValueModel":
+        policy = build_policy(model_config, tokenizer)
+        return cls(policy.model, policy.config.hidden_size, seed=policy.config.vocab_size,
+                   gradient_checkpointing=gradient_checkpointing)
+
+    @classmethod
+    def from_policy(cls, policy: nn.Module, gradient_checkpointing: bool = False) -> "ValueModel":
+        return cls(copy.deepcopy(policy.model), policy.config.hidden_size,
+                   gradient_checkpointing=gradient_checkpointing)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        position_ids = _position_ids(attention_mask)
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids, use_cache=False).last_hidden_state
+        v = self.value_head(hidden).squeeze(-1).float()
+        return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
+
+
+def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def sample_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int]],
+                     max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                     generator: torch.Generator | None = None,
+                     seed: int | None = None) -> list[dict]:
+    """Sample one response per prompt with a KV cache (a hand loop, faster than model.generate
+    for small models on CPU: see bench/RESULTS.md).
+
+    Returns, per prompt, {"prompt_ids", "response_ids", "logprobs", "finished"}: response_ids end
+    with <eos> when finished (else they stop at max_new_tokens); logprobs are the behaviour
+    log-probs of each response token under the sampling distribution (softmax(logits /
+    temperature), renormalised over the top_k tokens if top_k). temperature 0 means greedy, with
+    the log-probs of the temperature-1 distribution. Randomness comes from `generator`, else from
+    a torch.Generator seeded with `seed`, else from the global RNG.
+    Sampling is over the whole vocab, so a response may contain any id, <pad>'s included: take
+    masks from pad_batch, never from `ids != pad_id`.
+    """
+    if generator is None and seed is not None:
+        generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    num = len(prompt_ids_list)
+    prompt_len = max(len(p) for p in prompt_ids_list)
+    input_ids = torch.full((num, prompt_len), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((num, prompt_len), dtype=torch.long)
+    for i, p in enumerate(prompt_ids_list):          # left padding: the last column is the "now"
+        input_ids[i, prompt_len - len(p):] = torch.tensor(p, dtype=torch.long)
+        attention_mask[i, prompt_len - len(p):] = 1
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+
+    was_training = model.training
+    model.eval()
+    out = model(input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=_position_ids(attention_mask), use_cache=True, logits_to_keep=1)
+    next_pos = attention_mask.sum(1, keepdim=True)
+    tokens, logprobs = [], []
+    alive = torch.ones(num, dtype=torch.bool, device=device)
+    for step in range(max_new_tokens):
+        logits = out.logits[:, -1].float()
+        if temperature > 0:
+            logits = logits / temperature
+            if top_k is not None and top_k < logits.shape[-1]:
+                kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)
+            token = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(device)
+        else:
+            token = logits.argmax(-1)
+        logprob = logprobs_from_logits(logits, token)
+        token = torch.where(alive, token, torch.full_like(token, pad_id))
+        tokens.append(token)
+        logprobs.append(logprob)
+        step_mask = alive.long()[:, None]              # finished rows feed pads, masked out
+        alive = alive & (token != eos_id)
+        if step == max_new_tokens - 1 or not alive.any():
+            break
+        attention_mask = torch.cat([attention_mask, step_mask], dim=1)
+        out = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_pos,
+                    cache=out.cache, use_cache=True)
+        next_pos = next_pos + step_mask
+    model.train(was_training)
+
+    tokens = torch.stack(tokens, 1).tolist()
+    logprobs = torch.stack(logprobs, 1).tolist()
+    samples = []
+    for i, prompt in enumerate(prompt_ids_list):
+        response = tokens[i]
+        length = response.index(eos_id) + 1 if eos_id in response else len(response)
+        samples.append({"prompt_ids": list(prompt), "response_ids": response[:length],
+                        "logprobs": logprobs[i][:length], "finished": eos_id in response})
+    return samples
+
+
+def pad_batch(samples: list[dict], pad_id: int, token_keys: tuple[str, ...] = ("logprobs",),
+              device: str | torch.device = "cpu") -> dict:
+    """Padded tensors for a list of samples (dicts with prompt_ids and response_ids).
+
+    Layout: prompts LEFT-padded to the longest prompt P, responses RIGHT-padded to the longest
+    response R, so every response starts at column P and T = P + R. Returns
+      input_ids [B, T] long, attention_mask [B, T] long (1 = real token),
+      response_mask [B, T] float (1 = response token), prompt_len P,
+      and for each key in token_keys (per-response-token lists, e.g. behaviour "logprobs",
+      "token_rewards") a float [B, T] tensor laid on the response columns, 0 elsewhere.
+    """
+    num = len(samples)
+    prompt_len = max(len(s["prompt_ids"]) for s in samples)
+    response_len = max(len(s["response_ids"]) for s in samples)
+    total = prompt_len + response_len
+    input_ids = torch.full((num, total), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((num, total), dtype=torch.long)
+    response_mask = torch.zeros((num, total), dtype=torch.float32)
+    per_token = {k: torch.zeros((num, total), dtype=torch.float32) for k in token_keys}
+    for i, s in enumerate(samples):
+        p, r = s["prompt_ids"], s["response_ids"]
+        start, end = prompt_len - len(p), prompt_len + len(r)
+        input_ids[i, start:end] = torch.tensor(list(p) + list(r), dtype=torch.long)
+        attention_mask[i, start:end] = 1
+        response_mask[i, prompt_len:end] = 1
+        for k in token_keys:
+            if len(s[k]) != len(r):
+                raise ValueError(f"pad_batch: sample {i} has {len(s[k])} {k!r} values for "
+                                 f"{len(r)} response tokens")
+            per_token[k][i, prompt_len:end] = torch.tensor(s[k], dtype=torch.float32)
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask,
+             "response_mask": response_mask, **per_token}
+    batch = {k: v.to(device) for k, v in batch.items()}
+    batch["prompt_len"] = prompt_len
+    return batch
+
+
+def unpad_tokens(x: torch.Tensor, response_mask: torch.Tensor) -> list[list[float]]:
+    """Inverse of pad_batch for one [B, T] per-token tensor: each row's response-token values."""
+    rows = x.detach().float().cpu().tolist()
+    masks = (response_mask > 0).cpu().tolist()
+    return [[v for v, m in zip(row, mrow) if m] for row, mrow in zip(rows, masks)]
+
+
+def sequence_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      response_mask: torch.Tensor, temperature: float = 1.0,
+                      with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logprobs [B, T], entropy [B, T] or None) of the tokens in input_ids, token-aligned.
+
+    logprobs[:, t] = log softmax(logits[:, t - 1] / temperature)[input_ids[:, t]] and entropy[:, t]
+    the entropy of that distribution, both 0 where response_mask is 0. Keeps the autograd graph
+    (wrap in torch.no_grad() for old/ref log-probs). Only the logits from the first response
+    column on are computed (logits_to_keep).
+    """
+    num_tokens = input_ids.shape[1]
+    cols = torch.nonzero(response_mask.sum(0) > 0)
+    first = int(cols[0]) if len(cols) else num_tokens - 1
+    keep = num_tokens - max(first, 1) + 1              # logits at columns first-1 .. T-1
+    out = model(input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=_position_ids(attention_mask), use_cache=False, logits_to_keep=keep)
+    logits = out.logits[:, :-1].float() / temperature  # predicts columns T-keep+1 .. T-1
+    targets = input_ids[:, num_tokens - keep + 1:]
+    mask = response_mask[:, num_tokens - keep + 1:].to(logits.dtype)
+    logprobs = torch.zeros(input_ids.shape, dtype=logits.dtype, device=logits.device)
+    logprobs[:, num_tokens - keep + 1:] = logprobs_from_logits(logits, targets) * mask
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros_like(logprobs)
+        entropy[:, num_tokens - keep + 1:] = entropy_from_logits(logits) * mask
+    return logprobs, entropy
