@@ -74,7 +74,7 @@ def convert(text: str, tp: Any, key: str) -> Any:
         return text
     if tp is Path:
         return Path(text)
-    if origin in (list, tuple):
+    if origin in (list, tuple) or tp in (list, tuple):
         try:
             items = json.loads(text) if text.strip().startswith("[") else [t for t in text.split(",") if t]
         except json.JSONDecodeError:
@@ -82,7 +82,7 @@ def convert(text: str, tp: Any, key: str) -> Any:
         inner = args[0] if args else str
         values = [convert(str(v), inner, key) for v in items]
         return tuple(values) if origin is tuple else values
-    if origin is dict:
+    if origin is dict or tp is dict:
         try:
             value = json.loads(text)
         except json.JSONDecodeError:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dataflow import channel as channels
+from dataflow.errors import UserError
 from dataflow.node import NodeContext
 from dataflow.trace import Tracer
 
@@ -37,6 +38,7 @@ class HostSpec:
     max_steps: int | None
     trace: bool
     run_dir: str
+    trace_kernels: bool = False
 
 
 class NodeHost:
@@ -63,6 +65,7 @@ class NodeHost:
         self._version_changed: asyncio.Condition | None = None
         self._subscribers: dict[str, list[tuple[str, Any]]] = {}
         self._publish_timeout: dict[str, float] = {}
+        self._profiler = None
 
     # ---- set-up -----------------------------------------------------------------------------
     async def connect(self, wiring: dict) -> dict:
@@ -88,6 +91,8 @@ class NodeHost:
             device=self.device, max_steps=self.spec.max_steps, inputs=inputs, outputs=outputs,
             tracer=self.tracer, run_dir=self.spec.run_dir, _host=self)
         self.node = self.spec.kind(self.spec.config, self.ctx)
+        if self.spec.trace_kernels and self.device == "cuda":
+            self._start_kernel_trace()
         try:
             with self.tracer.span("setup"):
                 await self.node.setup()
@@ -125,8 +130,35 @@ class NodeHost:
             port, meta = next(reversed(self._last_item.items()))
             shown = ", ".join(f"{k}={v}" for k, v in meta.items() if k != "t_send_us")
             item = f"last item received on input '{port}': {shown}"
-        return {"status": "failed", "phase": phase, "error": f"{type(e).__name__}: {e}",
+        return {"status": "failed", "phase": phase, "error": f"{type(e).__name__}: {e}", "message": str(e),
+                "user_error": isinstance(e, UserError), "channel_error": isinstance(e, channels.ChannelError),
                 "traceback": traceback.format_exc(), "item": item}
+
+    # ---- --trace-kernels: torch.profiler's kernel intervals, to check the CUDA-event busy time ---
+    def _start_kernel_trace(self) -> None:
+        import torch.profiler as tp
+
+        self._profiler = tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA])
+        self._profiler.__enter__()
+        # The profiler's timestamps are relative to its own start: an anchor event taken at a known
+        # tracer time maps them onto the tracer clock.
+        self._anchor_us = self.tracer.now_us()
+        with tp.record_function("dataflow_clock_anchor"):
+            pass
+
+    async def stop_kernel_trace(self) -> list:
+        """Kernel [t0, t1] intervals (tracer clock) of this process; [] when not profiling."""
+        if self._profiler is None:
+            return []
+        from torch.autograd import DeviceType
+
+        self._profiler.__exit__(None, None, None)
+        events = self._profiler.events()
+        anchor = next(e for e in events if e.name == "dataflow_clock_anchor")
+        shift = self._anchor_us - anchor.time_range.start
+        self._profiler = None
+        return [[e.time_range.start + shift, e.time_range.end + shift] for e in events
+                if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
 
     # ---- driver calls -----------------------------------------------------------------------
     async def poll(self) -> dict:
@@ -172,7 +204,7 @@ class NodeHost:
                                            self._publish_timeout[edge])
                 except asyncio.TimeoutError:
                     raise RuntimeError(f"publishing '{edge}' v{version} from {self.name} to {sub_name}: "
-                                       f"no ack within {self._publish_timeout[edge]:.0f} s") from None
+                                       f"no ack within {self._publish_timeout[edge]:g} s") from None
                 except Exception as e:
                     raise RuntimeError(f"publishing '{edge}' v{version} from {self.name} to {sub_name} "
                                        f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None

@@ -34,6 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="print nodes, channels with capacities, resources, placement and settings; run nothing")
     p.add_argument("--trace", default=None, metavar="OUT.json",
                    help="write a Chrome/Perfetto trace of every node's busy and wait spans")
+    p.add_argument("--trace-kernels", action="store_true",
+                   help="on CUDA, also record kernels with torch.profiler and print their GPU idle %% next "
+                        "to the CUDA-event idle %% (a check of the trace; costs profiler overhead)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="run directory for metrics.jsonl and weights (default runs/<graph>-<time>)")
     p.add_argument("--verbose", action="store_true", help="also show the node actors' own logs")
@@ -56,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --max-steps must be >= 1", file=sys.stderr)
         return 2
     options = RunOptions(address=args.address, max_steps=args.max_steps, trace_path=args.trace,
+                         trace_kernels=args.trace_kernels,
                          out_dir=args.out, verbose=args.verbose)
     return _run_with_signals(lambda: run_graph(graph, options, config))
 

@@ -12,6 +12,7 @@ raises or dies is reported by name within a poll interval.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -140,6 +141,7 @@ class RunOptions:
     address: str | None = None
     max_steps: int | None = None
     trace_path: str | None = None
+    trace_kernels: bool = False
     out_dir: str | None = None
     verbose: bool = False
     quiet: bool = False
@@ -185,7 +187,8 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
             host_spec = HostSpec(node=spec.name, replica=spec.replica_names().index(replica_name),
                                  num_replicas=spec.replicas, kind=spec.kind, config=spec.config,
                                  cpus=spec.cpus, gpus=spec.gpus, max_steps=max_steps,
-                                 trace=options.trace_path is not None, run_dir=str(run_dir.resolve()))
+                                 trace=options.trace_path is not None, run_dir=str(run_dir.resolve()),
+                                 trace_kernels=options.trace_kernels)
             hosts[replica_name] = actor_cls.options(
                 name=None, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
@@ -222,10 +225,18 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
                 await _stop_all(hosts, running)
                 break
         await monitor.poll(hosts)
+        if options.trace_kernels:
+            kernels = await _gather_named({n: h.stop_kernel_trace.remote() for n, h in hosts.items()})
+            for name, intervals in kernels.items():
+                if isinstance(intervals, list):
+                    monitor.trace.add_kernel_intervals(name, intervals)
         return monitor.finish(status)
+    except BaseException:
+        if options.trace_path:  # a failed or interrupted run's timeline is the one worth reading
+            monitor.trace.write(options.trace_path)
+        raise
     finally:
-        for fut in running:  # still waiting when a failure or Ctrl-C ends the run: not reported
-            fut.cancel()
+        _discard(running)
         monitor.metrics_file.close()
         await _shutdown(hosts, pg, started_ray, remove_placement_group)
 
@@ -236,9 +247,6 @@ def _start_ray(graph: Graph, options: RunOptions) -> bool:
 
     if ray.is_initialized():
         return False
-    # ray.init replaces the SIGTERM handler with its own sys.exit(); keep the CLI's (run.py), so
-    # SIGTERM stops the run like Ctrl-C does.
-    sigterm_handler = signal.getsignal(signal.SIGTERM)
     env = {"PYTHONPATH": os.pathsep.join(p for p in [str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")] if p)}
     kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=options.verbose,
                                   configure_logging=options.verbose, runtime_env={"env_vars": env})
@@ -246,14 +254,37 @@ def _start_ray(graph: Graph, options: RunOptions) -> bool:
     if address:
         kwargs["runtime_env"] = {"env_vars": env, "working_dir": str(PROJECT_ROOT),
                                  "excludes": ["runs/", ".git/", ".venv/"]}
-        ray.init(address=address, **kwargs)
+        with _keep_sigterm_handler():
+            ray.init(address=address, **kwargs)
     else:
         # Logical CPUs: a node's `cpus` is a share, so a 2-core laptop can still host the whole graph.
         needed = math.ceil(sum(b["CPU"] for _, b in _bundles(graph)))
-        ray.init(num_cpus=max(os.cpu_count() or 1, needed), **kwargs)
-    if sigterm_handler is not None and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, sigterm_handler)
+        with _keep_sigterm_handler():
+            ray.init(num_cpus=max(os.cpu_count() or 1, needed), **kwargs)
     return True
+
+
+@contextlib.contextmanager
+def _keep_sigterm_handler():
+    """ray.init installs SIGTERM handlers of its own (exit at once; for a local instance, kill its
+    processes and exit) over the program's. When the program handles SIGTERM itself (the CLI stops
+    the run like Ctrl-C: dataflow/run.py), keep its handler, also while ray.init runs: a SIGTERM
+    during start-up then stops the run once Ray is up, and Ray is shut down with it (no stray agents)."""
+    import ray._private.utils as ray_utils
+
+    handler = signal.getsignal(signal.SIGTERM)
+    if handler in (signal.SIG_DFL, signal.SIG_IGN, None) or threading.current_thread() is not threading.main_thread():
+        yield  # nobody else handles SIGTERM: Ray's handlers clean up
+        return
+    set_handler = getattr(ray_utils, "set_sigterm_handler", None)
+    if set_handler is not None:
+        ray_utils.set_sigterm_handler = lambda _handler: None
+    try:
+        yield
+    finally:
+        if set_handler is not None:
+            ray_utils.set_sigterm_handler = set_handler
+        signal.signal(signal.SIGTERM, handler)
 
 
 def _wiring(graph: Graph, replica_name: str, hosts: dict) -> dict:
@@ -291,6 +322,16 @@ def _result(fut: asyncio.Future) -> Any:
         return fut.result()
     except BaseException as e:  # the actor died, or Ray could not run the call
         return e
+
+
+def _discard(futures) -> None:
+    """Drop the run() calls still out when a failure or Ctrl-C ends the run, without asyncio
+    logging "Task exception was never retrieved" for each actor that the shutdown kills."""
+    for fut in futures:
+        if not fut.done():
+            fut.cancel()
+        elif not fut.cancelled():
+            fut.exception()
 
 
 def _failed(result: Any) -> bool:
@@ -461,6 +502,9 @@ class _Monitor:
         self.metrics_file.close()
         seconds = time.time() - self.t_start
         report = self.trace.report()
+        for label, k in self.trace.kernel_idle().items():
+            report += (f"\n  {label}: GPU idle {100 * k['events_idle']:.1f}% from CUDA events around spans, "
+                       f"{100 * k['kernels_idle']:.1f}% from torch.profiler kernels (window {k['window_s']:.1f} s)")
         if self.options.trace_path:
             self.trace.write(self.options.trace_path)
             self.artifacts["trace"] = self.options.trace_path

@@ -402,6 +402,7 @@ class TraceCollector:
         self._procs: dict[str, dict] = {}
         self._events: dict[str, list] = {}
         self._gpu_intervals: dict[str, list] = {}
+        self._kernel_intervals: dict[str, list] = {}
 
     def set_clock_offset(self, process_name: str, offset_us: float) -> None:
         self._offsets[process_name] = round(offset_us)
@@ -454,6 +455,27 @@ class TraceCollector:
             g["busy_us"] = union_length(merged[label], g["window"])
         dropped = sum(p["dropped"] for p in self._procs.values())
         return {"processes": procs, "gpus": gpus, "dropped": dropped}, merged
+
+    def add_kernel_intervals(self, process_name: str, intervals: list) -> None:
+        """Kernel [t0, t1] intervals of `process_name` from torch.profiler (--trace-kernels), on
+        that process's tracer clock: the independent check of the CUDA-event busy time."""
+        self._kernel_intervals.setdefault(process_name, []).extend(intervals)
+
+    def kernel_idle(self) -> dict:
+        """{GPU label: {"events_idle", "kernels_idle"}}: idle % of each GPU over the same window
+        from the CUDA events around spans and from the profiler's kernel intervals."""
+        aggs, merged = self._aggregates_and_gpu_intervals()
+        out = {}
+        for label, g in aggs["gpus"].items():
+            kernels = []
+            for name in g["nodes"]:
+                off = self._offsets.get(name, 0)
+                kernels += [[a - off, b - off] for a, b in self._kernel_intervals.get(name, [])]
+            if kernels:
+                out[label] = {"events_idle": idle_fraction(merged[label], g["window"]),
+                              "kernels_idle": idle_fraction(merge_intervals(kernels), g["window"]),
+                              "window_s": (g["window"][1] - g["window"][0]) / 1e6}
+        return out
 
     def summary(self) -> dict:
         """Fractions per node/device and top idle causes (trace_report.summarize)."""

@@ -166,6 +166,14 @@ def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def _cache_kwarg(model: nn.Module, out) -> dict:
+    """The KV cache of `out`, under the keyword this transformers version takes: 5.24 renamed
+    `past_key_values` to `cache` (keeping a deprecated alias); 5.17 (the GPU image) has only the old."""
+    if hasattr(out, "cache"):
+        return {"cache": out.cache}
+    return {"past_key_values": out.past_key_values}
+
+
 @torch.no_grad()
 def sample_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int]],
                      max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
@@ -224,7 +232,7 @@ def sample_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int
             break
         attention_mask = torch.cat([attention_mask, step_mask], dim=1)
         out = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_pos,
-                    cache=out.cache, use_cache=True)
+                    use_cache=True, **_cache_kwarg(model, out))
         next_pos = next_pos + step_mask
     model.train(was_training)
 

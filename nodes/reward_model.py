@@ -1,0 +1,96 @@
+"""Reward model: scores each response with a sequence-classification model (one scalar logit).
+
+Consumes: `samples` from the generator.  Produces: `scored`, like nodes/reward.py: per response
+"score" (the model's logit), "token_rewards" (the score on the last token) and "failed" (a
+non-finite score).
+Waits for: generated samples.  Unblocked by: the generator.
+
+The model is any local transformers `AutoModelForSequenceClassification` directory with
+num_labels=1 (e.g. a trained RM saved with save_pretrained); it reads prompt + response tokens as
+the policy produced them, so it must share the policy's tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from dataflow import Node, UserError
+from dataflow.channel import EndOfChannel
+from nodes.models import pad_batch
+
+
+@dataclass(kw_only=True)
+class RewardModelConfig:
+    path: str = ""
+    """Local directory of a sequence-classification model with num_labels=1 (required)."""
+    items_per_call: int = 16
+    """Items (prompt groups) scored in one forward pass, as they are available."""
+    scale: float = 1.0
+    """Multiply the logit by this (reward models are often trained with arbitrary offsets)."""
+    shift: float = 0.0
+
+
+def load_reward_model(path: str):
+    from transformers import AutoModelForSequenceClassification
+
+    if not path:
+        raise UserError("reward_model.path is empty: set --set reward_model.path=/dir/of/a/sequence/classifier")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UserError(f"reward_model.path={path}: no config.json there; save the model with save_pretrained")
+    model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
+    if model.config.num_labels != 1:
+        raise UserError(f"reward_model.path={path}: num_labels={model.config.num_labels}, a reward model has 1")
+    return model
+
+
+def score_items(model, pad_id: int, items: list[dict], scale: float, shift: float) -> None:
+    """Set score / token_rewards / failed on every response of `items` (right-aligned batch)."""
+    samples = [s for item in items for s in item["samples"]]
+    batch = pad_batch(samples, pad_id, token_keys=(), device=next(model.parameters()).device)
+    # pad_batch right-pads responses; the classifier pools the last non-pad token per row, which
+    # transformers finds from pad_token_id, so the model config must carry it.
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+    for s, value in zip(samples, logits.float().tolist()):
+        value = value * scale + shift
+        s["failed"] = not math.isfinite(value)
+        s["score"] = value if not s["failed"] else 0.0
+        s["error"] = "" if not s["failed"] else f"reward model returned {value}"
+        n = len(s["response_ids"])
+        s["token_rewards"] = [0.0] * (n - 1) + [s["score"]] if n else []
+
+
+class RewardModel(Node):
+    Config = RewardModelConfig
+    inputs = ("samples",)
+    outputs = ("scored",)
+
+    async def setup(self):
+        self.model = load_reward_model(self.config.path).to(self.ctx.device).eval()
+        pad = self.model.config.pad_token_id
+        if pad is None:
+            raise UserError(f"reward_model.path={self.config.path}: config has no pad_token_id; set it to the "
+                            "tokenizer's pad id so the last real token can be found")
+        self.pad_id = pad
+
+    async def run(self):
+        c = self.config
+        inp, out = self.ctx.inputs["samples"], self.ctx.outputs["scored"]
+        while True:
+            try:
+                batch = await inp.recv_batch(c.items_per_call, timeout_s=0.01)
+            except EndOfChannel:
+                return
+            items = [m.data for m in batch]
+            with self.ctx.span("reward model forward", items=len(items)):
+                await asyncio.to_thread(score_items, self.model, self.pad_id, items, c.scale, c.shift)
+            failed = sum(s["failed"] for item in items for s in item["samples"])
+            if failed:
+                self.ctx.metrics({"reward/failed": failed})
+            for msg, item in zip(batch, items):
+                await out.send(item, **msg.meta)
