@@ -145,8 +145,9 @@ class ValueModel(nn.Module):
     @classmethod
     def from_config(cls, model_config: ModelConfig | dict | None, tokenizer,
                     gradient_checkpointing: bool = False) -> "ValueModel":
-        policy = build_policy(model_config, tokenizer)
-        return cls(policy.model, policy.config.hidden_size, seed=policy.config.vocab_size,
+        cfg = as_model_config(model_config)
+        policy = build_policy(cfg, tokenizer)
+        return cls(policy.model, policy.config.hidden_size, seed=cfg.seed,
                    gradient_checkpointing=gradient_checkpointing)
 
     @classmethod
@@ -179,14 +180,20 @@ def sample_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int
                      max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                      generator: torch.Generator | None = None,
                      seed: int | None = None) -> list[dict]:
-    """Sample one response per prompt with a KV cache (a hand loop, faster than model.generate
-    for small models on CPU: see bench/RESULTS.md).
+    """Sample one response per prompt with a KV cache, in a hand loop.
+
+    Why not model.generate: on the 2-core CPU both take the same time within noise (batch
+    64/128/256 x 8 tokens: ~22/36/55-60 ms each, bench/RESULTS.md), and the loop gives exact
+    behaviour log-probs of the distribution actually sampled, a seedable torch.Generator, and
+    stops as soon as every row has emitted <eos>.
 
     Returns, per prompt, {"prompt_ids", "response_ids", "logprobs", "finished"}: response_ids end
     with <eos> when finished (else they stop at max_new_tokens); logprobs are the behaviour
     log-probs of each response token under the sampling distribution (softmax(logits /
     temperature), renormalised over the top_k tokens if top_k). temperature 0 means greedy, with
-    the log-probs of the temperature-1 distribution. Randomness comes from `generator`, else from
+    the log-probs of the temperature-1 distribution (sequence_logprobs has no top_k, so with
+    top_k recompute old log-probs or pass these as behaviour_logprobs to ppo_policy_loss).
+    Randomness comes from `generator`, else from
     a torch.Generator seeded with `seed`, else from the global RNG.
     Sampling is over the whole vocab, so a response may contain any id, <pad>'s included: take
     masks from pad_batch, never from `ids != pad_id`.
@@ -219,6 +226,7 @@ def sample_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int
                 kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             probs = torch.softmax(logits, dim=-1)
+            # torch.Generator objects are per device; a CPU one keeps seeds portable.
             token = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(device)
         else:
             token = logits.argmax(-1)
