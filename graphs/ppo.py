@@ -49,7 +49,7 @@ class PPOGraphConfig:
     """Longest response (0 = what the built-in task needs; set it for your own data)."""
     max_staleness: int = 1
     """Policy versions the generators may run ahead of the learner (0 = synchronous)."""
-    prompts_per_step: int = 128
+    prompts_per_step: int = 256
     generator_replicas: int = 1
     channel_capacity: int = 64
     gpus: dict = field(default_factory=dict)
@@ -71,7 +71,7 @@ def wire_policy(cfg) -> int:
     cfg.prompts.max_staleness = cfg.learner.max_staleness = cfg.max_staleness
     cfg.learner.temperature = cfg.generator.temperature
     cfg.learner.target_reward = cfg.target_reward
-    if cfg.reward.path == "" and cfg.policy.path:
+    if cfg.policy.path:  # the reward node decodes responses with the policy's own tokenizer
         cfg.reward.tokenizer_path = cfg.policy.path
     if cfg.max_new_tokens:
         return cfg.max_new_tokens

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from dataflow import Node
 from dataflow.channel import EndOfChannel
-from nodes import policy, tasks
+from nodes import tasks
 from nodes.rewards import load_reward_fn, score_safely
 
 
@@ -46,8 +46,7 @@ class Reward(Node):
 
     async def setup(self):
         c = self.config
-        self.tokenizer = (policy.load(policy.PolicySpec(path=c.tokenizer_path))[1] if c.tokenizer_path
-                          else tasks.build_tokenizer())
+        self.tokenizer = tasks.load_tokenizer(c.tokenizer_path) if c.tokenizer_path else tasks.build_tokenizer()
         self.fn = load_reward_fn(c.path, c.function, c.weights) if c.path else None
         self.failed_total = 0
         self.scored_total = 0

@@ -11,6 +11,8 @@ number marks the sample failed (score None and a one-line reason) instead of kil
 
 from __future__ import annotations
 
+from dataflow.errors import UserError
+
 import functools
 import importlib.util
 import inspect
@@ -27,7 +29,7 @@ from typing import Any, Callable
 logger = logging.getLogger(__name__)
 
 
-class RewardLoadError(ValueError):
+class RewardLoadError(UserError, ValueError):
     """A reward file that cannot be used; the message names the file (and line)."""
 
 

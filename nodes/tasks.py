@@ -26,6 +26,8 @@ early <eos> loses credit) and never explores it at position k + 1 again.
 
 from __future__ import annotations
 
+from dataflow.errors import UserError
+
 import json
 import os
 import random
@@ -179,7 +181,7 @@ def token_rewards(fields: dict, response_tokens: list[str]) -> list[float]:
 # JSONL prompt datasets
 # ---------------------------------------------------------------------------------------------
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """A malformed prompt dataset; the message starts with "path:line:"."""
 
 

@@ -65,6 +65,8 @@ class Square(Node):
 class CollectConfig:
     steps_every: int = 5
     """Report a step every this many items."""
+    step_delay_s: float = 0.0
+    """Pause before reporting each step (lets the upstream nodes finish first)."""
 
 
 class Collect(Node):
@@ -80,6 +82,7 @@ class Collect(Node):
                 seen.append({"value": msg.data["value"], "square": msg.data["square"],
                              "by": msg.data["by"], "origin": msg.meta.get("origin")})
                 if len(seen) % self.config.steps_every == 0:
+                    await asyncio.sleep(self.config.step_delay_s)
                     if not await self.ctx.step_done({"items": len(seen)}):
                         return
         finally:

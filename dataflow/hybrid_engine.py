@@ -1,0 +1,542 @@
+"""The learner -> generator weight push of the 3D-HybridEngine: reshard, map names, transport.
+
+Learner side (every learner rank, the same calls in the same order):
+    pusher = WeightPusher(layout, mesh, group=push_group_or_None, local=receiver_or_None)
+    stats = pusher.push(model, version)      # collective over the learner ranks
+Generator side:
+    receiver = WeightReceiver(model, group=push_group, name="generator-0")  # background thread
+    with receiver.serving() as version:      # switch to the newest complete version, hold it
+        generate(...)                        # weights cannot change until the block exits
+    (or receiver.apply() -> version at the engine's own safe point; receiver.poll() peeks)
+
+One push, step by step (see dataflow/reshard.py for 1):
+  1. Each learner rank streams its generation shards, batch by batch (micro-DP all-gathers).
+  2. Shards are laid out in an *arena*: every engine tensor (dataflow/weight_adapters.py: fused
+     qkv / gate_up sources sit back to back) at a 256-byte aligned offset, in the generation
+     dtype. The manifest (names, shapes, offsets) is sent on the first push and when it changes.
+  3. Remote (`group`, a PushGroup): the arena is cut into buckets of bucket_bytes; two bucket
+     buffers alternate, so the host packs (and gathers) bucket i + 1 while bucket i is being
+     broadcast (async work; gloo's threads on CPU, NCCL's stream on GPU). Receivers post all
+     bucket receives straight into their staging arena: no unpacking copy.
+     Colocated (`local`, a WeightReceiver in the same process, same device): shards are copied
+     (and cast) straight into the generator's parameters, one foreach copy per batch, while
+     holding the generator's serve lock, so the write falls between two responses.
+  4. Every receiver acks (a gloo all-gather of status codes): push() returns when every
+     generator holds the version staged; each switches at its next serving()/apply(), by one
+     foreach copy from the staging arena under a lock: a response never mixes versions.
+Every wait has a timeout; a stall or a refusal raises WeightPushError naming both ends.
+Control (headers, manifest, acks) always travels on gloo over TCP; only buckets use NCCL, so
+an idle generator GPU never spins on a pending NCCL receive between pushes.
+NCCL path: written for CUDA and sharing all code with gloo except group creation; it is not
+exercised by the CPU tests (bench/weight_push.py runs it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# The public API of the hybrid engine lives in four modules; this one re-exports it.
+from dataflow.layout import (ParallelLayout, apply_tensor_parallel, apply_training_layout,
+                             build_mesh, micro_dp_bytes, naive_bytes)
+from dataflow.reshard import CommCounter, Resharder, reshard_for_generation
+from dataflow.weight_adapters import (ALIGN, Manifest, WeightAdapter, bind_targets, family_of,
+                                      rehome)
+
+__all__ = ["ParallelLayout", "build_mesh", "apply_training_layout", "apply_tensor_parallel",
+           "micro_dp_bytes", "naive_bytes", "CommCounter", "Resharder", "reshard_for_generation",
+           "WeightAdapter", "Manifest", "PushGroup", "WeightPusher", "WeightReceiver",
+           "WeightPushError", "PushStats", "plan_senders"]
+
+MAGIC, CLOSE = 0x7E16, -1
+OK, REJECTED = 0, 1              # receiver status codes in the ack
+BIG_COPY = 4 << 20               # bytes: copies at least this large get their own memcpy
+
+
+class WeightPushError(RuntimeError):
+    """A push failed or stalled; the message names the learner end and the generator end."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Process groups of one push edge
+# ---------------------------------------------------------------------------------------------
+
+class PushGroup:
+    """One sender (group rank 0: a learner rank) and its receivers (ranks 1..n: generator ranks).
+
+    Standalone process groups over a TCPStore hosted by the sender, so learners and generators
+    keep their own default process groups (they live in different Ray actors). `names[i]` names
+    group rank i in errors. Data: gloo on CPU, NCCL when `device` is a CUDA device.
+    """
+
+    def __init__(self, *, host: str, port: int, rank: int, names: list[str],
+                 device: str | torch.device = "cpu", timeout_s: float = 60.0):
+        self.rank, self.names, self.size = rank, list(names), len(names)
+        self.device, self.timeout_s = torch.device(device), timeout_s
+        try:
+            store = dist.TCPStore(host, port, self.size, rank == 0,
+                                  timeout=timedelta(seconds=timeout_s))
+        except Exception as e:
+            raise WeightPushError(f"push group {host}:{port} of {self.names[0]} -> "
+                                  f"{self.names[1:]}: {self.names[rank]} could not meet the "
+                                  f"others within {timeout_s:.0f} s ({e})") from e
+        # Long group timeout: receivers wait for the next header for as long as training takes;
+        # pushes enforce timeout_s themselves through Work.wait(timeout).
+        idle = timedelta(days=1)
+        self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, self.size, idle)
+        if self.device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = idle          # (attribute of the options in torch 2.x)
+            self.data = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, self.size, opts)
+        else:
+            self.data = dist.ProcessGroupGloo(dist.PrefixStore("data", store), rank, self.size, idle)
+        self._store = store
+
+    def broadcast(self, tensor: torch.Tensor, control: bool = False):
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        return (self.control if control else self.data).broadcast([tensor], opts)
+
+    def post_ack(self, status: int):
+        """Post the ack: an all-gather of one status code per rank on the data group, queued
+        behind the buckets (on NCCL it completes once every bucket landed everywhere, and costs
+        microseconds where a gloo round trip costs a few hundred). Returns (work, codes)."""
+        codes = torch.zeros(self.size, dtype=torch.int64, device=self.device)
+        mine = torch.full((1,), status, dtype=torch.int64, device=self.device)
+        return self.data._allgather_base(codes, mine), codes
+
+
+def _wait(works, timeout_s: float, what: str, device: torch.device) -> None:
+    """Block the host until every work in `works` completed, or raise WeightPushError.
+
+    On CUDA, NCCL's Work.wait(timeout) polls with millisecond sleeps (it cost ~1 ms per wait
+    here), so the stream is made to wait (Work.wait() without timeout does only that) and a
+    CUDA event recorded behind it is polled instead.
+    """
+    try:
+        if device.type != "cuda":
+            for w in works:
+                w.wait(timedelta(seconds=timeout_s))
+            return
+        for w in works:
+            w.wait()
+        event = torch.cuda.Event()
+        event.record()
+        deadline = time.monotonic() + timeout_s
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise RuntimeError("timed out")
+            time.sleep(0)
+    except RuntimeError as e:
+        raise WeightPushError(f"{what}: failed or stalled past {timeout_s:.0f} s ({e})") from e
+
+
+def bucket_bounds(total: int, bucket_bytes: int) -> list[tuple[int, int]]:
+    """Arena byte ranges of the buckets of one push (both ends compute them).
+
+    The first buckets are smaller (B/8, B/4, B/2, then B): packing bucket 0 is the one copy that
+    no transfer overlaps, so the pipeline's head is kept short.
+    """
+    bounds, lo, size = [], 0, max(ALIGN, bucket_bytes // 8 // ALIGN * ALIGN)
+    while lo < total:
+        bounds.append((lo, min(total, lo + size)))
+        lo, size = bounds[-1][1], min(bucket_bytes, 2 * size)
+    return bounds
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _copy_plan(dsts: list[torch.Tensor], srcs: list[torch.Tensor]):
+    """Split copies into large ones (one memcpy each, full bandwidth) and a foreach for the many
+    small ones (one launch; per-tensor launches would cost more host time than they copy)."""
+    big = [(d, s) for d, s in zip(dsts, srcs) if d.numel() * d.element_size() >= BIG_COPY]
+    small = [(d, s) for d, s in zip(dsts, srcs) if d.numel() * d.element_size() < BIG_COPY]
+    return big, [d for d, _ in small], [s for _, s in small]
+
+
+def _copy(plan) -> None:
+    big, small_dsts, small_srcs = plan
+    for d, s in big:
+        d.copy_(s)
+    if small_dsts:
+        torch._foreach_copy_(small_dsts, small_srcs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Learner side
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PushStats:
+    version: int
+    seconds: float
+    bytes: int            # arena bytes delivered per receiver
+    num_buckets: int
+    comm: CommCounter     # this rank's resharding traffic (cumulative)
+
+
+class WeightPusher:
+    """Learner side of the push; see the module docstring. Construct on every learner rank.
+
+    group: this rank sends to these generator ranks (it is their PushGroup's rank 0).
+    local: a WeightReceiver in this process whose model it writes in place (colocated).
+    Neither: the rank only takes part in the resharding all-gathers.
+    flatten: when this rank's parameters already are its generation shards (a one-rank
+    learner: Resharder.identity) and are plain tensors, lay them out once in one buffer in arena
+    order (`rehome`). A push is then one copy (colocated) or one broadcast per bucket straight
+    from that buffer (remote, same dtype): per-tensor work costs ~1.5x a flat copy on a GPU.
+    The first push plans for `model`; a later push re-plans if the parameters were replaced.
+    """
+
+    def __init__(self, layout: ParallelLayout = ParallelLayout(), mesh=None, *,
+                 group: PushGroup | None = None, local: "WeightReceiver | None" = None,
+                 form: str = "hf", dtype: torch.dtype = torch.bfloat16,
+                 bucket_bytes: int = 512 << 20, timeout_s: float = 60.0, flatten: bool = True,
+                 name: str = ""):
+        if bucket_bytes % ALIGN:
+            raise ValueError(f"bucket_bytes={bucket_bytes} must be a multiple of {ALIGN}")
+        if group is not None and group.rank != 0:
+            raise ValueError("WeightPusher: the learner must be rank 0 of its PushGroup")
+        self.layout, self.mesh, self.group, self.local = layout, mesh, group, local
+        self.form, self.dtype, self.bucket_bytes, self.timeout_s = form, dtype, bucket_bytes, timeout_s
+        self.flatten, self.name = flatten, name or (group.names[0] if group else "learner")
+        self.counter = CommCounter()
+        self._plan_model, self._buffers, self._sent_manifest = None, [], None
+
+    def _plan_is_current(self, model: nn.Module) -> bool:
+        """Cheap evidence that the plan still fits: the same model, its first and last
+        parameters' data where they were (moving or casting the model changes that). Checking
+        every parameter would cost ~0.5 ms, as much as a colocated 1 GB push; after replacing
+        Parameter objects, call reset()."""
+        return self._plan_model is model and all(_local(p).data_ptr() == ptr
+                                                 for p, ptr in self._ends)
+
+    def reset(self) -> None:
+        """Re-plan at the next push (after the learner's Parameter objects were replaced)."""
+        self._plan_model = None
+
+    def _setup(self, model: nn.Module) -> None:
+        self.resharder = Resharder(model, self.layout, self.mesh, self.dtype,
+                                   batch_bytes=self.bucket_bytes, counter=self.counter)
+        plan = WeightAdapter(family_of(model), self.form).plan(list(self.resharder.params))
+        m = self.manifest = Manifest.build(plan, self.resharder.gen_shapes, self.dtype)
+        self.offsets = {n: off for n, (off, _) in m.pieces().items()}
+        self.order = [s for e in m.entries for s, _ in e.sources]
+        self.bounds = bucket_bounds(m.total_bytes, self.bucket_bytes)
+        self._flat = None
+        if self.flatten and self.resharder.identity:     # same element offsets as the arena
+            item = m.dtype.itemsize
+            self._flat = rehome([(self.resharder.params[n], self.offsets[n] // item)
+                                 for n in self.order], m.total_bytes // item)
+        if self.local is not None:
+            self.local._bind(m)
+        params = list(self.resharder.params.values())
+        self._ends = [(p, _local(p).data_ptr()) for p in (params[0], params[-1])]
+        self._plan_model = model
+
+    def push(self, model: nn.Module, version: int) -> PushStats:
+        """Reshard `model` and deliver it as `version` (collective over the learner ranks).
+
+        Returns once every receiver acknowledged the complete version (remote) or once it is
+        written (colocated); raises WeightPushError naming both ends on a stall or a refusal.
+        """
+        if not self._plan_is_current(model):
+            self._setup(model)         # first push, or parameters moved since the last one
+        t0 = time.perf_counter()
+        item = self.manifest.dtype.itemsize
+        if self._flat is not None:     # one piece: the whole arena, in the learner's dtype
+            batches = iter([[("", self._flat)]])
+            self._where = {"": 0}
+        else:
+            batches = self.resharder.iter_batches(self.order)
+            self._where = self.offsets
+        with contextlib.ExitStack() as stack:
+            if self.local is not None:
+                stack.enter_context(self.local._lock_for_write(self.name, self.timeout_s))
+                batches = self._write_local(batches, item)
+            if self.group is not None:
+                self._broadcast(batches, version)
+            else:
+                for _ in batches:
+                    pass
+            if self.local is not None:
+                self.local._version = version
+        return PushStats(version, time.perf_counter() - t0, self.manifest.total_bytes,
+                         len(self.bounds) if self.group else 0, self.counter)
+
+    def _write_local(self, batches, item: int):
+        """Copy each batch into the colocated generator's parameters (the copy casts)."""
+        dst_flat = self.local._flat
+        for batch in batches:
+            if batch[0][0] == "" and dst_flat is not None:     # flat to flat: one copy
+                dst_flat.copy_(self._flat)
+            elif batch[0][0] == "":
+                views = self.local._views
+                srcs = [self._flat[self.offsets[n] // item:][:v.numel()] for n, v in views.items()]
+                _copy(_copy_plan(list(views.values()), srcs))
+            else:
+                views = self.local._views
+                _copy(_copy_plan([views[n] for n, _ in batch], [t for _, t in batch]))
+            yield batch
+
+    def _pack(self, k: int, lo: int, hi: int, pending) -> None:
+        """Fill bucket k (arena bytes [lo, hi), buffer k % 2) from `pending` [(arena offset, flat
+        shard)]: a shard may span buckets; the copies cast to the generation dtype."""
+        m, buf = self.manifest, self._buffers[k % 2]
+        item, dsts, srcs = m.dtype.itemsize, [], []
+        for offset, flat in pending:
+            a, b = max(lo, offset), min(hi, offset + flat.numel() * item)
+            if a < b:
+                dsts.append(buf[a - lo:b - lo].view(m.dtype))
+                srcs.append(flat[(a - offset) // item:(b - offset) // item])
+        _copy(_copy_plan(dsts, srcs))
+
+    def _broadcast(self, batches, version: int) -> None:
+        g, m, dev = self.group, self.manifest, self.group.device
+        ends = f"weight push v{version} from {g.names[0]} to {', '.join(g.names[1:])}"
+        manifest = b"" if self._sent_manifest is m else m.to_bytes()
+        header = torch.tensor([MAGIC, version, len(manifest), m.total_bytes, self.bucket_bytes])
+        # The header (gloo) wakes the receivers; buckets follow at once without waiting for it.
+        control = [g.broadcast(header, control=True)]
+        if manifest:
+            control.append(g.broadcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8),
+                                       control=True))
+            self._sent_manifest = m
+        zero_copy = self._flat is not None and self._flat.dtype == m.dtype
+        if not zero_copy and not self._buffers:
+            size = max(hi - lo for lo, hi in self.bounds)
+            self._buffers = [torch.empty(size, dtype=torch.uint8, device=dev) for _ in range(2)]
+        item = m.dtype.itemsize
+        stream = (s for batch in batches for s in batch)
+        pending, works = [], []
+        for k, (lo, hi) in enumerate(self.bounds):
+            if zero_copy:              # the learner's own buffer goes on the wire
+                works.append(g.broadcast(self._flat.view(torch.uint8)[lo:hi]))
+                continue
+            # Pull shards until bucket k is covered: this runs the next batch's gathers while
+            # bucket k - 1 is on the wire.
+            while not pending or pending[-1][0] + pending[-1][1].numel() * item < hi:
+                name, flat = next(stream, (None, None))
+                if name is None:
+                    break
+                pending.append((self._where[name], flat))
+            if k >= 2:                 # bucket k - 2 must have left buffer k % 2: on CUDA a
+                if dev.type == "cuda":     # stream dependency, so the host runs ahead
+                    works[k - 2].wait()
+                else:
+                    _wait([works[k - 2]], self.timeout_s, f"{ends}: bucket {k - 2}", dev)
+            self._pack(k, lo, hi, pending)
+            works.append(g.broadcast(self._buffers[k % 2][:hi - lo]))
+            pending = [(o, f) for o, f in pending if o + f.numel() * item > hi]
+        for _ in stream:               # keeps every learner rank's gathers in step
+            pass
+        ack, codes = g.post_ack(OK)
+        _wait(control, self.timeout_s, f"{ends}: header", torch.device("cpu"))
+        _wait(works + [ack], self.timeout_s, f"{ends}: {len(works)} buckets and the "
+              "acknowledgement (a generator stalled or died?)", dev)
+        statuses = codes.tolist()
+        refused = [g.names[i] for i, s in enumerate(statuses) if s == REJECTED]
+        if refused:
+            raise WeightPushError(f"{ends}: {', '.join(refused)} rejected the tensors (see the "
+                                  "generator's error: wrong adapter form, dtype or shapes?)")
+
+    def close(self) -> None:
+        """Tell the receivers to stop their threads (end of training)."""
+        if self.group is not None:
+            header = torch.tensor([MAGIC, CLOSE, 0, 0, 0])
+            _wait([self.group.broadcast(header, control=True)], self.timeout_s,
+                  f"close from {self.group.names[0]}", header.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generator side
+# ---------------------------------------------------------------------------------------------
+
+class WeightReceiver:
+    """Generator side: stages pushed versions and switches between responses (see module doc).
+
+    `model`: the generator's model in the engine form (its parameter names and dtype must match
+    what the pusher sends; DTensor parameters receive their local shard). With `group`, a daemon
+    thread receives pushes; without, the receiver is the target of a colocated WeightPusher.
+    `version` is the version it serves (initially `version`, e.g. 0 for the shared seed).
+    """
+
+    def __init__(self, model: nn.Module, *, group: PushGroup | None = None, version: int = 0,
+                 name: str = "", timeout_s: float = 60.0):
+        self.model, self.group, self.timeout_s = model, group, timeout_s
+        self.name = name or (group.names[group.rank] if group else "generator")
+        self._version = version
+        self._ready: int | None = None        # newest complete staged version, not yet applied
+        self._error: Exception | None = None
+        self._serve_lock = threading.Lock()   # held while a response is generated
+        self._writer_waiting = threading.Event()   # a colocated push wants the serve lock
+        self._staged = threading.Condition()       # notified when a version is staged
+        self._arena_lock = threading.Lock()   # held while a push lands in the arena
+        self._manifest: Manifest | None = None
+        self._targets: dict[str, torch.Tensor] = {}
+        self._flat: torch.Tensor | None = None       # the model's weights, if rehomed
+        self._thread = None
+        if group is not None:
+            self._thread = threading.Thread(target=self._receive_loop, daemon=True,
+                                            name=f"weights:{self.name}")
+            self._thread.start()
+
+    @property
+    def version(self) -> int:
+        """The version whose weights the model holds."""
+        return self._version
+
+    def poll(self) -> int | None:
+        """The newest completely received version not yet applied (None if none); raises the
+        receive thread's error, if it failed."""
+        if self._error is not None:
+            raise self._error
+        ready = self._ready
+        return ready if ready is not None and ready > self._version else None
+
+    def wait_staged(self, version: int, timeout_s: float) -> bool:
+        """Block until `version` (or a newer one) is staged or served; False on timeout."""
+        with self._staged:
+            return self._staged.wait_for(lambda: self._error is not None or self._version >= version
+                                         or (self._ready or -1) >= version, timeout_s)
+
+    def apply(self, wait: bool = False) -> int:
+        """Switch to the newest staged version if there is one; returns the version served.
+
+        Call only where no forward pass is running (between responses). If a push is landing
+        right now, keeps the current weights unless `wait`.
+        """
+        if self.poll() is None or not self._arena_lock.acquire(blocking=wait):
+            return self._version
+        try:
+            if self._ready is not None and self._ready > self._version:
+                _copy(self._apply_plan)
+                self._version, self._ready = self._ready, None
+        finally:
+            self._arena_lock.release()
+        return self._version
+
+    @contextlib.contextmanager
+    def serving(self, wait: bool = False):
+        """`with receiver.serving() as version:` apply the newest version, then keep the weights
+        fixed until the block exits (a colocated pusher waits for it)."""
+        while self._writer_waiting.is_set():     # Lock is not fair: let a waiting push in first
+            time.sleep(0.001)
+        with self._serve_lock:
+            yield self.apply(wait)
+
+    def _bind(self, manifest: Manifest) -> None:
+        """Check the model against the manifest (ValueError), lay plain parameters out in the
+        arena's order (`rehome`: then a switch or a colocated push is one copy), map pieces."""
+        bind_targets(manifest, self.model)
+        params, item = dict(self.model.named_parameters()), manifest.dtype.itemsize
+        self._flat = rehome([(params[e.name], e.offset // item) for e in manifest.entries],
+                            manifest.total_bytes // item, manifest.dtype)
+        self._manifest = manifest
+        self._targets = bind_targets(manifest, self.model)
+        self._views = self._piece_views()
+
+    def _piece_views(self) -> dict[str, torch.Tensor]:
+        """HF parameter -> flat view of where its shard lands in the model (colocated push)."""
+        out = {}
+        for e in self._manifest.entries:
+            flat, start = self._targets[e.name].view(-1), 0
+            for name, numel in e.sources:          # fused sources lie back to back
+                out[name] = flat[start:start + numel]
+                start += numel
+        return out
+
+    @contextlib.contextmanager
+    def _lock_for_write(self, writer: str, timeout_s: float):
+        self._writer_waiting.set()
+        acquired = self._serve_lock.acquire(timeout=timeout_s)
+        self._writer_waiting.clear()
+        if not acquired:
+            raise WeightPushError(f"colocated weight push from {writer} to {self.name}: the "
+                                  f"generator held its weights for over {timeout_s:.0f} s")
+        try:
+            yield
+        finally:
+            self._serve_lock.release()
+
+    def _receive_loop(self) -> None:
+        g = self.group
+        if g.device.type == "cuda":
+            torch.cuda.set_device(g.device)
+        try:
+            while True:
+                header = torch.zeros(5, dtype=torch.int64)
+                g.broadcast(header, control=True).wait()     # idle until the next push
+                magic, version, manifest_len, total, bucket = header.tolist()
+                assert magic == MAGIC, header
+                if version == CLOSE:
+                    return
+                self._receive(version, manifest_len, total, bucket)
+        except Exception as e:                 # surfaced to the generator by poll()/apply()
+            self._error = e if isinstance(e, WeightPushError) else WeightPushError(
+                f"weight push from {g.names[0]} to {self.name}: {e}")
+            with self._staged:
+                self._staged.notify_all()
+
+    def _receive(self, version: int, manifest_len: int, total: int, bucket: int) -> None:
+        g = self.group
+        ends = f"weight push v{version} from {g.names[0]} to {self.name}"
+        status = OK
+        if manifest_len:
+            data = torch.zeros(manifest_len, dtype=torch.uint8)
+            _wait([g.broadcast(data, control=True)], self.timeout_s, f"{ends}: manifest", data.device)
+            manifest = Manifest.from_bytes(data.numpy().tobytes())
+            with self._arena_lock:
+                self._arena = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=g.device)
+                try:
+                    self._bind(manifest)
+                    if self._flat is not None:         # one memcpy of the whole arena
+                        self._apply_plan = ([(self._flat.view(torch.uint8), self._arena)], [], [])
+                    else:
+                        views = manifest.views(self._arena)
+                        self._apply_plan = _copy_plan(list(self._targets.values()),
+                                                      [views[n] for n in self._targets])
+                except ValueError as e:
+                    self._error, self._targets = WeightPushError(f"{ends}: {e}"), {}
+        if self._error is not None:
+            status = REJECTED
+        with self._arena_lock:        # apply() cannot read a half-written arena
+            self._ready = None
+            works = [g.broadcast(self._arena[lo:hi]) for lo, hi in bucket_bounds(total, bucket)]
+            ack, _ = g.post_ack(status)
+            _wait(works + [ack], self.timeout_s, f"{ends}: {len(works)} buckets", g.device)
+        if status == OK:
+            with self._staged:
+                self._ready = version
+                self._staged.notify_all()
+
+    def close(self) -> None:
+        """Stop serving pushes (the thread ends at the pusher's close())."""
+        self.group = None
+
+
+def plan_senders(layout: ParallelLayout, num_replicas: int) -> dict[int, list[tuple[int, int]]]:
+    """Disaggregated generators: learner rank -> the (replica, gen_tp_rank) ranks it sends to.
+
+    Generator rank (r, j) needs generation shard j; every learner rank with gen_tp == j holds
+    it after resharding, so replicas are dealt round-robin over those holders (spreading the
+    sends over the learner ranks instead of funnelling them through rank 0).
+    """
+    holders: dict[int, list[int]] = {}
+    for rank in range(layout.world_size):
+        holders.setdefault(layout.coords(rank).gen_tp, []).append(rank)
+    plan: dict[int, list[tuple[int, int]]] = {r: [] for r in range(layout.world_size)}
+    for replica in range(num_replicas):
+        for j in range(layout.tp_gen):
+            plan[holders[j][replica % len(holders[j])]].append((replica, j))
+    return plan
