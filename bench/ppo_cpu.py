@@ -1,10 +1,12 @@
-"""Synchronous vs asynchronous PPO on the built-in task, side by side in one invocation (CPU).
+"""Side-by-side runs of the built-in task in one invocation on one Ray instance (CPU).
 
     python bench/ppo_cpu.py [--graph graphs/ppo.py] [--target 0.8] [--max-steps 300] [--set k=v ...]
+    python bench/ppo_cpu.py --compare algorithms --set prompts.num_digits=3   # PPO vs GRPO
 
-Runs the same graph twice on one Ray instance: max_staleness=0 (synchronous on-policy, the
-baseline) and max_staleness=N (asynchronous). Prints, for each, the wall time until the step mean
-reward first reaches --target, steps, samples/s over the run, and the ratios async / sync.
+--compare modes (default): the same graph with max_staleness=0 (synchronous on-policy, the
+baseline) and max_staleness=N (asynchronous). --compare algorithms: graphs/ppo.py vs
+graphs/grpo.py with the same settings and samples per step. Prints, for each run, the wall time
+until the step mean reward first reaches --target, steps, samples/s, and the ratio of the two.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def main() -> None:
     p.add_argument("--target", type=float, default=0.8)
     p.add_argument("--max-steps", type=int, default=300)
     p.add_argument("--async-staleness", type=int, default=1)
+    p.add_argument("--compare", choices=("modes", "algorithms"), default="modes")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     args = p.parse_args()
 
@@ -58,20 +61,27 @@ def main() -> None:
 
     ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(4, os.cpu_count() or 1),
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    if args.compare == "modes":
+        runs = [(f"sync (max_staleness=0)", args.graph, ["max_staleness=0"]),
+                (f"async (max_staleness={args.async_staleness})", args.graph, [f"max_staleness={args.async_staleness}"])]
+    else:  # the same samples per step: 256 PPO samples = 32 prompts x 8 GRPO responses
+        runs = [("ppo", str(ROOT / "graphs/ppo.py"), ["prompts_per_step=256"]),
+                ("grpo (8 per prompt)", str(ROOT / "graphs/grpo.py"), ["prompts_per_step=32", "group_size=8"])]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, staleness in (("sync", 0), ("async", args.async_staleness)):
-            overrides = args.overrides + [f"max_staleness={staleness}", f"target_reward={args.target}"]
-            result = run_once(args.graph, overrides, args.max_steps, f"{tmp}/{name}")
-            rows.append(summarize(f"{name} (max_staleness={staleness})", result, args.target))
+        for i, (name, graph_file, extra) in enumerate(runs):
+            overrides = args.overrides + extra + [f"target_reward={args.target}"]
+            result = run_once(graph_file, overrides, args.max_steps, f"{tmp}/{i}")
+            rows.append(summarize(name, result, args.target))
+            print(f"{name}: {rows[-1]}", flush=True)
     ray.shutdown()
-    print(f"\n{Path(args.graph).name} to reward {args.target} (time from the graph running; start-up excluded)")
+    print(f"\nto reward {args.target} (time from the graph running; start-up excluded); settings: {args.overrides}")
     print(f"| mode | steps | final reward | time to {args.target} (s) | samples/s |")
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['steps']} | {r['final_reward']:.3f} | {r['time_to_target_s']:.1f} | {r['samples_per_s']:.0f} |")
     s, a = rows
-    print(f"\nasync / sync: samples/s x{a['samples_per_s'] / s['samples_per_s']:.2f}, "
+    print(f"\n{a['mode']} / {s['mode']}: samples/s x{a['samples_per_s'] / s['samples_per_s']:.2f}, "
           f"time to target x{a['time_to_target_s'] / s['time_to_target_s']:.2f} (lower is better)")
 
 

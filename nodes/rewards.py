@@ -313,6 +313,9 @@ def answers_equal(pred: str, ref: str, timeout_s: float = 2.0) -> bool:
     pred, ref = _normalize(pred), _normalize(ref)
     if pred == ref:
         return True
+    # Import sympy (seconds on a loaded machine) before the clock starts: the timeout bounds the
+    # comparison, not the first call's import.
+    import sympy.parsing.sympy_parser  # noqa: F401
     try:
         return bool(call_with_timeout(_equal_uncached, (pred, ref), timeout_s=timeout_s))
     except Exception:
