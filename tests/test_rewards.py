@@ -2,6 +2,7 @@
 
 import logging
 import math
+import threading
 import time
 
 import pytest
@@ -88,14 +89,17 @@ def test_score_safely_failures(caplog):
 
 @pytest.mark.parametrize("spin", [False, True])
 def test_timeout_bounds_a_hanging_function(spin):
+    stop = threading.Event()
+
     def hang(prompt, response):
         end = time.monotonic() + 5.0
-        while time.monotonic() < end:
+        while time.monotonic() < end and not stop.is_set():
             if not spin:
                 time.sleep(0.01)
     start = time.monotonic()
     score, error = rewards.score_safely(hang, "p", "r", {}, timeout_s=0.3)
     elapsed = time.monotonic() - start
+    stop.set()  # the abandoned thread would otherwise spin on and slow the tests after this one
     assert score is None and "timed out after 0.3s" in error
     assert elapsed < 0.6                                 # honoured within 2x
 
