@@ -83,7 +83,7 @@ class Clock:
 
     def __init__(self, group: PushGroup):
         self.size = group.size
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("bench", group._store), group.rank,
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("bench", group.store), group.rank,
                                         group.size, timedelta(minutes=10))
 
     def _gather(self, x: float) -> list[float]:
@@ -167,8 +167,9 @@ def run(rank: int, world: int, args, host: str, port: int) -> None:
 
 
 def report(rows, args) -> None:
-    print(f"\nweight push, median of {args.iters} after {args.warmup} warmup; "
-          f"buckets of {args.bucket_bytes / 2**20:g} MiB; goal: ratio <= 1.3")
+    device = torch.cuda.get_device_name(0) if not args.cpu_smoke else "CPU (gloo)"
+    print(f"\nweight push on {device}, torch {torch.__version__}: median of {args.iters} after "
+          f"{args.warmup} warmup; buckets of {args.bucket_bytes / 2**20:g} MiB; goal: ratio <= 1.3")
     print(f"{'model':14} {'MB':>8} {'case':22} {'push ms':>9} {'GB/s':>7} "
           f"{'baseline':10} {'ms':>8} {'ratio':>6}  bit-exact")
     for name, nbytes, case, ours, raw, base, ok in rows:

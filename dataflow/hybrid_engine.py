@@ -41,140 +41,23 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 # The public API of the hybrid engine lives in four modules; this one re-exports it.
 from dataflow.layout import (ParallelLayout, apply_tensor_parallel, apply_training_layout,
                              build_mesh, micro_dp_bytes, naive_bytes)
 from dataflow.reshard import CommCounter, Resharder, reshard_for_generation
+from dataflow.transport import (CLOSE, MAGIC, OK, REJECTED, PushGroup, WeightPushError,
+                                bucket_bounds, copy_plan, local_tensor, run_copy, wait_all)
 from dataflow.weight_adapters import (ALIGN, Manifest, WeightAdapter, bind_targets, family_of,
                                       rehome)
 
 __all__ = ["ParallelLayout", "build_mesh", "apply_training_layout", "apply_tensor_parallel",
            "micro_dp_bytes", "naive_bytes", "CommCounter", "Resharder", "reshard_for_generation",
            "WeightAdapter", "Manifest", "PushGroup", "WeightPusher", "WeightReceiver",
-           "WeightPushError", "PushStats", "plan_senders"]
-
-MAGIC, CLOSE = 0x7E16, -1
-OK, REJECTED = 0, 1              # receiver status codes in the ack
-BIG_COPY = 4 << 20               # bytes: copies at least this large get their own memcpy
-
-
-class WeightPushError(RuntimeError):
-    """A push failed or stalled; the message names the learner end and the generator end."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Process groups of one push edge
-# ---------------------------------------------------------------------------------------------
-
-class PushGroup:
-    """One sender (group rank 0: a learner rank) and its receivers (ranks 1..n: generator ranks).
-
-    Standalone process groups over a TCPStore hosted by the sender, so learners and generators
-    keep their own default process groups (they live in different Ray actors). `names[i]` names
-    group rank i in errors. Data: gloo on CPU, NCCL when `device` is a CUDA device.
-    """
-
-    def __init__(self, *, host: str, port: int, rank: int, names: list[str],
-                 device: str | torch.device = "cpu", timeout_s: float = 60.0):
-        self.rank, self.names, self.size = rank, list(names), len(names)
-        self.device, self.timeout_s = torch.device(device), timeout_s
-        try:
-            store = dist.TCPStore(host, port, self.size, rank == 0,
-                                  timeout=timedelta(seconds=timeout_s))
-        except Exception as e:
-            raise WeightPushError(f"push group {host}:{port} of {self.names[0]} -> "
-                                  f"{self.names[1:]}: {self.names[rank]} could not meet the "
-                                  f"others within {timeout_s:.0f} s ({e})") from e
-        # Long group timeout: receivers wait for the next header for as long as training takes;
-        # pushes enforce timeout_s themselves through Work.wait(timeout).
-        idle = timedelta(days=1)
-        self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, self.size, idle)
-        if self.device.type == "cuda":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = idle          # (attribute of the options in torch 2.x)
-            self.data = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, self.size, opts)
-        else:
-            self.data = dist.ProcessGroupGloo(dist.PrefixStore("data", store), rank, self.size, idle)
-        self._store = store
-
-    def broadcast(self, tensor: torch.Tensor, control: bool = False):
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = 0, 0
-        return (self.control if control else self.data).broadcast([tensor], opts)
-
-    def post_ack(self, status: int):
-        """Post the ack: an all-gather of one status code per rank on the data group, queued
-        behind the buckets (on NCCL it completes once every bucket landed everywhere, and costs
-        microseconds where a gloo round trip costs a few hundred). Returns (work, codes)."""
-        codes = torch.zeros(self.size, dtype=torch.int64, device=self.device)
-        mine = torch.full((1,), status, dtype=torch.int64, device=self.device)
-        return self.data._allgather_base(codes, mine), codes
-
-
-def _wait(works, timeout_s: float, what: str, device: torch.device) -> None:
-    """Block the host until every work in `works` completed, or raise WeightPushError.
-
-    On CUDA, NCCL's Work.wait(timeout) polls with millisecond sleeps (it cost ~1 ms per wait
-    here), so the stream is made to wait (Work.wait() without timeout does only that) and a
-    CUDA event recorded behind it is polled instead.
-    """
-    try:
-        if device.type != "cuda":
-            for w in works:
-                w.wait(timedelta(seconds=timeout_s))
-            return
-        for w in works:
-            w.wait()
-        event = torch.cuda.Event()
-        event.record()
-        deadline = time.monotonic() + timeout_s
-        while not event.query():
-            if time.monotonic() > deadline:
-                raise RuntimeError("timed out")
-            time.sleep(0)
-    except RuntimeError as e:
-        raise WeightPushError(f"{what}: failed or stalled past {timeout_s:.0f} s ({e})") from e
-
-
-def bucket_bounds(total: int, bucket_bytes: int) -> list[tuple[int, int]]:
-    """Arena byte ranges of the buckets of one push (both ends compute them).
-
-    The first buckets are smaller (B/8, B/4, B/2, then B): packing bucket 0 is the one copy that
-    no transfer overlaps, so the pipeline's head is kept short.
-    """
-    bounds, lo, size = [], 0, max(ALIGN, bucket_bytes // 8 // ALIGN * ALIGN)
-    while lo < total:
-        bounds.append((lo, min(total, lo + size)))
-        lo, size = bounds[-1][1], min(bucket_bytes, 2 * size)
-    return bounds
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-    return p.to_local() if isinstance(p, DTensor) else p
-
-
-def _copy_plan(dsts: list[torch.Tensor], srcs: list[torch.Tensor]):
-    """Split copies into large ones (one memcpy each, full bandwidth) and a foreach for the many
-    small ones (one launch; per-tensor launches would cost more host time than they copy)."""
-    big = [(d, s) for d, s in zip(dsts, srcs) if d.numel() * d.element_size() >= BIG_COPY]
-    small = [(d, s) for d, s in zip(dsts, srcs) if d.numel() * d.element_size() < BIG_COPY]
-    return big, [d for d, _ in small], [s for _, s in small]
-
-
-def _copy(plan) -> None:
-    big, small_dsts, small_srcs = plan
-    for d, s in big:
-        d.copy_(s)
-    if small_dsts:
-        torch._foreach_copy_(small_dsts, small_srcs)
-
+           "WeightPushError", "PushStats", "plan_senders", "bucket_bounds"]
 
 # ---------------------------------------------------------------------------------------------
 # Learner side
@@ -222,7 +105,7 @@ class WeightPusher:
         parameters' data where they were (moving or casting the model changes that). Checking
         every parameter would cost ~0.5 ms, as much as a colocated 1 GB push; after replacing
         Parameter objects, call reset()."""
-        return self._plan_model is model and all(_local(p).data_ptr() == ptr
+        return self._plan_model is model and all(local_tensor(p).data_ptr() == ptr
                                                  for p, ptr in self._ends)
 
     def reset(self) -> None:
@@ -246,7 +129,7 @@ class WeightPusher:
             with self.local._lock_for_write(self.name, self.timeout_s):
                 self.local._bind(m)
         params = list(self.resharder.params.values())
-        self._ends = [(p, _local(p).data_ptr()) for p in (params[0], params[-1])]
+        self._ends = [(p, local_tensor(p).data_ptr()) for p in (params[0], params[-1])]
         self._plan_model = model
 
     def push(self, model: nn.Module, version: int) -> PushStats:
@@ -286,10 +169,10 @@ class WeightPusher:
             elif batch[0][0] == "":
                 views = self.local._views
                 srcs = [self._flat[self.offsets[n] // item:][:v.numel()] for n, v in views.items()]
-                _copy(_copy_plan(list(views.values()), srcs))
+                run_copy(copy_plan(list(views.values()), srcs))
             else:
                 views = self.local._views
-                _copy(_copy_plan([views[n] for n, _ in batch], [t for _, t in batch]))
+                run_copy(copy_plan([views[n] for n, _ in batch], [t for _, t in batch]))
             yield batch
 
     def _pack(self, k: int, lo: int, hi: int, pending) -> None:
@@ -302,7 +185,7 @@ class WeightPusher:
             if a < b:
                 dsts.append(buf[a - lo:b - lo].view(m.dtype))
                 srcs.append(flat[(a - offset) // item:(b - offset) // item])
-        _copy(_copy_plan(dsts, srcs))
+        run_copy(copy_plan(dsts, srcs))
 
     def _broadcast(self, batches, where: dict[str, int], version: int) -> None:
         g, m, dev = self.group, self.manifest, self.group.device
@@ -337,15 +220,15 @@ class WeightPusher:
                 if dev.type == "cuda":     # stream dependency, so the host runs ahead
                     works[k - 2].wait()
                 else:
-                    _wait([works[k - 2]], self.timeout_s, f"{ends}: bucket {k - 2}", dev)
+                    wait_all([works[k - 2]], self.timeout_s, f"{ends}: bucket {k - 2}", dev)
             self._pack(k, lo, hi, pending)
             works.append(g.broadcast(self._buffers[k % 2][:hi - lo]))
             pending = [(o, f) for o, f in pending if o + f.numel() * item > hi]
         for _ in stream:               # keeps every learner rank's gathers in step
             pass
         ack, codes = g.post_ack(OK)
-        _wait(control, self.timeout_s, f"{ends}: header", torch.device("cpu"))
-        _wait(works + [ack], self.timeout_s, f"{ends}: {len(works)} buckets and the "
+        wait_all(control, self.timeout_s, f"{ends}: header", torch.device("cpu"))
+        wait_all(works + [ack], self.timeout_s, f"{ends}: {len(works)} buckets and the "
               "acknowledgement (a generator stalled or died?)", dev)
         statuses = codes.tolist()
         refused = [g.names[i] for i, s in enumerate(statuses) if s == REJECTED]
@@ -357,7 +240,7 @@ class WeightPusher:
         """Tell the receivers to stop their threads (end of training)."""
         if self.group is not None:
             header = torch.tensor([MAGIC, CLOSE, 0, 0, 0])
-            _wait([self.group.broadcast(header, control=True)], self.timeout_s,
+            wait_all([self.group.broadcast(header, control=True)], self.timeout_s,
                   f"close from {self.group.names[0]}", header.device)
 
 
@@ -423,7 +306,7 @@ class WeightReceiver:
             return self._version
         try:
             if self._ready is not None and self._ready > self._version:
-                _copy(self._apply_plan)
+                run_copy(self._apply_plan)
                 self._version, self._ready = self._ready, None
         finally:
             self._arena_lock.release()
@@ -499,7 +382,7 @@ class WeightReceiver:
             self._ready = None
         if manifest_len:
             data = torch.zeros(manifest_len, dtype=torch.uint8)
-            _wait([g.broadcast(data, control=True)], self.timeout_s, f"{ends}: manifest", data.device)
+            wait_all([g.broadcast(data, control=True)], self.timeout_s, f"{ends}: manifest", data.device)
             manifest = Manifest.from_bytes(data.numpy().tobytes())
             try:
                 with self._lock_for_write(g.names[0]):     # rehoming moves the weights
@@ -512,13 +395,13 @@ class WeightReceiver:
                     self._apply_plan = ([(self._flat.view(torch.uint8), self._arena)], [], [])
                 elif self._targets:
                     views = manifest.views(self._arena)
-                    self._apply_plan = _copy_plan(list(self._targets.values()),
+                    self._apply_plan = copy_plan(list(self._targets.values()),
                                                   [views[n] for n in self._targets])
         status = REJECTED if self._error is not None else OK
         with self._arena_lock:        # apply() cannot read a half-written arena
             works = [g.broadcast(self._arena[lo:hi]) for lo, hi in bucket_bounds(total, bucket)]
             ack, _ = g.post_ack(status)
-            _wait(works + [ack], self.timeout_s, f"{ends}: {len(works)} buckets", g.device)
+            wait_all(works + [ack], self.timeout_s, f"{ends}: {len(works)} buckets", g.device)
         if status == OK:
             with self._staged:
                 self._ready = version

@@ -21,6 +21,13 @@ generation TP {0,2},{1,3}). Why it is a subset: TP chunk r of t (training) lies 
 r // (t/t_g) of t_g (generation) because t_g divides t and torch.chunk splits evenly when the
 sharded dimension is divisible by t (checked by `check_model`). The p > 1 rule is our natural
 extension (blocks of consecutive stages); PP itself is not implemented yet (pp must be 1).
+
+Bytes. The paper's DP is replicated; ours is FSDP (ZeRO-3). So a rank first completes its TP
+shard by an all-gather over dp (the unshard FSDP2 does for every forward anyway: (d-1)/d of the
+TP shard), then does the paper's micro-DP all-gather, which moves exactly
+`micro_dp_bytes` = ((t*p - t_g*p_g) / (t_g*p_g*t*p)) * M per rank (M: TP-sharded bytes; the
+TP-replicated norms need nothing). A full all-gather moves `naive_bytes` = ((N-1)/N) * M with
+N = p*t*d. With t_g = 1 both equal the full gather (every replica needs every weight).
 """
 
 from __future__ import annotations

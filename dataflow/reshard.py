@@ -26,7 +26,7 @@ from torch import nn
 
 from dataflow.layout import ParallelLayout
 
-# torch >= 2.13 renamed all_gather_into_tensor; the GPU image still has 2.11.
+# torch 2.13 deprecates all_gather_into_tensor for all_gather_single; older torch lacks the latter.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -123,6 +123,9 @@ class Resharder:
     def __init__(self, model: nn.Module, layout: ParallelLayout, mesh=None,
                  dtype: torch.dtype | None = None, batch_bytes: int = 512 << 20,
                  counter: CommCounter | None = None):
+        if layout.world_size > 1 and mesh is None:
+            raise ValueError(f"Resharder: layout {layout} spans {layout.world_size} ranks; pass "
+                             "its training mesh (build_mesh(layout))")
         self.layout, self.dtype, self.batch_bytes = layout, dtype, batch_bytes
         self.counter = counter if counter is not None else CommCounter()
         self.params = dict(model.named_parameters())

@@ -137,13 +137,17 @@ class Entry:
 
 @dataclass(frozen=True)
 class Manifest:
+    """The arena of one push: every engine tensor at an ALIGN-ed byte offset, in `dtype`. Built
+    by the learner from the adapter's plan and the shard shapes, sent once as JSON; receivers
+    stage into an arena of this layout and rehome their parameters into the same one."""
+
     dtype: torch.dtype
     entries: tuple[Entry, ...]
     total_bytes: int
 
     @classmethod
     def build(cls, plan, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> "Manifest":
-        item = torch.empty((), dtype=dtype).element_size()
+        item = dtype.itemsize
         entries, offset = [], 0
         for e in plan:
             parts = [tuple(shapes[s]) for s in e.sources]
@@ -157,7 +161,7 @@ class Manifest:
 
     def pieces(self) -> dict[str, tuple[int, int]]:
         """HF parameter -> (byte offset, numel) of its generation shard in the arena."""
-        item = torch.empty((), dtype=self.dtype).element_size()
+        item = self.dtype.itemsize
         out = {}
         for e in self.entries:
             offset = e.offset
@@ -181,7 +185,7 @@ class Manifest:
 
     def views(self, arena: torch.Tensor) -> dict[str, torch.Tensor]:
         """Engine name -> typed view of the arena (uint8)."""
-        item = torch.empty((), dtype=self.dtype).element_size()
+        item = self.dtype.itemsize
         return {e.name: arena[e.offset:e.offset + math.prod(e.shape) * item]
                 .view(self.dtype).view(e.shape) for e in self.entries}
 

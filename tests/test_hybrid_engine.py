@@ -114,7 +114,10 @@ def check_reshard(rank, build, layout, vocab, record, key, colocated=False):
         want = full[n] if spec.tp_dim is None else full[n].chunk(layout.tp_gen, spec.tp_dim)[gen_tp]
         if not torch.equal(shards[n], want):
             wrong.append(n)
-        m_tp, m_rep = (m_tp, m_rep + p.numel() * 4) if spec.tp_dim is None else (m_tp + p.numel() * 4, m_rep)
+        if spec.tp_dim is None:
+            m_rep += p.numel() * 4          # fp32 bytes of TP-replicated parameters (norms)
+        else:
+            m_tp += p.numel() * 4
     record[key] = {"wrong": wrong, "sent": dict(counter.sent), "received": dict(counter.received),
                    "naive": naive.bytes, "m_tp": m_tp, "m_rep": m_rep, "layout": layout}
     if colocated:      # the generator on this rank gets its weights in place, cast to bf16 once
