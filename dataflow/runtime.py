@@ -27,8 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dataflow import checkpoint
 from dataflow.config import apply_overrides, flatten
 from dataflow.errors import ConfigError, NodeFailed, UserError
+from dataflow import placement
 from dataflow.graph import Graph
 from dataflow.host import HostSpec, NodeHost
 from dataflow.trace import TraceCollector, Tracer, measure_clock_offset
@@ -97,7 +99,7 @@ def _user_frame(e: BaseException, file: Path) -> str:
 def describe(graph: Graph, config: Any = None) -> str:
     lines = [f"graph '{graph.name}'", "nodes:"]
     for n in graph.nodes.values():
-        res = f"cpus={n.cpus:g} gpus={n.gpus:g}"
+        res = f"cpus={n.cpus:g} gpus={n.gpus:g}" + (f" pool={n.pool}" if n.pool else "")
         lines.append(f"  {n.name:<12} {n.kind.__name__:<16} replicas={n.replicas} {res}"
                      f"{'  (ends the run)' if n.ends_run else ''}")
     lines.append("channels:")
@@ -109,30 +111,11 @@ def describe(graph: Graph, config: Any = None) -> str:
         lines.append("versioned edges (latest wins):")
         for e in graph.versioned_edges.values():
             lines.append(f"  {e.name:<12} {e.src} -> {', '.join(e.dst)}")
-    lines.append("placement: " + _placement_text(graph))
+    lines.append("placement: " + placement.plan(graph).text())
     if config is not None and dataclasses.is_dataclass(config):
         lines.append("settings (--set key=value):")
         lines += [f"  {k} = {v!r}" for k, v in flatten(config)]
     return "\n".join(lines)
-
-
-def _placement_text(graph: Graph) -> str:
-    bundles = _bundles(graph)
-    cpus = sum(b.get("CPU", 0) for _, b in bundles)
-    gpus = sum(b.get("GPU", 0) for _, b in bundles)
-    return (f"one placement group (PACK) of {len(bundles)} bundles, {cpus:g} CPUs and {gpus:g} GPUs "
-            "in all; one bundle per node replica")
-
-
-def _bundles(graph: Graph) -> list[tuple[str, dict]]:
-    out = []
-    for n in graph.nodes.values():
-        for replica_name in n.replica_names():
-            bundle = {"CPU": float(n.cpus)}
-            if n.gpus:
-                bundle["GPU"] = float(n.gpus)
-            out.append((replica_name, bundle))
-    return out
 
 
 # ---- running ------------------------------------------------------------------------------------
@@ -145,6 +128,8 @@ class RunOptions:
     out_dir: str | None = None
     verbose: bool = False
     quiet: bool = False
+    resume: str | None = None
+    """A checkpoint directory (or a run directory: its latest checkpoint) to continue from."""
 
 
 @dataclass
@@ -161,38 +146,37 @@ class RunSummary:
 async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> RunSummary:
     """Run `graph` to its end (sources exhausted, max steps, or a failure). Raises NodeFailed."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    run_dir = Path(options.out_dir or f"runs/{graph.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    resume, resume_step = None, 0
+    if options.resume:
+        resume = checkpoint.resolve(options.resume)
+        manifest = checkpoint.read_manifest(resume)
+        if manifest.get("graph") != graph.name:
+            raise UserError(f"--resume {resume}: a checkpoint of graph '{manifest.get('graph')}', not '{graph.name}'")
+        resume_step = manifest["step"]
+    default_dir = resume.parent.parent if resume else f"runs/{graph.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(options.out_dir or default_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     max_steps = options.max_steps if options.max_steps is not None else graph.max_steps
     started_ray = _start_ray(graph, options)
-    monitor = _Monitor(graph, run_dir, options, config)
+    monitor = _Monitor(graph, run_dir, options, config, resume, resume_step)
     hosts: dict[str, Any] = {}
     running: dict[asyncio.Future, str] = {}  # run() calls in flight -> replica name
-    pg = None
+    pgs: dict = {}  # placement groups by pool name
     try:
-        # 1. Place: one bundle per replica in one PACK placement group.
-        bundles = _bundles(graph)
-        pg = placement_group([b for _, b in bundles], strategy="PACK")
-        try:
-            await asyncio.wait_for(pg.ready(), timeout=60)
-        except asyncio.TimeoutError:
-            raise UserError(f"the graph needs {_placement_text(graph)}, which this Ray cluster cannot place "
-                            f"(available: {ray.available_resources()}); lower cpus/gpus/replicas") from None
+        # 1. Place (dataflow/placement.py): check the plan against the cluster's GPUs, then one
+        #    placement group per pool (and one for the nodes without a pool), each actor in its bundle.
+        plan = placement.plan(graph, placement.cluster_gpus())
+        pgs = await placement.create_groups(plan)
         actor_cls = ray.remote(NodeHost)
-        for index, (replica_name, bundle) in enumerate(bundles):
-            spec = graph.nodes[replica_name.split("[")[0]]
+        for replica_name, slot in plan.slots.items():
+            spec = graph.nodes[slot.node]
             host_spec = HostSpec(node=spec.name, replica=spec.replica_names().index(replica_name),
                                  num_replicas=spec.replicas, kind=spec.kind, config=spec.config,
-                                 cpus=spec.cpus, gpus=spec.gpus, max_steps=max_steps,
+                                 cpus=spec.cpus, gpus=slot.gpus, max_steps=max_steps,
                                  trace=options.trace_path is not None, run_dir=str(run_dir.resolve()),
-                                 trace_kernels=options.trace_kernels)
-            hosts[replica_name] = actor_cls.options(
-                name=None, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-            ).remote(host_spec)
+                                 trace_kernels=options.trace_kernels, save_interval=graph.save_interval)
+            hosts[replica_name] = actor_cls.options(name=None, **placement.actor_options(slot, pgs)).remote(host_spec)
 
         # 2. Clocks: one time base for every trace event (NTP-style offset per process).
         for name, host in hosts.items():
@@ -204,9 +188,12 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
             monitor.trace.set_clock_offset(name, measure_clock_offset(samples))
 
         # 3. Wire and set up every node (models are built here, in parallel).
-        setups = await _gather_named({n: h.connect.remote(_wiring(graph, n, hosts)) for n, h in hosts.items()})
+        setups = await _gather_setups({n: h.connect.remote(_wiring(graph, n, hosts)) for n, h in hosts.items()})
         for name, result in setups.items():
             _raise_if_failed(name, result)
+        if resume is not None:  # every replica's state, before any node runs
+            await _load_states(hosts, resume, resume_step)
+            monitor.say(f"[dataflow] resumed from {resume} at step {resume_step}")
         monitor.started()
 
         # 4. Run until the sources end, a run-ending node returns, or something fails.
@@ -215,6 +202,9 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
         while running:
             done, _ = await asyncio.wait(running, timeout=POLL_INTERVAL_S)
             await monitor.poll(hosts)
+            while monitor.checkpoint_requests:  # a node asked for a checkpoint (ctx.checkpoint)
+                requester, step = monitor.checkpoint_requests.pop(0)
+                await _save_checkpoint(graph, hosts, monitor, step, "interval", requester)
             results = {running.pop(fut): _result(fut) for fut in done}
             if any(_failed(r) for r in results.values()):
                 await _wait_for_root_cause(results, running)
@@ -231,14 +221,48 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
                 if isinstance(intervals, list):
                     monitor.trace.add_kernel_intervals(name, intervals)
         return monitor.finish(status)
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, asyncio.CancelledError) and graph.save_interval and running:
+            await _save_checkpoint(graph, hosts, monitor, None, "interrupt")  # Ctrl-C / SIGTERM
+        if isinstance(e, NodeFailed):  # where to continue from
+            e.last_checkpoint = str(monitor.last_checkpoint or checkpoint.latest(run_dir) or "") or None
         if options.trace_path:  # a failed or interrupted run's timeline is the one worth reading
             monitor.trace.write(options.trace_path)
         raise
     finally:
         _discard(running)
         monitor.metrics_file.close()
-        await _shutdown(hosts, pg, started_ray, remove_placement_group)
+        await _shutdown(hosts, pgs, started_ray, placement.remove_groups)
+
+
+async def _load_states(hosts: dict, resume: Path, step: int) -> None:
+    dirs = {n: checkpoint.replica_state_dir(resume, n) for n in hosts}
+    loads = await _gather_named({n: hosts[n].load_state.remote(str(d), step) for n, d in dirs.items() if d})
+    for name, result in loads.items():
+        if isinstance(result, BaseException):
+            raise NodeFailed(name, f"loading its state from {resume} failed: {_death_summary(result)}")
+
+
+async def _save_checkpoint(graph: Graph, hosts: dict, monitor: "_Monitor", step: int | None, reason: str,
+                           requester: str | None = None) -> Path | None:
+    """Every replica saves its state for `step` (None: the step the run-ending node is at), then
+    the checkpoint is committed (dataflow/checkpoint.py). Answers the requesting node."""
+    first = [n for n in hosts if graph.nodes[n.split("[")[0]].ends_run]
+    path, error = None, None
+    try:
+        path = await checkpoint.save(hosts, first, monitor.run_dir, step, {"graph": graph.name, "reason": reason},
+                                     after_first=lambda: monitor.poll(hosts))
+    except Exception as e:
+        error = f"checkpoint of step {step} failed: {type(e).__name__}: {e}"
+        monitor.say(f"[dataflow] {error}")
+    if requester is not None:
+        await hosts[requester].checkpoint_done.remote(str(path) if path else None, error)
+    if path is not None:
+        monitor.last_checkpoint = path
+        monitor.artifacts["last checkpoint"] = str(path)
+        monitor.say(f"[dataflow] {'interrupted: ' if reason == 'interrupt' else ''}checkpoint of step "
+                    f"{checkpoint.read_manifest(path)['step']} saved: {path}")
+    return path
 
 
 def _start_ray(graph: Graph, options: RunOptions) -> bool:
@@ -253,12 +277,12 @@ def _start_ray(graph: Graph, options: RunOptions) -> bool:
     address = options.address or os.environ.get("RAY_ADDRESS")
     if address:
         kwargs["runtime_env"] = {"env_vars": env, "working_dir": str(PROJECT_ROOT),
-                                 "excludes": ["runs/", ".git/", ".venv/"]}
+                                 "excludes": ["runs/", ".git/", ".venv/", ".whl/", "**/__pycache__/"]}
         with _keep_sigterm_handler():
             ray.init(address=address, **kwargs)
     else:
         # Logical CPUs: a node's `cpus` is a share, so a 2-core laptop can still host the whole graph.
-        needed = math.ceil(sum(b["CPU"] for _, b in _bundles(graph)))
+        needed = math.ceil(placement.plan(graph).cpus)
         with _keep_sigterm_handler():
             ray.init(num_cpus=max(os.cpu_count() or 1, needed), **kwargs)
     return True
@@ -315,6 +339,19 @@ async def _gather_named(refs: dict) -> dict:
     names = list(refs)
     results = await asyncio.gather(*(_awaitable(refs[n]) for n in names), return_exceptions=True)
     return dict(zip(names, results))
+
+
+async def _gather_setups(refs: dict) -> dict:
+    """Like _gather_named, but returns at the first failure: a node whose setup waits for a peer
+    (e.g. the weight push rendezvous, nodes/weight_sync.py) would otherwise hold up the report of
+    that peer's failed setup until its own wait timed out."""
+    futures = {asyncio.ensure_future(_awaitable(ref)): name for name, ref in refs.items()}
+    results, pending = {}, set(futures)
+    while pending and not any(_failed(r) for r in results.values()):
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        results.update({futures[f]: _result(f) for f in done})
+    _discard(pending)
+    return results
 
 
 def _result(fut: asyncio.Future) -> Any:
@@ -416,18 +453,23 @@ async def _shutdown(hosts: dict, pg, started_ray: bool, remove_placement_group) 
 class _Monitor:
     """Turns host events into progress lines, metrics.jsonl and the trace/idle report."""
 
-    def __init__(self, graph: Graph, run_dir: Path, options: RunOptions, config: Any):
+    def __init__(self, graph: Graph, run_dir: Path, options: RunOptions, config: Any,
+                 resume: Path | None = None, resume_step: int = 0):
         self.graph = graph
         self.options = options
         self.run_dir = run_dir
         self.metrics_path = run_dir / "metrics.jsonl"
-        self.metrics_file = open(self.metrics_path, "w")
+        if resume is not None:  # keep the records up to the checkpoint's step, then append
+            checkpoint.continue_metrics(resume.parent.parent / "metrics.jsonl", self.metrics_path, resume_step)
+        self.metrics_file = open(self.metrics_path, "a" if resume is not None else "w")
+        self.checkpoint_requests: list[tuple[str, int]] = []
+        self.last_checkpoint: Path | None = resume
         self.trace = TraceCollector(enabled=options.trace_path is not None)
         # Run-level counters (queue depths, staleness) live on a driver track of the same trace.
         self.driver_tracer = Tracer("driver", enabled=options.trace_path is not None)
         self.t_start = time.time()
         self.t_running = None
-        self.step = 0
+        self.step = resume_step
         self.depths: dict[str, int] = {}
         self.artifacts: dict[str, str] = {}
         if config is not None and dataclasses.is_dataclass(config):
@@ -466,6 +508,8 @@ class _Monitor:
             self.say(f"[{name}] {event['text']}")
         elif kind == "artifact":
             self.artifacts[event["name"]] = event["path"]
+        elif kind == "checkpoint":
+            self.checkpoint_requests.append((name, event["step"]))
         elif kind in ("step", "metrics"):
             values = event["values"]
             record = {"time_s": round(event["t"] - (self.t_running or self.t_start), 3), "node": name}
@@ -515,6 +559,8 @@ class _Monitor:
 def _jsonable(v: Any) -> Any:
     if isinstance(v, (int, float, str, bool)) or v is None:
         return v
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
     if hasattr(v, "item"):
         return v.item()
     return str(v)

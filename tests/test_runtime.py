@@ -19,8 +19,11 @@ import json
 import os
 import re
 import signal
+import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -565,3 +568,43 @@ def test_subscriber_keeps_the_latest_version():
         return await host.latest("policy")
 
     assert asyncio.run(scenario()) == (5, "five")
+
+
+def test_joins_an_existing_cluster_with_address(tmp_path):
+    """--address joins a running Ray cluster (started here with `ray start --head`) instead of
+    starting one, ships the project as the job's working dir, and leaves the cluster running."""
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    with socket.socket() as sock:  # a free port outside Ray's worker port range (10002-19999)
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    temp_dir = tempfile.mkdtemp(dir="/tmp", prefix="dfray")  # short: Ray's socket paths max 107 bytes
+    start = subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
+                            f"--temp-dir={temp_dir}"], env=env, capture_output=True, text=True, timeout=120)
+    assert start.returncode == 0, start.stderr
+    try:
+        out = tmp_path / "out"
+        r = subprocess.run([sys.executable, "-m", "dataflow.run", "tests/graphs/squares.py", "--address",
+                            f"127.0.0.1:{port}", "--out", str(out)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert sorted(x["value"] for x in json.loads((out / "collected.json").read_text())) == list(range(20))
+        status = subprocess.run([ray_cli, "status", f"--address=127.0.0.1:{port}"], env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, "the cluster we joined must still be running"
+    finally:
+        # `ray stop` would stop every Ray instance on the machine (this module's too): end only
+        # the processes of the cluster started above, found by its temp dir.
+        _kill_processes_mentioning(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _kill_processes_mentioning(text: str) -> None:
+    for pid_dir in Path("/proc").iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        try:
+            if text in (pid_dir / "cmdline").read_bytes().decode(errors="replace"):
+                os.kill(int(pid_dir.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
