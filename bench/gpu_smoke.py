@@ -71,8 +71,8 @@ def check_loss_goes_down() -> tuple[float, float]:
 def check_graph_on_gpu() -> list[dict]:
     from dataflow.runtime import RunOptions, load_graph, run_graph
 
-    gpus = json.dumps({"generator": 0.25, "reference": 0.25, "critic": 0.25, "learner": 0.25})
-    graph, config = load_graph(str(ROOT / "graphs/ppo.py"), [f"gpus={gpus}", "prompts_per_step=64"])
+    # One GPU shared by generator, reference, critic and learner: a quarter each (memory capped).
+    graph, config = load_graph(str(ROOT / "graphs/ppo.py"), ["placement=colocated", "num_gpus=1", "prompts_per_step=64"])
     with tempfile.TemporaryDirectory() as tmp:
         summary = asyncio.run(run_graph(graph, RunOptions(max_steps=6, out_dir=tmp, quiet=True), config))
         records = [json.loads(l) for l in Path(summary.metrics_path).read_text().splitlines() if '"step"' in l]

@@ -7,6 +7,8 @@ A graph file (graphs/ppo.py) is plain Python:
         g = Graph("ppo")
         g.node("prompts", PromptSource, config.prompts)
         g.node("generator", Generator, config.generator, replicas=2)
+        g.pool("gpus", gpus=1)                # optional: GPU pools (dataflow/placement.py)
+        g.node("learner", Learner, config.learner, pool="gpus", gpus=0.5)
         g.channel("prompts.prompts", "generator.prompts", capacity=16)
         g.versioned("policy", src="learner", dst=["generator", "prompts"])
         return g
@@ -44,11 +46,20 @@ class NodeSpec:
     replicas: int
     where: str
     ends_run: bool = False
+    pool: str | None = None
 
     def replica_names(self) -> list[str]:
         if self.replicas == 1:
             return [self.name]
         return [f"{self.name}[{i}]" for i in range(self.replicas)]
+
+
+@dataclass
+class PoolSpec:
+    name: str
+    gpus: int
+    strategy: str
+    where: str
 
 
 @dataclass
@@ -78,23 +89,44 @@ class Graph:
     nodes: dict[str, NodeSpec] = field(default_factory=dict)
     channels: dict[str, ChannelSpec] = field(default_factory=dict)
     versioned_edges: dict[str, VersionedSpec] = field(default_factory=dict)
+    pools: dict[str, PoolSpec] = field(default_factory=dict)
     progress: list[str] = field(default_factory=list)
     """Metric keys printed on each step's progress line ("a±b" prints a ± b; all when empty)."""
     max_steps: int | None = None
     """Steps after which the run ends (the --max-steps flag overrides it)."""
+    save_interval: int = 0
+    """Checkpoint every this many steps, and on Ctrl-C / SIGTERM (0 = never; dataflow/checkpoint.py)."""
+    max_restarts: int = 0
+    """Times each replica of a node that does not end the run is restarted after its process
+    dies (0 = a death stops the run)."""
+    drop_bad_items: bool = False
+    """Drop (and count) channel items that fail to decode instead of failing the consumer."""
     _problems: list[str] = field(default_factory=list, repr=False)
 
     def node(self, name: str, kind: type, config: Any = None, *, cpus: float = 1.0,
-             gpus: float = 0.0, replicas: int = 1, ends_run: bool = False) -> str:
-        """Declare a node: `replicas` Ray actors of `kind`, each with `cpus` CPUs and `gpus` GPUs
-        (a fraction shares a GPU). `ends_run`: when this node returns, the run is over."""
+             gpus: float = 0.0, replicas: int = 1, ends_run: bool = False, pool: str | None = None) -> str:
+        """Declare a node: `replicas` Ray actors of `kind`, each with `cpus` CPUs and `gpus` GPUs.
+        `pool`: run on the GPUs of that pool (g.pool), `gpus` per replica being a share <= 1 of one
+        of them or whole GPUs (dataflow/placement.py has the rules); without a pool, a fraction
+        shares a GPU Ray picks. `ends_run`: when this node returns, the run is over."""
         where = _caller_location()
         if name in self.nodes:
             self._problems.append(f"{where}: node '{name}' is declared twice (first at {self.nodes[name].where}); give each node its own name")
             return name
         if config is None and isinstance(kind, type) and getattr(kind, "Config", None) is not None:
             config = kind.Config()
-        self.nodes[name] = NodeSpec(name, kind, config, cpus, gpus, replicas, where, ends_run)
+        self.nodes[name] = NodeSpec(name, kind, config, cpus, gpus, replicas, where, ends_run, pool)
+        return name
+
+    def pool(self, name: str, *, gpus: int, strategy: str = "STRICT_PACK") -> str:
+        """Declare a pool of `gpus` whole GPUs, one Ray placement group, for nodes declared with
+        pool=name. Pools are exclusive (no GPU is in two). STRICT_PACK keeps the pool on one machine;
+        "PACK" lets a pool larger than a machine span several."""
+        where = _caller_location()
+        if name in self.pools:
+            self._problems.append(f"{where}: pool '{name}' is declared twice (first at {self.pools[name].where})")
+            return name
+        self.pools[name] = PoolSpec(name, gpus, strategy, where)
         return name
 
     def channel(self, src: str | list[str], dst: str | list[str], *, capacity: int,
@@ -143,6 +175,10 @@ class Graph:
         problems = list(self._problems)
         for spec in self.nodes.values():
             problems += _node_problems(spec)
+        if not problems:  # pools, and which GPU each replica gets (needs sound node resources)
+            from dataflow import placement
+
+            problems += placement.problems(self)
         bound: dict[tuple[str, str, str], str] = {}  # (node, direction, port) -> channel
         for ch in self.channels.values():
             at = f"{ch.where}: channel '{ch.name}'"

@@ -15,12 +15,14 @@ Between actors: channel_take / channel_receiver_closed (channel pulls) and on_pu
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
 from dataflow import channel as channels
+from dataflow import checkpoint
 from dataflow.errors import UserError
 from dataflow.node import NodeContext
 from dataflow.trace import Tracer
@@ -39,6 +41,8 @@ class HostSpec:
     trace: bool
     run_dir: str
     trace_kernels: bool = False
+    save_interval: int = 0
+    drop_bad_items: bool = False
 
 
 class NodeHost:
@@ -51,6 +55,8 @@ class NodeHost:
         # actors of one machine costs more than it gains.
         torch.set_num_threads(max(1, int(spec.cpus)))
         self.device = "cuda" if spec.gpus > 0 and torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and spec.gpus < 1:  # a share of a GPU: stay within it (dataflow/placement.py)
+            torch.cuda.set_per_process_memory_fraction(spec.gpus)
         self.tracer = Tracer(self.name, enabled=spec.trace, device=self.device)
         self.endpoint = channels.ChannelEndpoint()
         self.events: list[dict] = []
@@ -62,15 +68,19 @@ class NodeHost:
         # versioned edges: edge -> (version, [ObjectRef]); subscribers per published edge
         self._versions: dict[str, tuple[int, list]] = {}
         self._fetched: dict[str, tuple[int, Any]] = {}
-        self._version_changed: asyncio.Condition | None = None
+        # Created here, not in connect(): a peer may publish (e.g. from its setup) before this
+        # host's connect() runs. asyncio.Condition binds its loop at first use (Python >= 3.10).
+        self._version_changed = asyncio.Condition()
         self._subscribers: dict[str, list[tuple[str, Any]]] = {}
         self._publish_timeout: dict[str, float] = {}
         self._profiler = None
+        self.state_lock = asyncio.Lock()  # held while saving / loading the node's state
+        self.bad_items: dict[str, int] = {}  # channel -> items dropped because they failed to decode
+        self._checkpoint_reply: asyncio.Future | None = None
 
     # ---- set-up -----------------------------------------------------------------------------
     async def connect(self, wiring: dict) -> dict:
         """Build channel ends from the wiring and set the node up. Returns {"device": ...}."""
-        self._version_changed = asyncio.Condition()
         outputs = {}
         for port, w in wiring["outputs"].items():
             outputs[port] = channels.SendEnd(
@@ -81,7 +91,8 @@ class NodeHost:
         for port, w in wiring["inputs"].items():
             end = channels.ReceiveEnd(
                 w["channel"], consumer_key=self.name, producers=w["producers"],
-                prefetch=w["prefetch"], tracer=self.tracer)
+                prefetch=w["prefetch"], tracer=self.tracer,
+                on_bad_item=self._drop_bad_item if self.spec.drop_bad_items else None)
             inputs[port] = _TrackedInput(end, self._last_item)
         for edge, subs in wiring["publishes"].items():
             self._subscribers[edge] = subs
@@ -89,7 +100,8 @@ class NodeHost:
         self.ctx = NodeContext(
             name=self.spec.node, replica=self.spec.replica, num_replicas=self.spec.num_replicas,
             device=self.device, max_steps=self.spec.max_steps, inputs=inputs, outputs=outputs,
-            tracer=self.tracer, run_dir=self.spec.run_dir, _host=self)
+            tracer=self.tracer, run_dir=self.spec.run_dir, _host=self,
+            save_interval=self.spec.save_interval, state_lock=self.state_lock)
         self.node = self.spec.kind(self.spec.config, self.ctx)
         if self.spec.trace_kernels and self.device == "cuda":
             self._start_kernel_trace()
@@ -98,7 +110,7 @@ class NodeHost:
                 await self.node.setup()
         except Exception as e:
             return self._failure(e, phase="setup")
-        return {"status": "ready", "device": self.device}
+        return {"status": "ready", "device": self.device, "pid": os.getpid()}
 
     # ---- running ----------------------------------------------------------------------------
     async def run(self) -> dict:
@@ -124,6 +136,14 @@ class NodeHost:
         if self._run_task is not None and not self._run_task.done():
             self._run_task.cancel()
 
+    def _drop_bad_item(self, e: channels.BadItem) -> None:
+        """drop_bad_items: count an undecodable item, log the first one per channel, go on."""
+        channel = e.channel
+        self.bad_items[channel] = self.bad_items.get(channel, 0) + 1
+        if self.bad_items[channel] == 1:
+            self.emit({"kind": "log", "text": f"dropped: {e} (drop_bad_items; later ones are only counted)"})
+        self.emit({"kind": "metrics", "values": {f"channel/bad_items/{channel}": self.bad_items[channel]}})
+
     def _failure(self, e: BaseException, phase: str) -> dict:
         item = ""
         if self._last_item:
@@ -131,7 +151,8 @@ class NodeHost:
             shown = ", ".join(f"{k}={v}" for k, v in meta.items() if k != "t_send_us")
             item = f"last item received on input '{port}': {shown}"
         return {"status": "failed", "phase": phase, "error": f"{type(e).__name__}: {e}", "message": str(e),
-                "user_error": isinstance(e, UserError), "channel_error": isinstance(e, channels.ChannelError),
+                "user_error": isinstance(e, UserError),
+                "channel_error": isinstance(e, channels.ChannelError) and not isinstance(e, channels.BadItem),
                 "traceback": traceback.format_exc(), "item": item}
 
     # ---- --trace-kernels: torch.profiler's kernel intervals, to check the CUDA-event busy time ---
@@ -181,6 +202,44 @@ class NodeHost:
         self.steps += 1
         self.emit({"kind": "step", "step": self.steps, "values": values})
         return self.spec.max_steps is None or self.steps < self.spec.max_steps
+
+    # ---- checkpoints (dataflow/checkpoint.py) ------------------------------------------------
+    async def checkpoint(self, step: int) -> str:
+        """The node asks for a checkpoint of `step`: the driver sees the request at its next poll,
+        has every replica save (this one included, via save_state) and answers checkpoint_done."""
+        self._checkpoint_reply = asyncio.get_running_loop().create_future()
+        self.emit({"kind": "checkpoint", "step": step})
+        return await self._checkpoint_reply
+
+    async def checkpoint_done(self, path: str | None, error: str | None = None) -> None:
+        if self._checkpoint_reply is not None and not self._checkpoint_reply.done():
+            if error:
+                self._checkpoint_reply.set_exception(RuntimeError(error))
+            else:
+                self._checkpoint_reply.set_result(path)
+
+    async def save_state(self, path: str, step: int | None) -> dict:
+        """Write this replica's state (node.state_dict(), RNG states, step counter) under `path`,
+        holding state_lock until the files are written. Returns {"step": the node's own step}."""
+        async with self.state_lock:
+            self.ctx.checkpoint_step = step
+            try:
+                node_state = self.node.state_dict()
+            finally:
+                self.ctx.checkpoint_step = None
+            own_step = node_state.get("step") if isinstance(node_state, dict) else None
+            state = {"node": node_state, "rng": checkpoint.rng_state(), "steps": self.steps}
+            with self.tracer.span("checkpoint save"):
+                await asyncio.to_thread(checkpoint.write_state, path, state)
+        return {"step": own_step}
+
+    async def load_state(self, path: str, step: int) -> None:
+        """Load what save_state wrote (after setup, before run); the step counter continues at `step`."""
+        state = await asyncio.to_thread(checkpoint.read_state, path)
+        async with self.state_lock:
+            self.node.load_state_dict(state["node"])
+            checkpoint.set_rng_state(state["rng"])
+            self.steps = step
 
     # ---- channels (called by peer actors) ---------------------------------------------------
     async def channel_take(self, channel: str, consumer_key: str, max_items: int):

@@ -175,7 +175,8 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
                                  num_replicas=spec.replicas, kind=spec.kind, config=spec.config,
                                  cpus=spec.cpus, gpus=slot.gpus, max_steps=max_steps,
                                  trace=options.trace_path is not None, run_dir=str(run_dir.resolve()),
-                                 trace_kernels=options.trace_kernels, save_interval=graph.save_interval)
+                                 trace_kernels=options.trace_kernels, save_interval=graph.save_interval,
+                                 drop_bad_items=graph.drop_bad_items)
             hosts[replica_name] = actor_cls.options(name=None, **placement.actor_options(slot, pgs)).remote(host_spec)
 
         # 2. Clocks: one time base for every trace event (NTP-style offset per process).

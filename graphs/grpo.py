@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from dataflow import Graph
 from nodes.learner import Learner
 
-from graphs.ppo import PROGRESS, PPOGraphConfig, add_rollout_nodes, node_gpus, wire_policy
+from graphs.ppo import PROGRESS, PPOGraphConfig, add_rollout_nodes, gpu_layout, wire_policy
 
 
 @dataclass(kw_only=True)
@@ -33,8 +33,9 @@ def build(cfg: GRPOGraphConfig) -> Graph:
     cfg.generator.max_new_tokens = wire_policy(cfg)
     cfg.generator.group_size = cfg.learner.group_size = cfg.group_size
     cfg.learner.algorithm = "grpo"
-    g = Graph("grpo", max_steps=cfg.max_steps, progress=PROGRESS)
-    rollouts = add_rollout_nodes(g, cfg)
-    g.node("learner", Learner, cfg.learner, cpus=1, ends_run=True, gpus=node_gpus(cfg, "learner"))
+    g = Graph("grpo", max_steps=cfg.max_steps, progress=PROGRESS, save_interval=cfg.save_interval)
+    on_gpus = gpu_layout(g, cfg, trainers=("reference", "learner"))
+    rollouts = add_rollout_nodes(g, cfg, on_gpus)
+    g.node("learner", Learner, cfg.learner, cpus=1, ends_run=True, **on_gpus.get("learner", {}))
     g.channel(rollouts, "learner.rollouts", capacity=cfg.channel_capacity, name="rollouts")
     return g

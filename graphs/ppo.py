@@ -13,10 +13,13 @@ Out of the box: the built-in task (nodes/tasks.py: copy 3 digits, per-position c
 random-init Llama, CPU only. Your own model, data and reward:
     --set policy.path=/path/to/hf_model_dir --set prompts.path=data.jsonl \
     --set reward.path=my_reward.py --set max_new_tokens=64
+On GPUs: --set placement=colocated --set num_gpus=N (every model node on every GPU), or
+placement=split (generators on their own GPUs); --describe prints which node runs on which GPU.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -30,6 +33,7 @@ from nodes.reference import Reference, ReferenceConfig
 from nodes.reward import Reward, RewardConfig
 from nodes.reward_model import RewardModel, RewardModelConfig
 from nodes.tasks import make_task
+from nodes.weight_sync import SYNC_EDGE
 
 
 @dataclass(kw_only=True)
@@ -49,15 +53,32 @@ class PPOGraphConfig:
     """Longest response (0 = what the built-in task needs; set it for your own data)."""
     max_staleness: int = 1
     """Policy versions the generators may run ahead of the learner (0 = synchronous)."""
+    weight_transport: Literal["object_store", "collective"] = "object_store"
+    """How the learner's weights reach the generators. object_store: a state dict through Ray's
+    object store. collective: the HybridEngine push (gloo; NCCL when each end has a GPU of its
+    own; llama/qwen2 policies), the `policy` edge then carries only the version."""
+    weight_checksums: bool = False
+    """Log a checksum of the weights per version, learner and generators (metrics.jsonl)."""
     prompts_per_step: int = 256
-    generator_replicas: int = 1
+    generator_replicas: int = 0
+    """Generator actors (0 = one per generator GPU, or 1 on CPU)."""
     channel_capacity: int = 64
-    gpus: dict = field(default_factory=dict)
-    """GPUs per node replica, e.g. '{"generator": 0.5, "learner": 0.5}' (fractions share a GPU)."""
+    placement: Literal["cpu", "colocated", "split"] = "cpu"
+    """Where the model nodes run. cpu: no GPU. colocated: one pool of num_gpus GPUs that the
+    generators (one per GPU), reference, critic and learner share, in equal shares, as evenly as
+    they go. split: the generators get GPUs 0..num_gpus-2 (one whole GPU each), the learner side
+    (reference, critic, learner: equal shares) the last GPU. Each share caps that node's GPU memory."""
+    num_gpus: int = 1
+    """GPUs for placement=colocated or split (the cluster must have them; checked at start)."""
+    reward_model_gpu_share: float = 0.0
+    """With reward_kind=model and a GPU placement: the reward model's share of one GPU of the
+    learner's pool (the other shares there shrink to make room). 0 = the reward model on CPU."""
     max_steps: int = 200
     """Stop after this many learner steps (--max-steps overrides)."""
     target_reward: float = 0.0
     """Stop as soon as the mean reward reaches this (0 = off)."""
+    save_interval: int = 0
+    """Checkpoint every this many steps and on Ctrl-C (0 = off); continue with --resume DIR."""
 
 
 config = PPOGraphConfig()
@@ -71,6 +92,8 @@ def wire_policy(cfg) -> int:
     cfg.prompts.max_staleness = cfg.learner.max_staleness = cfg.max_staleness
     cfg.learner.temperature = cfg.generator.temperature
     cfg.learner.target_reward = cfg.target_reward
+    for sync in (cfg.learner.weight_sync, cfg.generator.weight_sync):
+        sync.transport, sync.checksums = cfg.weight_transport, sync.checksums or cfg.weight_checksums
     if cfg.policy.path:  # the reward node decodes responses with the policy's own tokenizer
         cfg.reward.tokenizer_path = cfg.policy.path
     if cfg.max_new_tokens:
@@ -80,30 +103,59 @@ def wire_policy(cfg) -> int:
     return make_task(cfg.prompts.task, cfg.prompts.num_digits).max_new_tokens
 
 
-def node_gpus(cfg, name: str) -> float:
-    unknown = set(cfg.gpus) - {"prompts", "generator", "reward", "reference", "critic", "learner"}
-    if unknown:
-        raise ConfigError(f"--set gpus: unknown node(s) {', '.join(sorted(unknown))}")
-    return float(cfg.gpus.get(name, 0.0))
+def gpu_layout(g: Graph, cfg, trainers: tuple[str, ...]) -> dict[str, dict]:
+    """Declare the GPU pools that cfg.placement asks for; returns g.node() keyword arguments
+    (pool, gpus, replicas) per node. `trainers`: the learner-side nodes (one actor each)."""
+    n, share = cfg.num_gpus, cfg.reward_model_gpu_share
+    if share and cfg.reward_kind != "model":
+        raise ConfigError("reward_model_gpu_share is set, but reward_kind is 'function' (a program on CPU); "
+                          "set reward_kind=model or leave the share at 0")
+    if not 0 <= share < 1:
+        raise ConfigError(f"reward_model_gpu_share must be in [0, 1) (got {share})")
+    if cfg.placement == "cpu":
+        if share:
+            raise ConfigError("reward_model_gpu_share needs placement=colocated or split (placement=cpu uses no GPU)")
+        return {"generator": {"replicas": cfg.generator_replicas or 1}}
+    if n < 1 or (cfg.placement == "split" and n < 2):
+        raise ConfigError(f"placement={cfg.placement} needs num_gpus >= {1 if cfg.placement == 'colocated' else 2}"
+                          f" (got {n}); split puts the generators and the learner side on different GPUs")
+    if cfg.placement == "colocated":
+        g.pool("gpus", gpus=n)
+        gens = cfg.generator_replicas or n
+        per_gpu = math.ceil((gens + len(trainers)) / n)  # the most equal shares one GPU has to hold
+        layout = {name: {"pool": "gpus", "gpus": (1 - share) / per_gpu} for name in ("generator", *trainers)}
+        train_pool = "gpus"
+    else:
+        g.pool("rollout", gpus=n - 1)
+        g.pool("train", gpus=1)
+        gens = cfg.generator_replicas or n - 1
+        layout = {"generator": {"pool": "rollout", "gpus": 1 / math.ceil(gens / (n - 1))}}
+        layout.update({name: {"pool": "train", "gpus": (1 - share) / len(trainers)} for name in trainers})
+        train_pool = "train"
+    layout["generator"]["replicas"] = gens
+    if share:
+        layout["reward"] = {"pool": train_pool, "gpus": share}
+    return layout
 
 
-def add_rollout_nodes(g: Graph, cfg) -> str:
-    """prompts -> generator -> reward -> reference, shared by the PPO and GRPO graphs.
-    Returns the port that carries finished rollouts (with rewards and reference log-probs)."""
+def add_rollout_nodes(g: Graph, cfg, on_gpus: dict[str, dict]) -> str:
+    """prompts -> generator -> reward -> reference, shared by the PPO and GRPO graphs; `on_gpus`
+    from gpu_layout. Returns the port that carries finished rollouts (with rewards and reference log-probs)."""
     g.node("prompts", PromptSource, cfg.prompts, cpus=0.1)
-    g.node("generator", Generator, cfg.generator, cpus=1, replicas=cfg.generator_replicas,
-           gpus=node_gpus(cfg, "generator"))
+    g.node("generator", Generator, cfg.generator, cpus=1, **on_gpus["generator"])
     if cfg.reward_kind == "model":
-        g.node("reward", RewardModel, cfg.reward_model, cpus=0.2, gpus=node_gpus(cfg, "reward"))
+        g.node("reward", RewardModel, cfg.reward_model, cpus=0.2, **on_gpus.get("reward", {}))
     else:
         g.node("reward", Reward, cfg.reward, cpus=0.1)
-    g.node("reference", Reference, cfg.reference, cpus=0.2, gpus=node_gpus(cfg, "reference"))
+    g.node("reference", Reference, cfg.reference, cpus=0.2, **on_gpus.get("reference", {}))
     cap = cfg.channel_capacity
     g.channel("prompts.prompts", "generator.prompts", capacity=cap, name="prompts")
     g.channel("generator.samples", "reward.samples", capacity=cap, name="samples")
     g.channel("reward.scored", "reference.scored", capacity=cap, name="scored")
     # Generators first: the prompt source must not admit a batch before they hold its weights.
     g.versioned("policy", src="learner", dst=["generator", "prompts"])
+    if cfg.weight_transport == "collective":  # the push group's rendezvous (nodes/weight_sync.py)
+        g.versioned(SYNC_EDGE, src="learner", dst=["generator"])
     return "reference.with_ref"
 
 
@@ -114,10 +166,11 @@ def build(cfg: PPOGraphConfig) -> Graph:
     cfg.generator.max_new_tokens = wire_policy(cfg)
     cfg.learner.algorithm = "ppo"
     cfg.critic.train_samples = cfg.prompts_per_step
-    g = Graph("ppo", max_steps=cfg.max_steps, progress=PROGRESS)
-    rollouts = add_rollout_nodes(g, cfg)
-    g.node("critic", Critic, cfg.critic, cpus=0.5, gpus=node_gpus(cfg, "critic"))
-    g.node("learner", Learner, cfg.learner, cpus=1, ends_run=True, gpus=node_gpus(cfg, "learner"))
+    g = Graph("ppo", max_steps=cfg.max_steps, progress=PROGRESS, save_interval=cfg.save_interval)
+    on_gpus = gpu_layout(g, cfg, trainers=("reference", "critic", "learner"))
+    rollouts = add_rollout_nodes(g, cfg, on_gpus)
+    g.node("critic", Critic, cfg.critic, cpus=0.5, **on_gpus.get("critic", {}))
+    g.node("learner", Learner, cfg.learner, cpus=1, ends_run=True, **on_gpus.get("learner", {}))
     g.channel(rollouts, "critic.with_ref", capacity=cfg.channel_capacity, name="with_ref")
     g.channel("critic.advantaged", "learner.rollouts", capacity=cfg.channel_capacity, name="rollouts")
     return g
