@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import ray
 
-from dataflow.codec import DEFAULT_MAX_BYTES, DEFAULT_OOB_THRESHOLD, Message, decode, encode
+from dataflow.codec import DEFAULT_MAX_BYTES, DEFAULT_OOB_THRESHOLD, DecodeError, Message, decode, encode
 
 _META_TYPES = (int, float, str, bool, type(None))
 
@@ -49,6 +49,15 @@ class EndOfChannel(ChannelError):
 
 class BrokenChannel(ChannelError):
     """send() on a channel whose consumers all closed their receive ends."""
+
+
+class BadItem(ChannelError):
+    """recv() met an item that fails to decode (names the channel and the producer)."""
+
+    def __init__(self, message: str, channel: str = "", producer: str = ""):
+        super().__init__(message)
+        self.channel = channel
+        self.producer = producer
 
 
 class ClosedChannel(ChannelError):
@@ -135,6 +144,13 @@ class ChannelEndpoint:
             await self._registered.wait()
         return await send_end._take(consumer_key, max_items)
 
+    def reset_consumer(self, channel: str, consumer_key: str) -> None:
+        """Consumer `consumer_key` of `channel` died and was restarted: takes its dead process left
+        waiting here return empty (see SendEnd.reset_consumer)."""
+        send_end = self._outboxes.get(channel)
+        if send_end is not None:
+            send_end.reset_consumer(consumer_key)
+
     async def receiver_closed(self, channel: str, consumer_key: str) -> None:
         """Consumer `consumer_key` closed its ReceiveEnd of `channel`."""
         send_end = self._outboxes.get(channel)
@@ -195,6 +211,7 @@ class SendEnd:
         self._taken_total = 0
         self._tasks_waiting = 0
         self._closed = False
+        self._generation: dict[str, int] = {}  # consumer key -> restarts (reset_consumer)
 
     def _broken(self) -> bool:
         return self._closed_consumers >= self.consumer_keys
@@ -274,16 +291,27 @@ class SendEnd:
                                f"(expected one of {sorted(self.consumer_keys)})")
         if max_items < 1:
             raise ValueError(f"max_items must be >= 1, got {max_items}")
-        while not self._items and not self._closed and consumer_key not in self._closed_consumers:
+        generation = self._generation.get(consumer_key, 0)
+        while (not self._items and not self._closed and consumer_key not in self._closed_consumers
+               and self._generation.get(consumer_key, 0) == generation):
             await self._has_items.wait()
         if consumer_key in self._closed_consumers:
             return True, []  # stops a pump whose receive end closed while this take waited
+        if self._generation.get(consumer_key, 0) != generation:
+            return False, []  # asked for by a process of the consumer that died since
         # No await from here to the return: items popped are always in the reply.
         batch = [self._items.popleft() for _ in range(min(max_items, len(self._items)))]
         self._taken_total += len(batch)
         self._has_space.fire()
         self._depth_changed()
         return self._closed and not self._items, batch
+
+    def reset_consumer(self, consumer_key: str) -> None:
+        """The process of consumer `consumer_key` died (and was restarted). A take it left waiting
+        would hand the next items to nobody: every take of that key waiting now returns empty
+        (a live pump just asks again)."""
+        self._generation[consumer_key] = self._generation.get(consumer_key, 0) + 1
+        self._has_items.fire()
 
     def _receiver_closed(self, consumer_key: str) -> None:
         self._closed_consumers.add(consumer_key)
@@ -325,13 +353,18 @@ class ReceiveEnd:
     items (in the inbox or in flight), so one idle producer cannot starve the others.
 
     Pumps start at construction when an event loop is running, else at the first recv. Messages
-    are decoded zero-copy: their arrays/tensors are read-only (copy before writing).
+    are decoded zero-copy: their arrays/tensors are read-only (copy before writing). An item that
+    fails to decode raises BadItem from recv(); with `on_bad_item`, it is passed (as the BadItem)
+    to that callback and skipped instead. With `retry_s` > 0, a take that fails (the producer's
+    process died and is being restarted) is retried for up to that many seconds before recv()
+    raises ChannelError; the items that were in the dead producer's outbox are lost.
     """
 
     def __init__(self, channel: str, consumer_key: str,
                  producers: Mapping[str, Any] | Iterable[tuple[str, Any]], *, prefetch: int,
                  tracer: Any = None, on_depth: Callable[[str, int], None] | None = None,
-                 max_bytes: int = DEFAULT_MAX_BYTES):
+                 max_bytes: int = DEFAULT_MAX_BYTES, on_bad_item: Callable[[BadItem], None] | None = None,
+                 retry_s: float = 0.0):
         producers = dict(producers)
         if not producers:
             raise ValueError(f"channel {channel!r}: a ReceiveEnd needs at least one producer")
@@ -359,6 +392,8 @@ class ReceiveEnd:
         self._wait_input = tracer.wait_input if tracer is not None else _nullcontext
         self._on_depth = on_depth
         self._max_bytes = max_bytes
+        self._on_bad_item = on_bad_item
+        self._retry_s = retry_s
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -375,13 +410,24 @@ class ReceiveEnd:
 
     async def _pump(self, i: int) -> None:
         handle, name = self._handles[i], self._names[i]
+        failing_since = None
         try:
             while True:
                 while self._quota - self._held[i] < self._low_water:
                     await self._pump_wake[i].wait()
                 n = self._quota - self._held[i]
                 self._held[i] += n
-                closed, items = await handle.channel_take.remote(self.channel, self.consumer_key, n)
+                try:
+                    closed, items = await handle.channel_take.remote(self.channel, self.consumer_key, n)
+                except Exception:
+                    self._held[i] -= n
+                    now = asyncio.get_running_loop().time()
+                    failing_since = failing_since or now
+                    if self._retry_s <= 0 or now - failing_since > self._retry_s:
+                        raise
+                    await asyncio.sleep(0.2)  # the producer is being restarted: ask again
+                    continue
+                failing_since = None
                 if any(isinstance(b, ray.ObjectRef) for _, b in items):  # put_large producer
                     items = [(h, await b if isinstance(b, ray.ObjectRef) else b) for h, b in items]
                 self._held[i] -= n - len(items)
@@ -409,7 +455,23 @@ class ReceiveEnd:
         self._received_total += 1
         if self._on_depth is not None:
             self._on_depth(self.channel, len(self._inbox))
-        return decode(header, buffers, max_bytes=self._max_bytes)
+        try:
+            return decode(header, buffers, max_bytes=self._max_bytes)
+        except DecodeError as e:
+            raise BadItem(f"channel {self.channel!r}: an item from producer {self._names[i]!r} failed to "
+                          f"decode: {e}", self.channel, self._names[i]) from e
+
+    def _pop_good(self, count: int) -> list[Message]:
+        """Up to `count` decoded items from the inbox (fewer when on_bad_item skipped some)."""
+        out = []
+        for _ in range(count):
+            try:
+                out.append(self._pop())
+            except BadItem as e:
+                if self._on_bad_item is None:
+                    raise
+                self._on_bad_item(e)
+        return out
 
     def _check(self) -> None:
         if self._closed:
@@ -421,8 +483,9 @@ class ReceiveEnd:
     def recv_nowait(self) -> Message:
         """The next item if one is here; raises WouldBlock if none yet, EndOfChannel at the end."""
         self._check()
-        if self._inbox:
-            return self._pop()
+        while self._inbox:
+            for msg in self._pop_good(1):
+                return msg
         if self._pumps_open == 0:
             raise EndOfChannel(f"channel {self.channel!r}: all producers closed")
         raise WouldBlock(f"channel {self.channel!r}: no item ready")
@@ -448,7 +511,10 @@ class ReceiveEnd:
             n = len(self._inbox)
             if n >= max_items or (n and (self._pumps_open == 0 or
                                          (deadline is not None and loop.time() >= deadline))):
-                return [self._pop() for _ in range(min(n, max_items))]
+                batch = self._pop_good(min(n, max_items))
+                if batch:
+                    return batch
+                continue  # every one of them was bad (and skipped)
             if n == 0 and self._pumps_open == 0:
                 raise EndOfChannel(f"channel {self.channel!r}: all producers closed")
             with self._wait_input(self.channel):

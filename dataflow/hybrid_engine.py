@@ -294,7 +294,8 @@ class WeightReceiver:
         """Block until `version` (or a newer one) is staged or served; False on timeout."""
         with self._staged:
             return self._staged.wait_for(lambda: self._error is not None or self._version >= version
-                                         or (self._ready or -1) >= version, timeout_s)
+                                         or (-1 if self._ready is None else self._ready) >= version,
+                                         timeout_s)
 
     def apply(self, wait: bool = False) -> int:
         """Switch to the newest staged version if there is one; returns the version served.

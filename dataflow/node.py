@@ -38,11 +38,14 @@ class Node:
         """The node's loop. Returning ends the node; its outputs are then closed."""
         raise NotImplementedError
 
-    # State that a restarted replica or a checkpoint needs (issue 7 builds on these).
+    # State that a checkpoint saves and a resumed or restarted replica loads (dataflow/checkpoint.py).
     def state_dict(self) -> dict:
+        """Tensors, arrays, numbers, strings, lists, tuples and dicts (saved as safetensors + JSON).
+        Runs under `ctx.state_lock`; `ctx.checkpoint_step` is the step being saved."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what state_dict() returned; called after setup(), before run()."""
         pass
 
 
@@ -60,6 +63,13 @@ class NodeContext:
     outputs: dict = field(default_factory=dict)  # port -> channel.SendEnd
     tracer: Any = None                           # trace.Tracer
     _host: Any = None                            # the NodeHost (for versioned edges and events)
+    save_interval: int = 0
+    """Checkpoint every this many steps (the graph's save_interval; 0 = off)."""
+    checkpoint_step: int | None = None
+    """While state_dict() runs: the step the checkpoint is for (batches < it are trained)."""
+    state_lock: Any = None
+    """asyncio.Lock the host holds while saving or loading state: hold it while changing state
+    that state_dict() reads, so a checkpoint never sees half an update."""
 
     @property
     def full_name(self) -> str:
@@ -91,6 +101,10 @@ class NodeContext:
         """Publish `value` at `version` on a versioned (latest-wins) edge; waits for every ack."""
         await self._host.publish(edge, value, version)
 
+    def subscribers(self, edge: str) -> list[str]:
+        """Replica names subscribed to `edge`, which this node publishes ([] if none), in push order."""
+        return [name for name, _ in self._host._subscribers.get(edge, [])]
+
     def latest_version(self, edge: str) -> int:
         """Newest version announced on `edge` (-1 before the first publish)."""
         return self._host.latest_version(edge)
@@ -102,3 +116,13 @@ class NodeContext:
     async def wait_version(self, edge: str, min_version: int) -> int:
         """Wait until `edge` has reached `min_version`; returns the version reached."""
         return await self._host.wait_version(edge, min_version)
+
+    def checkpoint_due(self, step: int) -> bool:
+        """True when step `step` should end with a checkpoint (every save_interval steps)."""
+        return self.save_interval > 0 and step > 0 and step % self.save_interval == 0
+
+    async def checkpoint(self, step: int) -> str:
+        """Save every node's state for `step` (the driver asks each replica; dataflow/checkpoint.py)
+        and return the checkpoint directory. Call it where the run's state is consistent: after
+        step `step`'s update, before its new weights are published. Do not hold state_lock."""
+        return await self._host.checkpoint(step)

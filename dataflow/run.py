@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="run directory for metrics.jsonl and weights (default runs/<graph>-<time>)")
     p.add_argument("--verbose", action="store_true", help="also show the node actors' own logs")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from a checkpoint (DIR = <run>/checkpoints/step_<k>, or a run directory: "
+                        "its latest checkpoint); --max-steps counts from the start of the original run")
     return p.parse_args(argv)
 
 
@@ -60,11 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     options = RunOptions(address=args.address, max_steps=args.max_steps, trace_path=args.trace,
                          trace_kernels=args.trace_kernels,
-                         out_dir=args.out, verbose=args.verbose)
-    return _run_with_signals(lambda: run_graph(graph, options, config))
+                         out_dir=args.out, verbose=args.verbose, resume=args.resume)
+    return _run_with_signals(lambda: run_graph(graph, options, config), args.graph)
 
 
-def _run_with_signals(make_coro) -> int:
+def _run_with_signals(make_coro, graph_file: str = "GRAPH.py") -> int:
     """Run the driver on uvloop; Ctrl-C / SIGTERM cancel it, which stops every actor and Ray."""
     interrupted = []
 
@@ -95,6 +98,10 @@ def _run_with_signals(make_coro) -> int:
         if e.traceback_text:
             print("  original traceback (in the node's actor):", file=sys.stderr)
             print("    " + e.traceback_text.rstrip().replace("\n", "\n    "), file=sys.stderr)
+        last = getattr(e, "last_checkpoint", None)
+        if last:
+            print(f"  last checkpoint: {last}\n  continue with: python -m dataflow.run {graph_file} --resume {last}",
+                  file=sys.stderr)
         return 1
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

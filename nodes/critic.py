@@ -78,7 +78,17 @@ class Critic(Node):
         self.model.eval()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr)
         self.rng = random.Random(c.seed)
-        self.pending: list[dict] = []
+        self.pending: list[tuple[int, dict]] = []  # (prompt id, sample) not yet trained on
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "rng": self.rng.getstate(), "pending": self.pending}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.rng.setstate(state["rng"])
+        self.pending = [tuple(p) for p in state["pending"]]
 
     def _advantages(self, items: list[dict]) -> dict:
         c = self.config
@@ -106,10 +116,14 @@ class Critic(Node):
                 await asyncio.to_thread(self._advantages, items)
             for msg, item in zip(batch, items):
                 await out.send(item, **msg.meta)
-            self.pending += [s for item in items for s in item["samples"]]
+            self.pending += [(item["id"], s) for item in items for s in item["samples"]]
             if len(self.pending) >= c.train_samples:
-                train, self.pending = self.pending, []
-                with self.ctx.span("critic train", samples=len(train)):
-                    stats = await asyncio.to_thread(critic_update, self.model, self.optimizer, train,
-                                                    self.tokenizer.pad_token_id, c, self.rng)
+                # In prompt id order, so the same samples train the same way however they arrived;
+                # under the state lock, so a checkpoint never sees half a training pass.
+                train = [s for _, s in sorted(self.pending, key=lambda p: p[0])]
+                async with self.ctx.state_lock:
+                    self.pending = []
+                    with self.ctx.span("critic train", samples=len(train)):
+                        stats = await asyncio.to_thread(critic_update, self.model, self.optimizer, train,
+                                                        self.tokenizer.pad_token_id, c, self.rng)
                 self.ctx.metrics(stats)

@@ -4,11 +4,14 @@ Consumes: `prompts` {"id", "prompt", "fields"}.
 Produces: `samples`, one item per prompt: {"id", "prompt", "fields", "version",
           "samples": [{"prompt_ids", "response_ids", "logprobs", "finished"} x group_size]}.
 Waits for: prompts (admitted by the prompt source under the staleness bound).
-Unblocked by: the prompt source; new weights arrive on the versioned edge `policy` at any time.
+Unblocked by: the prompt source; new weights arrive on the versioned edge `policy` at any time
+(weight_sync.transport=collective: by the learner's HybridEngine push; nodes/weight_sync.py).
 
 Weights switch only between generate calls, so no response mixes versions, and prompts already
 taken are generated (with the weights in hand at that moment), never lost. Generation runs in a
 worker thread so the actor keeps answering channel pulls and weight pushes meanwhile.
+Each call samples from a torch.Generator seeded with (seed, id of its first prompt): the same
+prompts in the same call give the same responses on any replica, after a restart or a resume.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataflow import Node
 from dataflow.channel import EndOfChannel
 from nodes import policy
 from nodes.models import sample_responses
+from nodes.weight_sync import SYNC_EDGE, GeneratorWeightSync, WeightSyncConfig
 
 
 @dataclass(kw_only=True)
@@ -37,6 +41,8 @@ class GeneratorConfig:
     """Sample from the k most likely tokens (0 = all)."""
     prompts_per_call: int = 32
     """Prompts batched into one generate call (taken as they are available, up to this many)."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """How the learner's weights arrive (must match the learner's; nodes/weight_sync.py)."""
     seed: int = 0
 
 
@@ -44,20 +50,14 @@ class Generator(Node):
     Config = GeneratorConfig
     inputs = ("prompts",)
     outputs = ("samples",)
-    subscribes = ("policy",)
+    subscribes = ("policy", SYNC_EDGE)
 
     async def setup(self):
         self.model, self.tokenizer = policy.load(self.config.policy)
         self.model.to(self.ctx.device).eval()
         self.version = 0
-        # Each replica samples its own stream, reproducibly.
-        self.rng = torch.Generator().manual_seed(self.config.seed * 1000 + self.ctx.replica)
-
-    async def _sync_weights(self) -> None:
-        if self.ctx.latest_version("policy") > self.version:
-            version, state = await self.ctx.latest("policy")
-            self.model.load_state_dict(state)
-            self.version = version
+        self.weight_sync = GeneratorWeightSync(self.ctx, self.config.weight_sync)
+        await self.weight_sync.setup(self.model)
 
     async def run(self):
         c = self.config
@@ -67,13 +67,14 @@ class Generator(Node):
                 batch = await prompts.recv_batch(c.prompts_per_call, timeout_s=0.02)
             except EndOfChannel:
                 return
-            await self._sync_weights()
             ids = [self.tokenizer(m.data["prompt"])["input_ids"] for m in batch]
             repeated = [p for p in ids for _ in range(c.group_size)]
-            with self.ctx.span("generate", prompts=len(batch), version=self.version):
-                samples = await asyncio.to_thread(
-                    sample_responses, self.model, self.tokenizer, repeated, c.max_new_tokens,
-                    c.temperature, c.top_k or None, self.rng)
+            rng = torch.Generator().manual_seed(c.seed * 2**32 + batch[0].data["id"])
+            async with self.weight_sync.serving() as self.version:   # weights switch only here
+                with self.ctx.span("generate", prompts=len(batch), version=self.version):
+                    samples = await asyncio.to_thread(
+                        sample_responses, self.model, self.tokenizer, repeated, c.max_new_tokens,
+                        c.temperature, c.top_k or None, rng)
             for i, msg in enumerate(batch):
                 group = samples[i * c.group_size:(i + 1) * c.group_size]
                 item = {**msg.data, "version": self.version, "samples": group}

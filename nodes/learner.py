@@ -27,6 +27,7 @@ from dataflow import Node
 from dataflow.channel import EndOfChannel
 from nodes import policy
 from nodes.models import pad_batch, save_policy, sequence_logprobs
+from nodes.weight_sync import SYNC_EDGE, LearnerWeightSync, WeightSyncConfig
 from nodes.rl_math import (AdaptiveKLController, FixedKLController, grpo_advantages, kl_penalty,
                            masked_mean, masked_whiten, ppo_policy_loss)
 
@@ -70,6 +71,13 @@ class LearnerConfig:
     """End the run once the step's mean reward reaches this (0 = off)."""
     save_final: bool = True
     """Save the final policy to <run dir>/final (a normal HF model directory)."""
+    max_bad_updates: int = 10
+    """Stop the run after this many optimizer steps in a row were skipped for a non-finite loss
+    or gradient (each one is skipped and logged; 0 = never stop)."""
+    record_prompt_ids: bool = False
+    """Put the ids of the prompts each step trained on in its metrics ("prompt_ids")."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """How weights reach the generators: object store, or the HybridEngine push (nodes/weight_sync.py)."""
     seed: int = 0
 
 
@@ -88,6 +96,9 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
 
     Each sample needs "advantage_tokens" (per response token), "logprobs" (behaviour),
     "ref_logprobs", and "failed". Failed samples are masked out of every loss term.
+    An optimizer step whose loss or gradient norm is not finite is skipped (the weights and the
+    optimizer state stay as they were); "updates/skipped" counts them, "updates/skipped_last" is
+    the run of skipped steps at the end, "updates/skip_reason" says why (the first one).
     """
     keys = ("logprobs", "ref_logprobs", "advantage_tokens")
     device = next(model.parameters()).device
@@ -104,6 +115,7 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
     else:
         old_logprobs = full["logprobs"]
     stats: dict[str, list[float]] = {}
+    skipped, skipped_last, total, reason = 0, 0, 0, ""
     model.train()
     for _ in range(c.ppo_epochs):
         order = list(range(len(samples)))
@@ -119,24 +131,33 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
             kl = masked_mean(kl_penalty(logprobs, full["ref_logprobs"][idx], c.kl.estimator), mask[idx])
             ent = masked_mean(entropy, mask[idx])
             loss = pg_loss + kl_coef * kl - c.entropy_coef * ent
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"non-finite loss {loss.item()} (policy {pg_loss.item()}, kl {kl.item()})")
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.max_grad_norm)
-            optimizer.step()
+            total += 1
+            grad_norm = torch.tensor(float("nan"))
+            if torch.isfinite(loss):
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.max_grad_norm)
+            if torch.isfinite(loss) and torch.isfinite(grad_norm):
+                optimizer.step()
+                skipped_last = 0
+            else:  # skip this optimizer step
+                optimizer.zero_grad(set_to_none=True)
+                skipped, skipped_last = skipped + 1, skipped_last + 1
+                reason = reason or (f"non-finite loss {loss.item()} (policy {pg_loss.item()}, kl {kl.item()})"
+                                    if not torch.isfinite(loss) else f"non-finite gradient norm {grad_norm.item()}")
             for k, v in {"losses/policy": pg_loss.item(), "losses/kl": kl.item(), "entropy": ent.item(),
                          "losses/approx_kl": pg_stats["approx_kl"], "losses/clipfrac": pg_stats["clipfrac"],
                          "losses/is_weight": pg_stats["is_weight_mean"], "grad_norm": grad_norm.item()}.items():
                 stats.setdefault(k, []).append(v)
     model.eval()
-    return {k: sum(v) / len(v) for k, v in stats.items()}
+    return {**{k: sum(v) / len(v) for k, v in stats.items()}, "updates/total": total,
+            "updates/skipped": skipped, "updates/skipped_last": skipped_last, "updates/skip_reason": reason}
 
 
 class Learner(Node):
     Config = LearnerConfig
     inputs = ("rollouts",)
-    publishes = ("policy",)
+    publishes = ("policy", SYNC_EDGE)
 
     async def setup(self):
         c = self.config
@@ -146,26 +167,61 @@ class Learner(Node):
         self.kl_ctl = (AdaptiveKLController(c.kl.coef, c.kl.target, c.kl.horizon) if c.kl.kind == "adaptive"
                        else FixedKLController(c.kl.coef))
         self.rng = random.Random(c.seed)
-        self.version = 0
-        self.buckets: dict[int, list] = {}
+        self.version = 0  # = steps done = the batch being collected
+        self.buckets: dict[int, dict] = {}  # batch -> {prompt id: item}
+        self.duplicates = 0
+        self.bad_updates = 0  # optimizer steps skipped in a row (non-finite loss or gradient)
+        self.weight_sync = LearnerWeightSync(self.ctx, c.weight_sync)
+        await self.weight_sync.setup(self.model)
+
+    def state_dict(self) -> dict:
+        return {"step": self.version, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "kl": self.kl_ctl.state_dict(), "rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.kl_ctl.load_state_dict(state["kl"])
+        self.rng.setstate(state["rng"])
+        self.version = state["step"]
 
     def _weights(self) -> dict:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     async def _collect(self, batch_index: int) -> list | None:
-        """The items of `batch_index` (waiting for them); None once the input has ended."""
+        """The items of `batch_index`, one per prompt, in prompt id order (waiting for them); None
+        once the input has ended. A second copy of a prompt (re-issued after a node restart) is
+        dropped and counted, so every prompt is trained on exactly once."""
         inp = self.ctx.inputs["rollouts"]
-        while len(self.buckets.get(batch_index, [])) < self.config.prompts_per_step:
+        while len(self.buckets.get(batch_index, ())) < self.config.prompts_per_step:
             try:
                 for msg in await inp.recv_batch(self.config.prompts_per_step, timeout_s=0.05):
-                    self.buckets.setdefault(msg.meta["batch"], []).append(msg.data)
+                    batch, item = msg.meta["batch"], msg.data
+                    if batch < batch_index or item["id"] in self.buckets.get(batch, ()):
+                        self.duplicates += 1
+                    else:
+                        self.buckets.setdefault(batch, {})[item["id"]] = item
             except EndOfChannel:
                 return None
-        return self.buckets.pop(batch_index)
+        bucket = self.buckets.pop(batch_index)
+        return [bucket[i] for i in sorted(bucket)]
+
+    def _count_bad_updates(self, stats: dict) -> None:
+        """Log skipped updates; raise once max_bad_updates in a row were skipped."""
+        skipped, reason = stats["updates/skipped"], stats.pop("updates/skip_reason")
+        if not skipped:
+            self.bad_updates = 0
+            return
+        all_skipped = skipped == stats["updates/total"]
+        self.bad_updates = self.bad_updates + skipped if all_skipped else stats["updates/skipped_last"]
+        self.ctx.log(f"step {self.version + 1}: skipped {skipped} of {stats['updates/total']} updates: {reason}")
+        if self.config.max_bad_updates and self.bad_updates >= self.config.max_bad_updates:
+            raise FloatingPointError(f"{self.bad_updates} updates in a row were skipped (learner.max_bad_updates="
+                                     f"{self.config.max_bad_updates}); the last reason: {reason}")
 
     async def run(self):
         c = self.config
-        await self.ctx.publish("policy", self._weights(), version=0)
+        await self.weight_sync.publish(self.model, self.version)
         t_last = time.perf_counter()
         try:
             while True:
@@ -184,33 +240,44 @@ class Learner(Node):
                                        f"version {self.version}: staleness {max(staleness)} > max_staleness {c.max_staleness}")
                 for s, adv in zip(samples, step_advantages(samples, c)):
                     s["advantage_tokens"] = adv
-                with self.ctx.span("train step", samples=len(samples), version=self.version):
-                    stats = await asyncio.to_thread(
-                        ppo_update, self.model, self.optimizer, samples, self.kl_ctl.value,
-                        self.tokenizer.pad_token_id, c, self.rng, max(staleness) > 0)
-                kl_coef = self.kl_ctl.value
-                self.kl_ctl.update(stats["losses/kl"], len(samples))
-                self.version += 1
-                await self.ctx.publish("policy", self._weights(), version=self.version)
-                now = time.perf_counter()
-                ok = [s["score"] for s in samples if not s["failed"]]
-                mean = sum(ok) / max(len(ok), 1)
-                std = math.sqrt(sum((x - mean) ** 2 for x in ok) / max(len(ok), 1))
-                metrics = {
-                    "reward/mean": mean, "reward/std": std, "kl": stats["losses/kl"], "entropy": stats["entropy"],
-                    "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
-                    "perf/samples_per_s": len(samples) / (now - t_last), "kl_coef": kl_coef,
-                    "samples/failed": len(samples) - len(ok), "response_length/mean":
-                        sum(len(s["response_ids"]) for s in samples) / len(samples),
-                    "timing/wait_batch_s": wait_s, "timing/step_s": now - t_last, "version": self.version,
-                    **{k: v for k, v in stats.items() if k not in ("losses/kl", "entropy")},
-                }
-                t_last = now
-                if not await self.ctx.step_done(metrics):
+                # Update -> report, under the state lock: a checkpoint sees a step whole or not at all.
+                async with self.ctx.state_lock:
+                    with self.ctx.span("train step", samples=len(samples), version=self.version):
+                        stats = await asyncio.to_thread(
+                            ppo_update, self.model, self.optimizer, samples, self.kl_ctl.value,
+                            self.tokenizer.pad_token_id, c, self.rng, max(staleness) > 0)
+                    self._count_bad_updates(stats)
+                    kl_coef = self.kl_ctl.value
+                    self.kl_ctl.update(stats["losses/kl"], len(samples))
+                    self.version += 1
+                    now = time.perf_counter()
+                    ok = [s["score"] for s in samples if not s["failed"]]
+                    mean = sum(ok) / max(len(ok), 1)
+                    std = math.sqrt(sum((x - mean) ** 2 for x in ok) / max(len(ok), 1))
+                    metrics = {
+                        "reward/mean": mean, "reward/std": std, "kl": stats["losses/kl"], "entropy": stats["entropy"],
+                        "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
+                        "perf/samples_per_s": len(samples) / (now - t_last), "kl_coef": kl_coef,
+                        "samples/failed": len(samples) - len(ok), "response_length/mean":
+                            sum(len(s["response_ids"]) for s in samples) / len(samples),
+                        "timing/wait_batch_s": wait_s, "timing/step_s": now - t_last, "version": self.version,
+                        "prompts/duplicates_dropped": self.duplicates,
+                        **{k: v for k, v in stats.items() if k not in ("losses/kl", "entropy")},
+                    }
+                    if c.record_prompt_ids:
+                        metrics["prompt_ids"] = [item["id"] for item in items]
+                    t_last = now
+                    go_on = await self.ctx.step_done(metrics)
+                # Checkpoint before the new weights go out: in synchronous mode nothing of the next
+                # batch exists yet, so every node's state is the state after this step.
+                if self.ctx.checkpoint_due(self.version):
+                    await self.ctx.checkpoint(self.version)
+                if not go_on:
                     return
                 if c.target_reward and mean >= c.target_reward:
                     self.ctx.log(f"mean reward {mean:.3f} reached target_reward {c.target_reward}: stopping")
                     return
+                await self.weight_sync.publish(self.model, self.version)
         finally:
             if c.save_final and self.version > 0:
                 path = Path(self.ctx.run_dir) / "final"

@@ -52,7 +52,14 @@ class PromptSource(Node):
                 self.ctx.metrics({"data/skipped_lines": skipped})
         else:
             self.rows = None
-        self.position = 0  # prompts emitted so far (the data position a checkpoint saves)
+        self.start = 0  # index of the first prompt to emit (a checkpoint's data position)
+
+    def state_dict(self) -> dict:
+        # The first prompt of the first batch not yet trained; batches in flight are regenerated.
+        return {"position": self.ctx.checkpoint_step * self.config.prompts_per_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.start = state["position"]
 
     def _stream(self):
         c = self.config
@@ -66,12 +73,13 @@ class PromptSource(Node):
     async def run(self):
         c = self.config
         out = self.ctx.outputs["prompts"]
-        batch = 0
-        for index, row in enumerate(self._stream()):
-            if index % c.prompts_per_step == 0:
-                batch = index // c.prompts_per_step
+        # A restarted source starts again at the batch the learner is collecting (the one it
+        # has published weights for); items in flight are then sent twice, the learner keeps one.
+        start = max(self.start, self.ctx.latest_version("policy") * c.prompts_per_step)
+        for index, row in itertools.islice(enumerate(self._stream()), start, None):
+            batch = index // c.prompts_per_step
+            if index % c.prompts_per_step == 0 or index == start:
                 await self.ctx.wait_version("policy", batch - c.max_staleness)
             fields = {k: v for k, v in row.items() if k != "prompt"}
             await out.send({"id": index, "prompt": row["prompt"], "fields": fields},
                            index=index, batch=batch)
-            self.position = index + 1

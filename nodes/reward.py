@@ -52,6 +52,12 @@ class Reward(Node):
         self.scored_total = 0
         self.reported_reasons: set[str] = set()
 
+    def state_dict(self) -> dict:
+        return {"failed_total": self.failed_total, "scored_total": self.scored_total}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.failed_total, self.scored_total = state["failed_total"], state["scored_total"]
+
     def _score_group(self, item: dict) -> dict:
         for s in item["samples"]:
             text = self.tokenizer.decode(s["response_ids"], skip_special_tokens=True)

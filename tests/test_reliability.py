@@ -1,0 +1,174 @@
+"""Failures the run survives or reports well: non-finite losses (skipped, then a stop after
+learner.max_bad_updates in a row), channel items that fail to decode (counted and named; dropped
+only with drop_bad_items), the learner's process killed (the run stops naming the checkpoint to
+resume from), and a generator's process killed (restarted; every prompt trained exactly once).
+
+The in-process tests host a node in this process (NodeHost without an actor) fed by a fake
+producer; the kill tests run graphs/ppo.py through runtime.run_graph on the module's Ray instance
+and kill a node's process by PID."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import ray  # noqa: E402
+
+from dataflow import Node  # noqa: E402
+from dataflow.codec import Message, encode  # noqa: E402
+from dataflow.host import HostSpec, NodeHost  # noqa: E402
+from nodes.learner import Learner, LearnerConfig, ppo_update, step_advantages  # noqa: E402
+from nodes.models import ModelConfig, build_policy, sample_responses  # noqa: E402
+from nodes.policy import PolicySpec  # noqa: E402
+from nodes.reference import add_logprobs  # noqa: E402
+from nodes.tasks import build_tokenizer, make_task  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ModelConfig(n_layer=1, n_embd=32, n_head=2, intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}})
+    yield
+    ray.shutdown()
+
+
+# ---- a node hosted in this process, fed by a fake producer -------------------------------------------
+class _Remote:
+    def __init__(self, fn):
+        self.remote = lambda *args: asyncio.ensure_future(fn(*args))
+
+
+class FakeProducer:
+    """Stands in for a producer's actor handle: serves (header, buffers) pairs, then end of stream."""
+
+    def __init__(self, items: list):
+        self.items = list(items)
+        self.channel_take = _Remote(self._take)
+        self.channel_receiver_closed = _Remote(self._closed)
+
+    async def _take(self, channel, consumer_key, max_items):
+        batch, self.items = self.items[:max_items], self.items[max_items:]
+        return not self.items, batch
+
+    async def _closed(self, channel, consumer_key):
+        pass
+
+
+def hosted(kind, config, port: str, channel: str, items: list, tmp_path: Path, **spec) -> NodeHost:
+    """A NodeHost (no actor) whose input `port` reads `items` from a fake producer 'upstream'."""
+    host = NodeHost(HostSpec(node=kind.__name__.lower(), replica=0, num_replicas=1, kind=kind, config=config,
+                             cpus=1, gpus=0, max_steps=None, trace=False, run_dir=str(tmp_path), **spec))
+    wiring = {"outputs": {}, "publishes": {e: [] for e in kind.publishes},
+              "publish_timeout": {e: 5.0 for e in kind.publishes},
+              "inputs": {port: {"channel": channel, "producers": [("upstream", FakeProducer(items))], "prefetch": 4}}}
+    return host, wiring
+
+
+# ---- 1. non-finite losses -------------------------------------------------------------------------------
+def _samples(n: int, advantage: float = 0.5) -> tuple:
+    tok = build_tokenizer()
+    model = build_policy(TINY, tok)
+    task = make_task("copy", 2)
+    prompts = task.take(n)
+    samples = sample_responses(model, tok, [tok(p["prompt"])["input_ids"] for p in prompts], task.max_new_tokens, seed=0)
+    items = [{"id": i, "version": 0, "samples": [s], "fields": p} for i, (s, p) in enumerate(zip(samples, prompts))]
+    add_logprobs(model, tok.pad_token_id, items, "ref_logprobs")
+    for s in samples:
+        s.update(score=0.5, failed=False, advantages=[advantage] * len(s["response_ids"]))
+    return tok, model, items
+
+
+def test_a_non_finite_loss_skips_that_update_only():
+    tok, model, items = _samples(4)
+    samples = [s for item in items for s in item["samples"]]
+    samples[2]["advantages"] = [float("nan")] * len(samples[2]["response_ids"])
+    cfg = LearnerConfig(minibatch_size=1, whiten_advantages=False)
+    for s, adv in zip(samples, step_advantages(samples, cfg)):
+        s["advantage_tokens"] = adv
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stats = ppo_update(model, opt, samples, 0.01, tok.pad_token_id, cfg, random.Random(0), stale=False)
+    assert (stats["updates/total"], stats["updates/skipped"]) == (4, 1)
+    assert stats["updates/skip_reason"].startswith("non-finite loss nan")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state_before = {k: v["step"].item() for k, v in opt.state_dict()["state"].items()}
+    for s in samples:  # every loss NaN: nothing changes
+        s["advantage_tokens"] = [float("inf")] * len(s["response_ids"])
+    stats = ppo_update(model, opt, samples, 0.01, tok.pad_token_id, cfg, random.Random(0), stale=False)
+    assert (stats["updates/skipped"], stats["updates/skipped_last"]) == (4, 4)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert {k: v["step"].item() for k, v in opt.state_dict()["state"].items()} == state_before
+
+
+def test_the_learner_stops_after_max_bad_updates_in_a_row(ray_instance, tmp_path):
+    """Non-finite losses: each step's update is skipped and logged, the step still reports, and the
+    second bad update in a row (max_bad_updates=2) fails the learner saying why."""
+    _, _, items = _samples(6, advantage=float("nan"))
+    messages = []
+    for i, item in enumerate(items):
+        item["version"] = i // 2
+        messages.append(encode(Message(item, {"batch": i // 2, "seq": i, "producer": "upstream"})))
+    config = LearnerConfig(policy=PolicySpec(model=TINY), prompts_per_step=2, minibatch_size=2,
+                           max_bad_updates=2, save_final=False)
+    host, wiring = hosted(Learner, config, "rollouts", "rollouts", messages, tmp_path)
+
+    async def scenario():
+        assert (await host.connect(wiring))["status"] == "ready"
+        before = {k: v.clone() for k, v in host.node.model.state_dict().items()}
+        result = await host.run()
+        same = all(torch.equal(before[k], v) for k, v in host.node.model.state_dict().items())
+        return result, same, (await host.poll())["events"]
+
+    result, unchanged, events = asyncio.run(scenario())
+    assert result["status"] == "failed" and result["error"].startswith(
+        "FloatingPointError: 2 updates in a row were skipped (learner.max_bad_updates=2); the last reason: "
+        "non-finite loss nan"), result
+    assert unchanged
+    logs = [e["text"] for e in events if e["kind"] == "log"]
+    assert logs[:2] == ["step 1: skipped 1 of 1 updates: non-finite loss nan (policy nan, kl " + logs[0].split("kl ")[1],
+                        "step 2: skipped 1 of 1 updates: non-finite loss nan (policy nan, kl " + logs[1].split("kl ")[1]]
+    steps = [e for e in events if e["kind"] == "step"]
+    assert [(e["step"], e["values"]["updates/skipped"]) for e in steps] == [(1, 1)]
+
+
+# ---- 2. channel items that fail to decode ----------------------------------------------------------------
+class Sink(Node):
+    inputs = ("numbers",)
+
+    async def run(self):
+        self.seen = [msg.data async for msg in self.ctx.inputs["numbers"]]
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_an_item_that_fails_to_decode_is_counted_and_named(tmp_path, drop):
+    good = [encode(Message({"value": i}, {"seq": i})) for i in range(3)]
+    items = [good[0], (b"\x00garbage", []), good[1], good[2]]
+    host, wiring = hosted(Sink, None, "numbers", "numbers", items, tmp_path, drop_bad_items=drop)
+
+    async def scenario():
+        assert (await host.connect(wiring))["status"] == "ready"
+        return await host.run(), (await host.poll())["events"]
+
+    result, events = asyncio.run(scenario())
+    what = "channel 'numbers': an item from producer 'upstream' failed to decode: header too short"
+    if not drop:  # the consumer fails, naming the channel and the producer (the driver adds the node)
+        assert result["status"] == "failed" and result["error"] == f"BadItem: {what}", result
+        assert not result["channel_error"]  # its own failure, not an echo of a dead producer
+        return
+    assert result["status"] == "done" and host.node.seen == [{"value": i} for i in range(3)]
+    assert [e["text"] for e in events if e["kind"] == "log"] == [
+        f"dropped: {what} (drop_bad_items; later ones are only counted)"]
+    assert [e["values"] for e in events if e["kind"] == "metrics"] == [{"channel/bad_items/numbers": 1}]
