@@ -43,6 +43,12 @@ class HostSpec:
     trace_kernels: bool = False
     save_interval: int = 0
     drop_bad_items: bool = False
+    max_restarts: int = 0
+    """The graph's max_restarts: > 0 means a peer whose process dies comes back (the runtime
+    restarts it), so a failed channel pull is retried and a publish skips it meanwhile."""
+
+
+RESTART_WAIT_S = 120.0  # how long a consumer keeps asking a producer whose process died
 
 
 class NodeHost:
@@ -60,6 +66,7 @@ class NodeHost:
         self.tracer = Tracer(self.name, enabled=spec.trace, device=self.device)
         self.endpoint = channels.ChannelEndpoint()
         self.events: list[dict] = []
+        self._event_seq = 0
         self.steps = 0
         self.node = None
         self.ctx: NodeContext | None = None
@@ -77,6 +84,7 @@ class NodeHost:
         self.state_lock = asyncio.Lock()  # held while saving / loading the node's state
         self.bad_items: dict[str, int] = {}  # channel -> items dropped because they failed to decode
         self._checkpoint_reply: asyncio.Future | None = None
+        self._background: set[asyncio.Task] = set()
 
     # ---- set-up -----------------------------------------------------------------------------
     async def connect(self, wiring: dict) -> dict:
@@ -92,7 +100,8 @@ class NodeHost:
             end = channels.ReceiveEnd(
                 w["channel"], consumer_key=self.name, producers=w["producers"],
                 prefetch=w["prefetch"], tracer=self.tracer,
-                on_bad_item=self._drop_bad_item if self.spec.drop_bad_items else None)
+                on_bad_item=self._drop_bad_item if self.spec.drop_bad_items else None,
+                retry_s=RESTART_WAIT_S if self.spec.max_restarts else 0.0)
             inputs[port] = _TrackedInput(end, self._last_item)
         for edge, subs in wiring["publishes"].items():
             self._subscribers[edge] = subs
@@ -182,20 +191,27 @@ class NodeHost:
                 if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
 
     # ---- driver calls -----------------------------------------------------------------------
-    async def poll(self) -> dict:
-        events, self.events = self.events, []
+    async def poll(self, ack: tuple[int, int] | None = None) -> dict:
+        """Events since the last acknowledged one, trace data, channel depths. `ack` = (pid, seq)
+        of the last event the driver handled: events stay here until acknowledged, so a reply
+        lost to a cancelled poll (Ctrl-C) is sent again by the next one."""
+        if ack is not None and ack[0] == os.getpid():
+            self.events = [e for e in self.events if e["seq"] > ack[1]]
+        events = list(self.events)
         stats = {}
         if self.ctx is not None:
             for end in list(self.ctx.outputs.values()) + list(self.ctx.inputs.values()):
                 s = end.statistics()
                 stats[f"{'out' if isinstance(end, channels.SendEnd) else 'in'}:{end.channel}"] = s.current_buffer_used
-        return {"events": events, "trace": self.tracer.drain(), "depths": stats}
+        return {"events": events, "trace": self.tracer.drain(), "depths": stats, "pid": os.getpid()}
 
     async def clock(self) -> int:
         return self.tracer.now_us()  # the clock every trace event of this process uses
 
     def emit(self, event: dict) -> None:
         event["t"] = time.time()
+        event["seq"] = self._event_seq
+        self._event_seq += 1
         self.events.append(event)
 
     async def step_done(self, values: dict) -> bool:
@@ -220,7 +236,10 @@ class NodeHost:
 
     async def save_state(self, path: str, step: int | None) -> dict:
         """Write this replica's state (node.state_dict(), RNG states, step counter) under `path`,
-        holding state_lock until the files are written. Returns {"step": the node's own step}."""
+        holding state_lock until the files are written. Returns {"step": the node's own step}, or
+        {"step": None, "saved": False} from a restarted process not set up again yet."""
+        if self.node is None:
+            return {"step": None, "saved": False}
         async with self.state_lock:
             self.ctx.checkpoint_step = step
             try:
@@ -248,6 +267,23 @@ class NodeHost:
     async def channel_receiver_closed(self, channel: str, consumer_key: str) -> None:
         await self.endpoint.receiver_closed(channel, consumer_key)
 
+    async def channel_reset_consumer(self, channel: str, consumer_key: str) -> None:
+        self.endpoint.reset_consumer(channel, consumer_key)
+
+    async def peer_restarted(self, replica: str) -> None:
+        """`replica`'s process died and was restarted (by the runtime): tell the node, in a task of
+        its own (re-issuing items may wait on backpressure)."""
+        if self.node is not None:
+            task = asyncio.ensure_future(self.node.on_restart(replica))
+            self._background.add(task)
+            task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            e = task.exception()
+            self.emit({"kind": "log", "text": f"on_restart failed: {type(e).__name__}: {e}"})
+
     # ---- versioned edges --------------------------------------------------------------------
     async def publish(self, edge: str, value: Any, version: int) -> None:
         import ray
@@ -265,8 +301,18 @@ class NodeHost:
                     raise RuntimeError(f"publishing '{edge}' v{version} from {self.name} to {sub_name}: "
                                        f"no ack within {self._publish_timeout[edge]:g} s") from None
                 except Exception as e:
+                    if self.spec.max_restarts and isinstance(e, ray.exceptions.RayActorError):
+                        continue  # its process died: the runtime hands the latest version to the restarted one
                     raise RuntimeError(f"publishing '{edge}' v{version} from {self.name} to {sub_name} "
                                        f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+
+    async def redeliver(self, edge: str, replica: str) -> None:
+        """Announce the latest version of `edge` to `replica` again (restarted after its process died)."""
+        if edge in self._versions:
+            version, box = self._versions[edge]
+            for sub_name, handle in self._subscribers.get(edge, []):
+                if sub_name == replica:
+                    await handle.on_publish.remote(edge, version, box)
 
     async def on_publish(self, edge: str, version: int, boxed_ref: list) -> bool:
         self._store_version(edge, version, boxed_ref)

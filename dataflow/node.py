@@ -48,6 +48,10 @@ class Node:
         """Restore what state_dict() returned; called after setup(), before run()."""
         pass
 
+    async def on_restart(self, replica: str) -> None:
+        """Replica `replica` (of another node) died and was restarted: the items it held are lost.
+        The prompt source re-issues the prompts not yet trained on here."""
+
 
 @dataclass
 class NodeContext:

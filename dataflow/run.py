@@ -100,14 +100,17 @@ def _run_with_signals(make_coro, graph_file: str = "GRAPH.py") -> int:
             print("    " + e.traceback_text.rstrip().replace("\n", "\n    "), file=sys.stderr)
         last = getattr(e, "last_checkpoint", None)
         if last:
-            print(f"  last checkpoint: {last}\n  continue with: python -m dataflow.run {graph_file} --resume {last}",
-                  file=sys.stderr)
+            print(f"  last checkpoint: {last}\n  continue with: python -m dataflow.run {graph_file} --resume {last} "
+                  "(and the same --set options)", file=sys.stderr)
         return 1
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(summary.report)
     print(f"[dataflow] {summary.status}: {summary.steps} steps in {summary.seconds:.1f} s")
+    restarts = getattr(summary, "restarts", None)
+    if restarts:
+        print("  restarted after their process died: " + ", ".join(f"{n} x{k}" for n, k in restarts.items()))
     print(f"  metrics: {summary.metrics_path}")
     for name, path in summary.artifacts.items():
         print(f"  {name}: {path}")

@@ -39,6 +39,7 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 POLL_INTERVAL_S = 0.5
 STOP_GRACE_S = 5.0
 ROOT_CAUSE_GRACE_S = 2.0  # how long a channel error waits for the failure of the node it names
+RESTART_TIMEOUT_S = 300.0  # for a restarted replica's set-up
 
 
 # ---- loading ------------------------------------------------------------------------------------
@@ -141,6 +142,8 @@ class RunSummary:
     metrics_path: str
     artifacts: dict = field(default_factory=dict)
     report: str = ""
+    restarts: dict = field(default_factory=dict)
+    """Replica -> times its process died and it was restarted."""
 
 
 async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> RunSummary:
@@ -176,22 +179,21 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
                                  cpus=spec.cpus, gpus=slot.gpus, max_steps=max_steps,
                                  trace=options.trace_path is not None, run_dir=str(run_dir.resolve()),
                                  trace_kernels=options.trace_kernels, save_interval=graph.save_interval,
-                                 drop_bad_items=graph.drop_bad_items)
-            hosts[replica_name] = actor_cls.options(name=None, **placement.actor_options(slot, pgs)).remote(host_spec)
+                                 drop_bad_items=graph.drop_bad_items, max_restarts=graph.max_restarts)
+            # Ray restarts a dead actor in place (same handle, same bundle); the run-ending node never.
+            restarts = 0 if spec.ends_run else graph.max_restarts
+            hosts[replica_name] = actor_cls.options(name=None, max_restarts=restarts,
+                                                    **placement.actor_options(slot, pgs)).remote(host_spec)
 
         # 2. Clocks: one time base for every trace event (NTP-style offset per process).
         for name, host in hosts.items():
-            samples = []
-            for _ in range(3):
-                t0 = time.time_ns() // 1000
-                remote = await host.clock.remote()
-                samples.append((t0, remote, time.time_ns() // 1000))
-            monitor.trace.set_clock_offset(name, measure_clock_offset(samples))
+            await _measure_clock(monitor, name, host)
 
         # 3. Wire and set up every node (models are built here, in parallel).
         setups = await _gather_setups({n: h.connect.remote(_wiring(graph, n, hosts)) for n, h in hosts.items()})
         for name, result in setups.items():
             _raise_if_failed(name, result)
+        monitor.processes({n: r["pid"] for n, r in setups.items()})
         if resume is not None:  # every replica's state, before any node runs
             await _load_states(hosts, resume, resume_step)
             monitor.say(f"[dataflow] resumed from {resume} at step {resume_step}")
@@ -203,10 +205,13 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
         while running:
             done, _ = await asyncio.wait(running, timeout=POLL_INTERVAL_S)
             await monitor.poll(hosts)
+            results = {running.pop(fut): _result(fut) for fut in done}
+            for name in [n for n, r in results.items() if _restartable(graph, n, r, monitor)]:
+                del results[name]
+                running[await _restart(graph, hosts, name, monitor)] = name
             while monitor.checkpoint_requests:  # a node asked for a checkpoint (ctx.checkpoint)
                 requester, step = monitor.checkpoint_requests.pop(0)
                 await _save_checkpoint(graph, hosts, monitor, step, "interval", requester)
-            results = {running.pop(fut): _result(fut) for fut in done}
             if any(_failed(r) for r in results.values()):
                 await _wait_for_root_cause(results, running)
                 await monitor.poll(hosts)  # the failed node's last logs
@@ -236,6 +241,75 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
         await _shutdown(hosts, pgs, started_ray, placement.remove_groups)
 
 
+async def _measure_clock(monitor: "_Monitor", name: str, host) -> None:
+    samples = []
+    for _ in range(3):
+        t0 = time.time_ns() // 1000
+        remote = await host.clock.remote()
+        samples.append((t0, remote, time.time_ns() // 1000))
+    monitor.trace.set_clock_offset(name, measure_clock_offset(samples))
+
+
+def _restartable(graph: Graph, name: str, result: Any, monitor: "_Monitor") -> bool:
+    """The process of a replica that may be restarted died (Ray restarts its actor in place)."""
+    from ray.exceptions import RayActorError
+
+    return (isinstance(result, RayActorError) and not graph.nodes[name.split("[")[0]].ends_run
+            and monitor.restarts.get(name, 0) < graph.max_restarts)
+
+
+async def _restart(graph: Graph, hosts: dict, name: str, monitor: "_Monitor") -> asyncio.Future:
+    """Bring back replica `name`, whose process died: Ray restarts its actor (same handle, a fresh
+    process); here it gets the latest versions of its edges, is set up again, loads its state from
+    the last checkpoint (if any), and runs. Takes its dead process left waiting at its producers
+    are dropped, and every node hears of the restart: the prompt source re-issues the prompts
+    not yet trained on (the items the dead process held are lost). Returns its run() future."""
+    n = monitor.restarts[name] = monitor.restarts.get(name, 0) + 1
+    monitor.say(f"[dataflow] {name}: its process died; restarting it ({n} of at most {graph.max_restarts})")
+    monitor.driver_tracer.instant("restart", node=name, attempt=n)
+    node, host = name.split("[")[0], hosts[name]
+    try:
+        await _wait_until_alive(host)
+        for edge in graph.versioned_edges.values():  # before setup: a setup may wait for a version
+            if node in edge.dst:
+                await asyncio.gather(*(hosts[p].redeliver.remote(edge.name, name)
+                                       for p in graph.nodes[edge.src].replica_names()))
+        reply = await asyncio.wait_for(_awaitable(host.connect.remote(_wiring(graph, name, hosts))), RESTART_TIMEOUT_S)
+    except Exception as e:
+        raise NodeFailed(name, f"its process died and the restart failed: {_death_summary(e)}") from None
+    _raise_if_failed(name, reply)
+    last = monitor.last_checkpoint
+    try:
+        await _measure_clock(monitor, name, host)
+        if last is not None and (state_dir := checkpoint.replica_state_dir(last, name)) is not None:
+            await host.load_state.remote(str(state_dir), checkpoint.read_manifest(last)["step"])
+    except Exception as e:
+        raise NodeFailed(name, f"restarted after its process died, then: {_death_summary(e)}") from None
+    # (a producer that is itself dead has a fresh outbox when it comes back: nothing to reset there)
+    await _gather_named({(p, ch.name): hosts[p].channel_reset_consumer.remote(ch.name, name)
+                         for ch in graph.channels.values() if any(n == node for n, _ in ch.dst)
+                         for p in graph.producers(ch.name)})
+    run = asyncio.ensure_future(_awaitable(host.run.remote()))
+    await _gather_named({other: h.peer_restarted.remote(name) for other, h in hosts.items() if other != name})
+    monitor.restarted(name, reply["pid"])
+    return run
+
+
+async def _wait_until_alive(host, timeout_s: float = RESTART_TIMEOUT_S) -> None:
+    """Until Ray has restarted the actor (a call to it while it restarts fails at once)."""
+    from ray.exceptions import ActorUnavailableError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await host.clock.remote()
+            return
+        except ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
 async def _load_states(hosts: dict, resume: Path, step: int) -> None:
     dirs = {n: checkpoint.replica_state_dir(resume, n) for n in hosts}
     loads = await _gather_named({n: hosts[n].load_state.remote(str(d), step) for n, d in dirs.items() if d})
@@ -252,12 +326,15 @@ async def _save_checkpoint(graph: Graph, hosts: dict, monitor: "_Monitor", step:
     path, error = None, None
     try:
         path = await checkpoint.save(hosts, first, monitor.run_dir, step, {"graph": graph.name, "reason": reason},
-                                     after_first=lambda: monitor.poll(hosts))
+                                     after_first=lambda: monitor.poll(hosts), previous=monitor.last_checkpoint)
     except Exception as e:
         error = f"checkpoint of step {step} failed: {type(e).__name__}: {e}"
         monitor.say(f"[dataflow] {error}")
     if requester is not None:
-        await hosts[requester].checkpoint_done.remote(str(path) if path else None, error)
+        try:
+            await hosts[requester].checkpoint_done.remote(str(path) if path else None, error)
+        except Exception:
+            pass  # the requester died: its run() result reports it
     if path is not None:
         monitor.last_checkpoint = path
         monitor.artifacts["last checkpoint"] = str(path)
@@ -465,6 +542,9 @@ class _Monitor:
         self.metrics_file = open(self.metrics_path, "a" if resume is not None else "w")
         self.checkpoint_requests: list[tuple[str, int]] = []
         self.last_checkpoint: Path | None = resume
+        self.restarts: dict[str, int] = {}
+        self.pids: dict[str, int] = {}
+        self.acked: dict[str, tuple[int, int]] = {}  # replica -> (pid, seq) of the last event handled
         self.trace = TraceCollector(enabled=options.trace_path is not None)
         # Run-level counters (queue depths, staleness) live on a driver track of the same trace.
         self.driver_tracer = Tracer("driver", enabled=options.trace_path is not None)
@@ -476,6 +556,19 @@ class _Monitor:
         if config is not None and dataclasses.is_dataclass(config):
             (run_dir / "config.json").write_text(json.dumps({k: _jsonable(v) for k, v in flatten(config)}, indent=1))
 
+    def processes(self, pids: dict) -> None:
+        """Which process hosts which replica: <run>/processes.json (for kill tests and operators)."""
+        self.pids.update(pids)
+        (self.run_dir / "processes.json").write_text(json.dumps(self.pids, indent=1))
+
+    def restarted(self, name: str, pid: int) -> None:
+        self.processes({name: pid})
+        record = {"time_s": round(time.time() - (self.t_running or self.t_start), 3), "node": "driver",
+                  "restarted": name, "restarts/total": sum(self.restarts.values()),
+                  **{f"restarts/{n}": k for n, k in self.restarts.items()}}
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
+
     def started(self) -> None:
         self.t_running = time.time()
         self.say(f"[dataflow] graph '{self.graph.name}' running: {len(self.graph.nodes)} nodes, "
@@ -486,7 +579,7 @@ class _Monitor:
             print(text, flush=True)
 
     async def poll(self, hosts: dict) -> None:
-        replies = await _gather_named({n: h.poll.remote() for n, h in hosts.items()})
+        replies = await _gather_named({n: h.poll.remote(self.acked.get(n)) for n, h in hosts.items()})
         depths: dict[str, int] = {}
         for name, reply in replies.items():
             if isinstance(reply, BaseException):
@@ -495,8 +588,14 @@ class _Monitor:
             for key, value in reply["depths"].items():
                 ch = key.split(":", 1)[1]
                 depths[ch] = depths.get(ch, 0) + value
+            pid, seq = self.acked.get(name, (reply["pid"], -1))
+            if pid != reply["pid"]:  # a restarted process: its events count from 0
+                seq = -1
             for event in reply["events"]:
-                self._handle(name, event)
+                if event["seq"] > seq:  # not handled yet (a lost reply's events come again)
+                    self._handle(name, event)
+                    seq = event["seq"]
+            self.acked[name] = (reply["pid"], seq)
         self.depths = depths
         if depths:
             self.driver_tracer.counter("queue depth", **depths)
@@ -554,7 +653,7 @@ class _Monitor:
             self.trace.write(self.options.trace_path)
             self.artifacts["trace"] = self.options.trace_path
         return RunSummary(status, self.step, seconds, str(self.run_dir), str(self.metrics_path),
-                          dict(self.artifacts), report)
+                          dict(self.artifacts), report, dict(self.restarts))
 
 
 def _jsonable(v: Any) -> Any:

@@ -33,7 +33,8 @@ def build(cfg: GRPOGraphConfig) -> Graph:
     cfg.generator.max_new_tokens = wire_policy(cfg)
     cfg.generator.group_size = cfg.learner.group_size = cfg.group_size
     cfg.learner.algorithm = "grpo"
-    g = Graph("grpo", max_steps=cfg.max_steps, progress=PROGRESS, save_interval=cfg.save_interval)
+    g = Graph("grpo", max_steps=cfg.max_steps, progress=PROGRESS, save_interval=cfg.save_interval,
+              max_restarts=cfg.max_restarts, drop_bad_items=cfg.drop_bad_items)
     on_gpus = gpu_layout(g, cfg, trainers=("reference", "learner"))
     rollouts = add_rollout_nodes(g, cfg, on_gpus)
     g.node("learner", Learner, cfg.learner, cpus=1, ends_run=True, **on_gpus.get("learner", {}))

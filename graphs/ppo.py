@@ -79,6 +79,11 @@ class PPOGraphConfig:
     """Stop as soon as the mean reward reaches this (0 = off)."""
     save_interval: int = 0
     """Checkpoint every this many steps and on Ctrl-C (0 = off); continue with --resume DIR."""
+    drop_bad_items: bool = False
+    """Drop (and count) channel items that fail to decode, instead of failing the node reading them."""
+    max_restarts: int = 3
+    """Times a generator, reward, reference, critic or prompt source replica is restarted after its
+    process dies (its prompts are re-issued); the learner's death stops the run."""
 
 
 config = PPOGraphConfig()
@@ -166,7 +171,8 @@ def build(cfg: PPOGraphConfig) -> Graph:
     cfg.generator.max_new_tokens = wire_policy(cfg)
     cfg.learner.algorithm = "ppo"
     cfg.critic.train_samples = cfg.prompts_per_step
-    g = Graph("ppo", max_steps=cfg.max_steps, progress=PROGRESS, save_interval=cfg.save_interval)
+    g = Graph("ppo", max_steps=cfg.max_steps, progress=PROGRESS, save_interval=cfg.save_interval,
+              max_restarts=cfg.max_restarts, drop_bad_items=cfg.drop_bad_items)
     on_gpus = gpu_layout(g, cfg, trainers=("reference", "critic", "learner"))
     rollouts = add_rollout_nodes(g, cfg, on_gpus)
     g.node("critic", Critic, cfg.critic, cpus=0.5, **on_gpus.get("critic", {}))

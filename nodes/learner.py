@@ -8,7 +8,10 @@ Step k trains on exactly the prompts the source admitted for batch k (meta "batc
 staleness of every sample is k - sample.version <= max_staleness by construction (admission
 control in nodes/prompts.py); the learner reports it, and refuses a sample that breaks the bound.
 The step is a flat sequence of phases: collect -> advantages -> proximal log-probs (only when a
-sample is stale) -> PPO epochs over minibatches -> KL controller -> publish -> report.
+sample is stale) -> PPO epochs over minibatches -> KL controller -> report -> checkpoint (every
+save_interval steps) -> publish. Collect keeps one copy of each prompt id (a prompt re-issued
+after a node restart arrives twice). A minibatch update with a non-finite loss or gradient is
+skipped and logged; max_bad_updates of them in a row stop the run.
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ class PromptSource(Node):
         else:
             self.rows = None
         self.start = 0  # index of the first prompt to emit (a checkpoint's data position)
+        self.sent = 0  # prompts emitted so far, counted from index 0
 
     def state_dict(self) -> dict:
         # The first prompt of the first batch not yet trained; batches in flight are regenerated.
@@ -70,16 +71,28 @@ class PromptSource(Node):
         for _ in passes:
             yield from self.rows
 
+    async def _send(self, index: int, row: dict, **meta) -> None:
+        fields = {k: v for k, v in row.items() if k != "prompt"}
+        await self.ctx.outputs["prompts"].send({"id": index, "prompt": row["prompt"], "fields": fields},
+                                               index=index, batch=index // self.config.prompts_per_step, **meta)
+
     async def run(self):
         c = self.config
-        out = self.ctx.outputs["prompts"]
         # A restarted source starts again at the batch the learner is collecting (the one it
         # has published weights for); items in flight are then sent twice, the learner keeps one.
         start = max(self.start, self.ctx.latest_version("policy") * c.prompts_per_step)
         for index, row in itertools.islice(enumerate(self._stream()), start, None):
-            batch = index // c.prompts_per_step
             if index % c.prompts_per_step == 0 or index == start:
-                await self.ctx.wait_version("policy", batch - c.max_staleness)
-            fields = {k: v for k, v in row.items() if k != "prompt"}
-            await out.send({"id": index, "prompt": row["prompt"], "fields": fields},
-                           index=index, batch=batch)
+                await self.ctx.wait_version("policy", index // c.prompts_per_step - c.max_staleness)
+            await self._send(index, row)
+            self.sent = index + 1
+
+    async def on_restart(self, replica: str) -> None:
+        """`replica` died: the prompts it held (taken, in its queues, being generated) are lost.
+        Send every prompt emitted for the batches not yet trained again, from the one the learner
+        is collecting (the stream is deterministic); the learner keeps one copy of each prompt."""
+        first = max(0, self.ctx.latest_version("policy")) * self.config.prompts_per_step
+        end = self.sent
+        self.ctx.log(f"{replica} restarted: re-issuing prompts {first}..{end - 1}")
+        for index, row in itertools.islice(enumerate(self._stream()), first, end):
+            await self._send(index, row, reissued=True)

@@ -96,6 +96,8 @@ def _group_device(backend: str) -> str:
 
 
 class LearnerWeightSync:
+    """Learner end: setup() (collective: rendezvous, push group), publish(model, version)."""
+
     def __init__(self, ctx, config: WeightSyncConfig, edge: str = "policy"):
         self.ctx, self.config, self.edge = ctx, config, edge
         self.pusher = None
@@ -167,6 +169,8 @@ def _tcp_store(host: str, port: int, is_master: bool, timeout: timedelta):
 
 
 class GeneratorWeightSync:
+    """Generator end: setup() (collective: join the push group, start receiving), serving()."""
+
     def __init__(self, ctx, config: WeightSyncConfig, edge: str = "policy"):
         self.ctx, self.config, self.edge = ctx, config, edge
         self.model = None

@@ -10,8 +10,12 @@ and kill a node's process by PID."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -21,9 +25,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
 
-from dataflow import Node  # noqa: E402
+from dataflow import Node, NodeFailed, checkpoint  # noqa: E402
 from dataflow.codec import Message, encode  # noqa: E402
 from dataflow.host import HostSpec, NodeHost  # noqa: E402
+from dataflow.runtime import RunOptions, load_graph, run_graph  # noqa: E402
 from nodes.learner import Learner, LearnerConfig, ppo_update, step_advantages  # noqa: E402
 from nodes.models import ModelConfig, build_policy, sample_responses  # noqa: E402
 from nodes.policy import PolicySpec  # noqa: E402
@@ -172,3 +177,84 @@ def test_an_item_that_fails_to_decode_is_counted_and_named(tmp_path, drop):
     assert [e["text"] for e in events if e["kind"] == "log"] == [
         f"dropped: {what} (drop_bad_items; later ones are only counted)"]
     assert [e["values"] for e in events if e["kind"] == "metrics"] == [{"channel/bad_items/numbers": 1}]
+
+
+# ---- 3. processes killed mid-run -------------------------------------------------------------------------
+def test_a_take_left_by_a_dead_consumer_hands_nothing_to_it():
+    """A consumer's process died with a take waiting at its producer: once the restart resets that
+    consumer, the waiting take returns empty instead of swallowing the next item."""
+    from dataflow.channel import SendEnd
+
+    async def scenario():
+        out = SendEnd("samples", capacity=4, consumer_keys=["reward"], producer="generator")
+        zombie = asyncio.ensure_future(out._take("reward", 4))
+        await asyncio.sleep(0.01)
+        out.reset_consumer("reward")
+        assert await zombie == (False, [])
+        await out.send({"id": 1})
+        closed, items = await out._take("reward", 4)  # the restarted consumer's take
+        return closed, len(items)
+
+    assert asyncio.run(scenario()) == (False, 1)
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_until(condition, timeout_s: float, what: str, thread: threading.Thread, outcome: dict):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert thread.is_alive(), f"the run ended while waiting for {what}: {outcome.get('error')!r}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.1)
+
+
+def test_a_killed_generator_is_restarted_and_a_killed_learner_stops_the_run(ray_instance, tmp_path):
+    """kill -9 of the generator's process: it is restarted (counted in metrics, an instant event in
+    the trace) and every prompt is still trained on exactly once. Then kill -9 of the learner's:
+    the run stops within 10 s naming the learner and the last checkpoint to resume from."""
+    graph, config = load_graph(str(ROOT / "graphs/ppo.py"), [
+        "prompts_per_step=16", "channel_capacity=16", "max_staleness=1", "learner.minibatch_size=16",
+        "critic.minibatch_size=16", "generator.prompts_per_call=4", "policy.model.n_layer=1",
+        "policy.model.n_embd=64", "policy.model.intermediate_size=128", "save_interval=2",
+        "learner.record_prompt_ids=true"])
+    run_dir, trace = tmp_path / "run", tmp_path / "trace.json"
+    outcome: dict = {}
+
+    def driver():
+        try:
+            asyncio.run(run_graph(graph, RunOptions(max_steps=1000, out_dir=str(run_dir), quiet=True,
+                                                    trace_path=str(trace)), config))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            outcome["error"], outcome["t"] = e, time.monotonic()
+
+    thread = threading.Thread(target=driver, daemon=True)
+    thread.start()
+    steps = lambda: [r for r in _records(run_dir) if "step" in r]  # noqa: E731
+    _wait_until(lambda: len(steps()) >= 2, 300, "step 2", thread, outcome)
+    pids = json.loads((run_dir / "processes.json").read_text())
+    os.kill(pids["generator"], signal.SIGKILL)
+    killed_at = len(steps())
+    _wait_until(lambda: len(steps()) >= killed_at + 4, 300, "4 steps after the restart", thread, outcome)
+    assert json.loads((run_dir / "processes.json").read_text())["generator"] != pids["generator"]
+
+    t_kill = time.monotonic()
+    os.kill(pids["learner"], signal.SIGKILL)
+    thread.join(60)
+    assert not thread.is_alive()
+    error = outcome["error"]
+    assert isinstance(error, NodeFailed) and error.node == "learner", repr(error)
+    assert "its process died" in error.summary
+    assert outcome["t"] - t_kill < 10, outcome["t"] - t_kill
+    assert error.last_checkpoint == str(checkpoint.latest(run_dir)) and error.last_checkpoint.endswith(
+        f"step_{len(steps()) // 2 * 2}")
+
+    trained = [i for r in steps() for i in r["prompt_ids"]]
+    assert trained == list(range(16 * len(steps())))  # every prompt once, none lost, none twice
+    restarts = [r for r in _records(run_dir) if r.get("restarted")]
+    assert [(r["restarted"], r["restarts/total"]) for r in restarts] == [("generator", 1)]
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("ph") == "i" and e.get("name") == "restart" and e["args"]["node"] == "generator"
+               for e in events)
