@@ -368,6 +368,14 @@ class _TrackedInput:
             self._seen(batch[-1])
         return batch
 
+    async def batches(self, max_items: int, timeout_s: float):
+        """`async for batch in inp.batches(n, t)`: recv_batch until the channel ends."""
+        while True:
+            try:
+                yield await self.recv_batch(max_items, timeout_s)
+            except channels.EndOfChannel:
+                return
+
     def __aiter__(self):
         return self
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import torch
 
 from dataflow import Node
-from dataflow.channel import EndOfChannel
 from nodes import policy
 from nodes.models import ValueModel, pad_batch, unpad_tokens
 from nodes.rl_math import gae_advantages, masked_mean, value_loss
@@ -106,11 +105,7 @@ class Critic(Node):
     async def run(self):
         c = self.config
         inp, out = self.ctx.inputs["with_ref"], self.ctx.outputs["advantaged"]
-        while True:
-            try:
-                batch = await inp.recv_batch(c.items_per_call, timeout_s=0.01)
-            except EndOfChannel:
-                return
+        async for batch in inp.batches(c.items_per_call, 0.01):
             items = [m.data for m in batch]
             with self.ctx.span("value forward", items=len(items)):
                 await asyncio.to_thread(self._advantages, items)

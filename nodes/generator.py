@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 import torch
 
 from dataflow import Node
-from dataflow.channel import EndOfChannel
 from nodes import policy
 from nodes.models import sample_responses
 from nodes.weight_sync import SYNC_EDGE, GeneratorWeightSync, WeightSyncConfig
@@ -62,11 +61,7 @@ class Generator(Node):
     async def run(self):
         c = self.config
         prompts, out = self.ctx.inputs["prompts"], self.ctx.outputs["samples"]
-        while True:
-            try:
-                batch = await prompts.recv_batch(c.prompts_per_call, timeout_s=0.02)
-            except EndOfChannel:
-                return
+        async for batch in prompts.batches(c.prompts_per_call, 0.02):
             ids = [self.tokenizer(m.data["prompt"])["input_ids"] for m in batch]
             repeated = [p for p in ids for _ in range(c.group_size)]
             rng = torch.Generator().manual_seed(c.seed * 2**32 + batch[0].data["id"])

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import torch
 
 from dataflow import Node
-from dataflow.channel import EndOfChannel
 from nodes import policy
 from nodes.models import pad_batch, sequence_logprobs, unpad_tokens
 
@@ -50,11 +49,7 @@ class Reference(Node):
 
     async def run(self):
         inp, out = self.ctx.inputs["scored"], self.ctx.outputs["with_ref"]
-        while True:
-            try:
-                batch = await inp.recv_batch(self.config.items_per_call, timeout_s=0.01)
-            except EndOfChannel:
-                return
+        async for batch in inp.batches(self.config.items_per_call, 0.01):
             items = [m.data for m in batch]
             with self.ctx.span("reference forward", items=len(items)):
                 await asyncio.to_thread(add_logprobs, self.model, self.tokenizer.pad_token_id, items, "ref_logprobs")

@@ -17,7 +17,6 @@ import asyncio
 from dataclasses import dataclass, field
 
 from dataflow import Node
-from dataflow.channel import EndOfChannel
 from nodes import tasks
 from nodes.rewards import load_reward_fn, score_safely
 
@@ -78,11 +77,7 @@ class Reward(Node):
 
     async def run(self):
         inp, out = self.ctx.inputs["samples"], self.ctx.outputs["scored"]
-        while True:
-            try:
-                batch = await inp.recv_batch(self.config.items_per_call, timeout_s=0.01)
-            except EndOfChannel:
-                return
+        async for batch in inp.batches(self.config.items_per_call, 0.01):
             with self.ctx.span("score", items=len(batch)):
                 items = await asyncio.to_thread(lambda: [self._score_group(m.data) for m in batch])
             for msg, item in zip(batch, items):

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from dataflow import Node, UserError
-from dataflow.channel import EndOfChannel
 from nodes.models import pad_batch
 
 
@@ -81,11 +80,7 @@ class RewardModel(Node):
     async def run(self):
         c = self.config
         inp, out = self.ctx.inputs["samples"], self.ctx.outputs["scored"]
-        while True:
-            try:
-                batch = await inp.recv_batch(c.items_per_call, timeout_s=0.01)
-            except EndOfChannel:
-                return
+        async for batch in inp.batches(c.items_per_call, 0.01):
             items = [m.data for m in batch]
             with self.ctx.span("reward model forward", items=len(items)):
                 await asyncio.to_thread(score_items, self.model, self.pad_id, items, c.scale, c.shift)
