@@ -647,8 +647,10 @@ class _Monitor:
         seconds = time.time() - self.t_start
         report = self.trace.report()
         for label, k in self.trace.kernel_idle().items():
-            report += (f"\n  {label}: GPU idle {100 * k['events_idle']:.1f}% from CUDA events around spans, "
-                       f"{100 * k['kernels_idle']:.1f}% from torch.profiler kernels (window {k['window_s']:.1f} s)")
+            nvml = "n/a" if k["nvml_idle"] is None else f"{100 * k['nvml_idle']:.1f}%"
+            report += (f"\n  {label}: GPU idle {nvml} from NVML samples, {100 * k['kernels_idle']:.1f}% from "
+                       f"torch.profiler kernels, {100 * k['events_idle']:.1f}% from CUDA events around spans "
+                       f"(same window, {k['window_s']:.1f} s)")
         if self.options.trace_path:
             self.trace.write(self.options.trace_path)
             self.artifacts["trace"] = self.options.trace_path

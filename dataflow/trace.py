@@ -9,10 +9,15 @@ cost of a few additions per span, the aggregates behind the end-of-run table:
   - of the waiting (blocked) time, how much each input (output) channel accounts for: the idle
     causes. Only time in that exclusive state counts, so the channels add up to the state;
   - count and total time per busy span name;
-  - on CUDA, GPU busy intervals from CUDA events recorded on the current stream around each busy
-    span. They are resolved lazily at drain() with `Event.query()` (never a sync on the hot path)
-    and placed on the host clock through an anchor event. A span that launches no GPU work still
-    counts as GPU busy for its host duration: events bracket spans, not kernels.
+  - on CUDA, two GPU busy sources. (a) NVML's utilization samples of the process's GPU (what
+    nvidia-smi reads: per sample period of ~1/6 s, the percent of time one or more kernels ran),
+    read at each drain (one driver call per ~0.5 s, nothing on the hot path). Kernel-accurate:
+    the launch gaps between small kernels count as idle. The per-GPU idle of the report comes from
+    it, whenever the samples cover the window. (b) CUDA events recorded on the current stream
+    around each busy span, resolved lazily at drain() with `Event.query()` (never a sync) and
+    placed on the host clock through an anchor event: exact in time but coarse in what counts
+    (events bracket spans, not kernels: launch gaps inside a span count as busy). They draw the
+    GPU's slices on the timeline and are the fallback when NVML is unavailable.
 With `enabled=True` (`--trace`) it also records Chrome trace events: X slices on named tracks
 ("compute" for work, "io" for waits), C counters and instants.
 
@@ -53,6 +58,7 @@ without locks; the GIL makes a stray call from another thread safe, not exact).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gzip
 import json
 import os
@@ -103,6 +109,7 @@ class Tracer:
         self._state_t = self._window_start = self.now_us()
         self._reset_aggregates()
         self._gpu = _CudaTimer(device, self.now_us) if device.startswith("cuda") else None
+        self._nvml = _NvmlUtilization.open(self._gpu.index, self.now_us) if self._gpu else None
 
     def now_us(self) -> int:
         """The process clock of every event: wall-clock microseconds, monotonic within the process.
@@ -156,7 +163,8 @@ class Tracer:
 
         {"process", "device", "gpu": label | None, "window": [t0, t1],
          "state_us": {kind or "other": us}, "wait_us": {channel: us}, "blocked_us": {channel: us},
-         "spans": {name: [count, us]}, "events": [...], "dropped": int, "gpu_intervals": [[t0, t1]]}
+         "spans": {name: [count, us]}, "events": [...], "dropped": int, "gpu_intervals": [[t0, t1]],
+         "gpu_util": [[t0, t1, percent, nvml_timestamp]]}
         Spans still open are accounted in the states up to now and as slices when they end.
         """
         now = self.now_us()
@@ -171,7 +179,8 @@ class Tracer:
                "state_us": dict(zip(KIND_NAMES + ("other",), self._state_us)),
                "wait_us": self._wait_us, "blocked_us": self._blocked_us, "spans": self._spans,
                "events": self._events, "dropped": self._dropped,
-               "gpu_intervals": self._gpu.resolve() if self._gpu else []}
+               "gpu_intervals": self._gpu.resolve() if self._gpu else [],
+               "gpu_util": self._nvml.read() if self._nvml else []}
         self._window_start = now
         self._events, self._dropped = [], 0
         self._reset_aggregates()
@@ -338,7 +347,7 @@ class _CudaTimer:
         visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
         physical = visible[index] if index < len(visible) else str(index)
         self.label = f"GPU {socket.gethostname()}:{physical}"
-        self._index = index
+        self.index = self._index = index
         self._free: list = []
         self._pending: list = []
         torch.cuda.synchronize(index)
@@ -377,6 +386,85 @@ class _CudaTimer:
         return merge_intervals(out)
 
 
+class _NvmlUtilization:
+    """Kernel-time utilization samples of one GPU from NVML (libnvidia-ml, through ctypes: no extra
+    package), on the tracer clock.
+
+    nvmlDeviceGetSamples(GPU_UTILIZATION) returns the driver's recent samples: (timestamp, percent
+    of the period since the previous sample during which one or more kernels executed). A sample
+    period is ~1/6 s on data-center GPUs, so a read every ~0.5 s (each drain) loses none (the
+    buffer holds several seconds). Every process on a GPU reads the same samples; the collector
+    keeps one copy per NVML timestamp. Kernels of processes outside the run count too.
+    """
+
+    GPU_UTILIZATION_SAMPLES = 1
+    NOT_FOUND = 6  # no sample newer than the one asked after
+
+    class _Sample(ctypes.Structure):
+        _fields_ = [("timestamp", ctypes.c_ulonglong), ("value", ctypes.c_ulonglong)]
+
+    @classmethod
+    def open(cls, cuda_index: int, now_us) -> "_NvmlUtilization | None":
+        """The sampler of CUDA device `cuda_index`, or None where NVML cannot be used (the report
+        then falls back to CUDA events and says so)."""
+        try:
+            return cls(cuda_index, now_us)
+        except (OSError, RuntimeError, AttributeError):
+            return None
+
+    def __init__(self, cuda_index: int, now_us):
+        import torch
+
+        lib = ctypes.CDLL("libnvidia-ml.so.1")
+        self._call(lib.nvmlInit_v2)
+        self._lib, self._handle = lib, ctypes.c_void_p()
+        uuid = str(torch.cuda.get_device_properties(cuda_index).uuid)  # NVML ignores CUDA_VISIBLE_DEVICES
+        self._call(lib.nvmlDeviceGetHandleByUUID, (uuid if uuid.startswith("GPU-") else "GPU-" + uuid).encode(),
+                   ctypes.byref(self._handle))
+        samples = self._fetch(0)
+        if not samples:
+            raise RuntimeError("NVML returned no utilization samples")
+        self._last = samples[-1][0]
+        # NVML stamps samples with the CPU's wall clock in us, as the tracer clock is; if a driver
+        # ever used another clock, align its newest sample with now (error: one sample period).
+        self._shift = 0 if abs(now_us() - self._last) < 5_000_000 else now_us() - self._last
+
+    @staticmethod
+    def _call(fn, *args) -> int:
+        rc = fn(*args)
+        if rc not in (0, _NvmlUtilization.NOT_FOUND):
+            raise RuntimeError(f"NVML {fn.__name__} returned error {rc}")
+        return rc
+
+    def _fetch(self, after: int) -> list:
+        kind, count = ctypes.c_int(), ctypes.c_uint(0)
+        get = self._lib.nvmlDeviceGetSamples
+        if self._call(get, self._handle, self.GPU_UTILIZATION_SAMPLES, ctypes.c_ulonglong(after),
+                      ctypes.byref(kind), ctypes.byref(count), None) or not count.value:
+            return []
+        buf = (self._Sample * count.value)()
+        if self._call(get, self._handle, self.GPU_UTILIZATION_SAMPLES, ctypes.c_ulonglong(after),
+                      ctypes.byref(kind), ctypes.byref(count), buf):
+            return []
+        # The value is a union; utilization is an unsigned int (kind 1), the low 32 bits here.
+        rows = sorted((s.timestamp, s.value & 0xFFFFFFFF) for s in buf[:count.value])
+        return [r for r in rows if r[0] > after]
+
+    def read(self) -> list:
+        """[[t0, t1, percent, nvml_ts]] for the samples since the last read (t1 = the sample's time,
+        t0 = the previous one's, on the tracer clock)."""
+        try:
+            samples = self._fetch(self._last)
+        except RuntimeError:
+            return []
+        out, prev = [], self._last
+        for ts, pct in samples:
+            out.append([prev + self._shift, ts + self._shift, min(100, int(pct)), ts])
+            prev = ts
+        self._last = prev
+        return out
+
+
 def measure_clock_offset(samples) -> int:
     """Offset (remote clock - local clock, us) from (t_send_local, t_remote, t_recv_local) triples.
 
@@ -403,6 +491,7 @@ class TraceCollector:
         self._events: dict[str, list] = {}
         self._gpu_intervals: dict[str, list] = {}
         self._kernel_intervals: dict[str, list] = {}
+        self._gpu_util: dict[str, dict] = {}  # GPU label -> {nvml ts: (process, t0, t1, percent)}
 
     def set_clock_offset(self, process_name: str, offset_us: float) -> None:
         self._offsets[process_name] = round(offset_us)
@@ -431,6 +520,11 @@ class TraceCollector:
             ivs.extend(drained["gpu_intervals"])
             if len(ivs) > 4096:  # keep memory flat on long runs
                 ivs[:] = merge_intervals(ivs)
+        if drained.get("gpu_util"):
+            # Every process on a GPU reads the same NVML samples: one copy per timestamp.
+            samples = self._gpu_util.setdefault(drained["gpu"], {})
+            for t0, t1, pct, nvml_ts in drained["gpu_util"]:
+                samples.setdefault(nvml_ts, (process_name, t0, t1, pct))
 
     # ---- outputs ---------------------------------------------------------------------------------
     def aggregates(self) -> dict:
@@ -453,6 +547,11 @@ class TraceCollector:
         merged = {label: merge_intervals(ivs) for label, ivs in gpu_ivs.items()}
         for label, g in gpus.items():
             g["busy_us"] = union_length(merged[label], g["window"])
+            samples = self._gpu_util.get(label)
+            if samples:
+                g["util_samples"] = tr.coarsen_samples(sorted(
+                    [t0 - self._offsets.get(name, 0), t1 - self._offsets.get(name, 0), pct]
+                    for name, t0, t1, pct in samples.values()))
         dropped = sum(p["dropped"] for p in self._procs.values())
         return {"processes": procs, "gpus": gpus, "dropped": dropped}, merged
 
@@ -462,8 +561,10 @@ class TraceCollector:
         self._kernel_intervals.setdefault(process_name, []).extend(intervals)
 
     def kernel_idle(self) -> dict:
-        """{GPU label: {"events_idle", "kernels_idle"}}: idle % of each GPU over the same window
-        from the CUDA events around spans and from the profiler's kernel intervals."""
+        """{GPU label: {"events_idle", "nvml_idle", "kernels_idle", "window_s"}}: idle of each GPU
+        from the CUDA events around spans, from NVML's samples (None without them) and from the
+        profiler's kernel intervals, over the part of the window the NVML samples cover (the
+        whole window without them)."""
         aggs, merged = self._aggregates_and_gpu_intervals()
         out = {}
         for label, g in aggs["gpus"].items():
@@ -472,9 +573,13 @@ class TraceCollector:
                 off = self._offsets.get(name, 0)
                 kernels += [[a - off, b - off] for a, b in self._kernel_intervals.get(name, [])]
             if kernels:
-                out[label] = {"events_idle": idle_fraction(merged[label], g["window"]),
-                              "kernels_idle": idle_fraction(merge_intervals(kernels), g["window"]),
-                              "window_s": (g["window"][1] - g["window"][0]) / 1e6}
+                window, nvml_idle = g["window"], None
+                if g.get("util_samples"):
+                    window = tr.sampled_window(g["util_samples"], g["window"])
+                    nvml_idle = tr.sampled_idle(g["util_samples"], window)
+                out[label] = {"events_idle": idle_fraction(merged[label], window), "nvml_idle": nvml_idle,
+                              "kernels_idle": idle_fraction(merge_intervals(kernels), window),
+                              "window_s": (window[1] - window[0]) / 1e6}
         return out
 
     def summary(self) -> dict:

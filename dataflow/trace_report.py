@@ -57,6 +57,30 @@ def idle_fraction(intervals, window) -> float:
     return 1.0 - union_length(intervals, window) / (w1 - w0)
 
 
+def sampled_window(samples, window) -> list:
+    """The part of `window` that utilization samples [[t0, t1, percent], ...] (sorted) cover."""
+    return [max(window[0], samples[0][0]), min(window[1], samples[-1][1])]
+
+
+def sampled_idle(samples, window) -> float:
+    """Idle fraction of `window` from utilization samples, each saying which percent of its
+    period (t0, t1] the device was busy; periods cut by the window's edges count pro rata."""
+    w0, w1 = window
+    busy = sum(p / 100 * max(0, min(b, w1) - max(a, w0)) for a, b, p in samples)
+    return max(0.0, 1.0 - busy / max(1, w1 - w0))
+
+
+def coarsen_samples(samples, limit: int = 20_000) -> list:
+    """At most `limit` samples (~1 h at 6/s): adjacent pairs merged, busy time kept exactly."""
+    while len(samples) > limit:
+        merged = []
+        for i in range(0, len(samples) - 1, 2):
+            (a, m, p), (_, b, q) = samples[i], samples[i + 1]
+            merged.append([a, b, (p * (m - a) + q * (b - m)) / max(1, b - a)])
+        samples = merged + samples[len(merged) * 2:]
+    return samples
+
+
 def assign_lanes(intervals) -> list[int]:
     """Lane per interval so that slices in one lane are disjoint or properly nested.
 
@@ -103,8 +127,9 @@ def chrome_trace(processes: dict, gpus: dict, aggregates: dict, origin_us: int, 
     """Build `{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}`.
 
     `processes`: name -> list of event tuples on the driver clock (see trace.Tracer.drain);
-    `gpus`: GPU label -> merged busy intervals (driver clock), drawn as slices plus a
-    UTIL_COUNTER per `bucket_us`. `ts` are microseconds since `origin_us` (kept in otherData).
+    `gpus`: GPU label -> merged busy intervals (driver clock), drawn as slices, plus a
+    UTIL_COUNTER: NVML's kernel-time samples when the aggregates hold them, else the slices'
+    occupancy per `bucket_us`. `ts` are microseconds since `origin_us` (kept in otherData).
     Above `max_events` slices/counters in total, every k-th event of each track is kept (k the
     smallest that fits) so the file stays small enough to open; the utilization counters (at most
     one per bucket) are always kept whole.
@@ -119,6 +144,10 @@ def chrome_trace(processes: dict, gpus: dict, aggregates: dict, origin_us: int, 
     for pid, (label, intervals) in enumerate(sorted(gpus.items()), start=len(names) + 1):
         pid_of[label] = pid
         tracks[(pid, "gpu")] = [("X", "busy", "gpu", a, b - a, "busy", None, None) for a, b in intervals]
+        samples = aggregates["gpus"][label].get("util_samples")
+        if samples:  # kernel time from NVML, one value per sample period
+            tracks[(pid, UTIL_COUNTER)] = [("C", UTIL_COUNTER, a, {"busy": round(p, 1)}) for a, _, p in samples]
+            continue
         w0, w1 = aggregates["gpus"][label]["window"]
         first = w0 // bucket_us * bucket_us
         fracs = occupancy(intervals, first, bucket_us, max(1, -(-(w1 - first) // bucket_us)))
@@ -184,6 +213,8 @@ def _relative(aggregates: dict, origin_us: int) -> dict:
     for group in ("processes", "gpus"):
         for name, agg in aggregates[group].items():
             out[group][name] = dict(agg, window=[agg["window"][0] - origin_us, agg["window"][1] - origin_us])
+            if agg.get("util_samples"):
+                out[group][name]["util_samples"] = [[a - origin_us, b - origin_us, p] for a, b, p in agg["util_samples"]]
     return out
 
 
@@ -263,8 +294,15 @@ def summarize(aggregates: dict, top: int = 8) -> dict:
         g = gpus[label]
         length = max(1, g["window"][1] - g["window"][0])
         on = [n for n in g["nodes"] if n in nodes]
-        devices[label] = {"idle": max(0.0, 1.0 - g["busy_us"] / length), "window_s": length / 1e6, "nodes": on,
-                          "causes": _merged_causes(nodes, on)}
+        span_idle = max(0.0, 1.0 - g["busy_us"] / length)
+        idle, source = span_idle, "cuda events"
+        samples = g.get("util_samples")
+        if samples:  # kernel time, when NVML's samples cover most of the window
+            covered = sampled_window(samples, g["window"])
+            if covered[1] - covered[0] >= 0.5 * length:
+                idle, source = sampled_idle(samples, covered), "nvml"
+        devices[label] = {"idle": idle, "span_idle": span_idle, "source": source, "window_s": length / 1e6,
+                          "nodes": on, "causes": _merged_causes(nodes, on)}
     for name, n in nodes.items():
         if n["gpu"] is None:  # CPU run: the node's own compute is the device
             devices[f"cpu {name}"] = {"idle": 1.0 - n["busy"], "window_s": n["window_s"], "nodes": [name],
@@ -315,6 +353,11 @@ def format_report(summary: dict) -> str:
         for label, d in devices.items():
             causes = ", ".join(_cause_text(c, with_who=len(d["nodes"]) > 1) for c in d["causes"]) or "-"
             lines.append(f"  {label:<{w}}  {_pct(d['idle']):>6}  {causes}")
+        sources = {label: d for label, d in devices.items() if "source" in d}
+        for label, d in sources.items():
+            how = ("NVML kernel-time samples" if d["source"] == "nvml" else
+                   "CUDA events around spans (NVML unavailable: launch gaps count as busy)")
+            lines.append(f"    {label}: idle from {how}; span events say {_pct(d['span_idle'])}")
     if summary["idle_causes"]:
         lines.append("  top idle causes:")
         for i, c in enumerate(summary["idle_causes"], start=1):

@@ -445,7 +445,7 @@ def test_collector_plot_without_events(tmp_path):
     assert "n" in c.report()
 
 
-def fake_gpu_drain(name, window, busy, gpu_intervals, waits):
+def fake_gpu_drain(name, window, busy, gpu_intervals, waits, gpu_util=()):
     """What a CUDA host's drain() returns, built by hand (no GPU here)."""
     length = window[1] - window[0]
     wait = sum(waits.values())
@@ -453,7 +453,7 @@ def fake_gpu_drain(name, window, busy, gpu_intervals, waits):
             "state_us": {"busy": busy, "wait_input": wait, "blocked_output": 0, "other": length - busy - wait},
             "wait_us": waits, "blocked_us": {}, "spans": {"forward/backward": [1, busy]},
             "events": [("X", "forward/backward", "compute", window[0], busy, "busy", None, None)],
-            "dropped": 0, "gpu_intervals": gpu_intervals}
+            "dropped": 0, "gpu_intervals": gpu_intervals, "gpu_util": [list(u) for u in gpu_util]}
 
 
 def test_gpu_process_in_trace_and_report(tmp_path):
@@ -473,6 +473,51 @@ def test_gpu_process_in_trace_and_report(tmp_path):
     gpu_slices = [(e["ts"], e["dur"]) for e in doc["traceEvents"] if e["ph"] == "X" and e["pid"] == gpu_pid]
     assert gpu_slices == [(0, 3 * s), (10 * s, 1 * s)]
     c.plot(str(tmp_path / "gpu.png"))
+
+
+def test_gpu_idle_from_nvml_samples_when_they_cover_the_window(tmp_path):
+    s = 1_000_000
+    # Two processes on one GPU read the same NVML samples (same NVML timestamps): counted once.
+    # Samples: (0, 5 s] 50% busy, (5, 10 s] 20% busy -> busy 3.5 s of 10 s -> idle 65%,
+    # while the span events cover 8 s (idle 20%: launch gaps inside spans counted as busy).
+    util = [(0, 5 * s, 50, 111), (5 * s, 10 * s, 20, 222)]
+    c = TraceCollector(enabled=True)
+    c.add("learner", fake_gpu_drain("learner", (0, 10 * s), 8 * s, [[0, 8 * s]], {}, util))
+    c.add("generator", fake_gpu_drain("generator", (0, 10 * s), 1 * s, [[0, 1 * s]], {}, util))
+    gpu = c.summary()["devices"]["GPU host:0"]
+    assert gpu["source"] == "nvml"
+    assert gpu["idle"] == pytest.approx(0.65)
+    assert gpu["span_idle"] == pytest.approx(0.2)
+    assert "NVML kernel-time samples" in c.report() and "65.0%" in c.report()
+    # Saved and reloaded, the same numbers; the GPU's utilization counter follows the samples.
+    path = tmp_path / "nvml.json"
+    c.write(str(path))
+    aggs, rows = trace_report.load_trace(str(path))
+    assert trace_report.summarize(aggs)["devices"]["GPU host:0"]["idle"] == pytest.approx(0.65)
+    gpu_util = dict(rows)["GPU host:0"]["util"]
+    assert [u["busy"] for _, u in gpu_util] == [50, 20]
+
+
+def test_nvml_samples_that_cover_too_little_fall_back_to_span_events():
+    s = 1_000_000
+    c = TraceCollector(enabled=False)
+    c.add("learner", fake_gpu_drain("learner", (0, 10 * s), 8 * s, [[0, 8 * s]], {}, [(0, 2 * s, 10, 1)]))
+    gpu = c.summary()["devices"]["GPU host:0"]
+    assert gpu["source"] == "cuda events" and gpu["idle"] == pytest.approx(0.2)
+    assert "NVML unavailable" in c.report()
+
+
+def test_sampled_idle_prorates_edges_and_coarsening_keeps_busy_time():
+    samples = [[0, 100, 100], [100, 200, 50], [200, 300, 0]]
+    assert trace_report.sampled_idle(samples, [0, 300]) == pytest.approx(1 - 150 / 300)
+    # window (50, 150]: 50 us at 100% + 50 us at 50% = 75 us busy of 100
+    assert trace_report.sampled_idle(samples, [50, 150]) == pytest.approx(0.25)
+    assert trace_report.sampled_window(samples, [-50, 250]) == [0, 250]
+    many = [[i * 10, (i + 1) * 10, (i * 37) % 101] for i in range(1001)]
+    few = trace_report.coarsen_samples(many, limit=100)
+    assert len(few) <= 100 and few[0][0] == 0 and few[-1][1] == 10010
+    busy = lambda xs: sum((b - a) * p / 100 for a, b, p in xs)  # noqa: E731
+    assert busy(few) == pytest.approx(busy(many))
 
 
 def test_long_run_plot_uses_utilization_counters(tmp_path):
@@ -524,3 +569,30 @@ def test_cuda_busy_intervals_line_up_with_the_spans():
     gaps = sum(h1 - h0 for h0, h1 in host)
     assert union_length(ivs, window) == pytest.approx(gaps, rel=0.1)
     assert 0.05 < idle_fraction(ivs, window) < 0.95
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_nvml_samples_see_a_known_duty_cycle():
+    """~2 s of alternating 60 ms of matmuls and 140 ms of sleep: NVML's busy share must be ~30%."""
+    import time
+
+    import torch
+
+    t = Tracer("learner", enabled=False, device="cuda")
+    assert t._nvml is not None, "NVML could not be opened on this CUDA machine"
+    x = torch.randn(4096, 4096, device="cuda")
+    t.drain()
+    start = t.now_us()
+    for _ in range(15):
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.06:
+            for _ in range(4):
+                x = (x @ x).tanh()
+            torch.cuda.synchronize()
+        time.sleep(0.14)
+    time.sleep(0.5)                    # NVML posts a sample at the end of its period
+    samples = [u[:3] for u in t.drain()["gpu_util"]]
+    assert samples, "no NVML samples"
+    window = trace_report.sampled_window(samples, [start, t.now_us()])
+    busy = 1 - trace_report.sampled_idle(samples, window)
+    assert 0.15 < busy < 0.45, (busy, samples)
