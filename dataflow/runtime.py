@@ -160,6 +160,7 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
     default_dir = resume.parent.parent if resume else f"runs/{graph.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(options.out_dir or default_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint.clear_snapshots(run_dir)
     max_steps = options.max_steps if options.max_steps is not None else graph.max_steps
     started_ray = _start_ray(graph, options)
     monitor = _Monitor(graph, run_dir, options, config, resume, resume_step)
@@ -223,9 +224,9 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
         await monitor.poll(hosts)
         if options.trace_kernels:
             kernels = await _gather_named({n: h.stop_kernel_trace.remote() for n, h in hosts.items()})
-            for name, intervals in kernels.items():
-                if isinstance(intervals, list):
-                    monitor.trace.add_kernel_intervals(name, intervals)
+            for name, recorded in kernels.items():
+                if isinstance(recorded, dict):
+                    monitor.trace.add_kernel_intervals(name, recorded["intervals"], recorded["window"])
         return monitor.finish(status)
     except BaseException as e:
         if isinstance(e, asyncio.CancelledError) and graph.save_interval and running:
@@ -260,8 +261,8 @@ def _restartable(graph: Graph, name: str, result: Any, monitor: "_Monitor") -> b
 
 async def _restart(graph: Graph, hosts: dict, name: str, monitor: "_Monitor") -> asyncio.Future:
     """Bring back replica `name`, whose process died: Ray restarts its actor (same handle, a fresh
-    process); here it gets the latest versions of its edges, is set up again, loads its state from
-    the last checkpoint (if any), and runs. Takes its dead process left waiting at its producers
+    process); here it gets the latest versions of its edges, is set up again, loads its latest state
+    (its snapshot, if newer than the last checkpoint: dataflow/checkpoint.py), and runs. Takes its dead process left waiting at its producers
     are dropped, and every node hears of the restart: the prompt source re-issues the prompts
     not yet trained on (the items the dead process held are lost). Returns its run() future."""
     n = monitor.restarts[name] = monitor.restarts.get(name, 0) + 1
@@ -281,8 +282,10 @@ async def _restart(graph: Graph, hosts: dict, name: str, monitor: "_Monitor") ->
     last = monitor.last_checkpoint
     try:
         await _measure_clock(monitor, name, host)
-        if last is not None and (state_dir := checkpoint.replica_state_dir(last, name)) is not None:
-            await host.load_state.remote(str(state_dir), checkpoint.read_manifest(last)["step"])
+        # its latest state: a snapshot it wrote since the last checkpoint (the critic's), else that checkpoint's
+        state_dir = checkpoint.restore_dir(monitor.run_dir, last, name)
+        if state_dir is not None:
+            await host.load_state.remote(str(state_dir), checkpoint.read_manifest(last)["step"] if last else 0)
     except Exception as e:
         raise NodeFailed(name, f"restarted after its process died, then: {_death_summary(e)}") from None
     # (a producer that is itself dead has a fresh outbox when it comes back: nothing to reset there)
@@ -291,7 +294,7 @@ async def _restart(graph: Graph, hosts: dict, name: str, monitor: "_Monitor") ->
                          for p in graph.producers(ch.name)})
     run = asyncio.ensure_future(_awaitable(host.run.remote()))
     await _gather_named({other: h.peer_restarted.remote(name) for other, h in hosts.items() if other != name})
-    monitor.restarted(name, reply["pid"])
+    monitor.restarted(name, reply["pid"], state_dir)
     return run
 
 
@@ -338,6 +341,10 @@ async def _save_checkpoint(graph: Graph, hosts: dict, monitor: "_Monitor", step:
     if path is not None:
         monitor.last_checkpoint = path
         monitor.artifacts["last checkpoint"] = str(path)
+        try:
+            checkpoint.prune(monitor.run_dir, graph.keep_checkpoints, path)
+        except OSError as e:  # a full or read-only disk must not stop training
+            monitor.say(f"[dataflow] could not delete old checkpoints (keep_checkpoints={graph.keep_checkpoints}): {e}")
         monitor.say(f"[dataflow] {'interrupted: ' if reason == 'interrupt' else ''}checkpoint of step "
                     f"{checkpoint.read_manifest(path)['step']} saved: {path}")
     return path
@@ -399,7 +406,7 @@ def _wiring(graph: Graph, replica_name: str, hosts: dict) -> dict:
                 wiring["outputs"][port] = {"channel": ch.name, "consumers": graph.consumers(ch.name),
                                            "capacity": max(1, math.ceil(ch.capacity / len(producers)))}
         for n, port in ch.dst:
-            if n == node:
+            if n == node and replica_name in graph.consumers(ch.name):  # (inputs_on_replica_0)
                 wiring["inputs"][port] = {"channel": ch.name, "producers": [(p, hosts[p]) for p in producers],
                                           "prefetch": max(1, math.ceil(ch.capacity / len(graph.consumers(ch.name))))}
     for edge in graph.versioned_edges.values():
@@ -561,10 +568,11 @@ class _Monitor:
         self.pids.update(pids)
         (self.run_dir / "processes.json").write_text(json.dumps(self.pids, indent=1))
 
-    def restarted(self, name: str, pid: int) -> None:
+    def restarted(self, name: str, pid: int, state_dir: Path | None) -> None:
         self.processes({name: pid})
         record = {"time_s": round(time.time() - (self.t_running or self.t_start), 3), "node": "driver",
-                  "restarted": name, "restarts/total": sum(self.restarts.values()),
+                  "restarted": name, "state_from": str(state_dir) if state_dir else None,
+                  "restarts/total": sum(self.restarts.values()),
                   **{f"restarts/{n}": k for n, k in self.restarts.items()}}
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
@@ -648,8 +656,8 @@ class _Monitor:
         report = self.trace.report()
         for label, k in self.trace.kernel_idle().items():
             nvml = "n/a" if k["nvml_idle"] is None else f"{100 * k['nvml_idle']:.1f}%"
-            report += (f"\n  {label}: GPU idle {nvml} from NVML samples, {100 * k['kernels_idle']:.1f}% from "
-                       f"torch.profiler kernels, {100 * k['events_idle']:.1f}% from CUDA events around spans "
+            report += (f"\n  {label}: GPU idle {100 * k['kernels_idle']:.1f}% from kernel records (used above), "
+                       f"{nvml} from NVML samples, {100 * k['events_idle']:.1f}% from CUDA events around spans "
                        f"(same window, {k['window_s']:.1f} s)")
         if self.options.trace_path:
             self.trace.write(self.options.trace_path)

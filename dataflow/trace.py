@@ -10,14 +10,18 @@ cost of a few additions per span, the aggregates behind the end-of-run table:
     causes. Only time in that exclusive state counts, so the channels add up to the state;
   - count and total time per busy span name;
   - on CUDA, two GPU busy sources. (a) NVML's utilization samples of the process's GPU (what
-    nvidia-smi reads: per sample period of ~1/6 s, the percent of time one or more kernels ran),
-    read at each drain (one driver call per ~0.5 s, nothing on the hot path). Kernel-accurate:
-    the launch gaps between small kernels count as idle. The per-GPU idle of the report comes from
-    it, whenever the samples cover the window. (b) CUDA events recorded on the current stream
+    nvidia-smi reads: samples every ~0.2 s of the percent of time one or more kernels ran), read
+    at each drain (one driver call per ~0.5 s, nothing on the hot path). The per-GPU idle of the
+    report comes from it whenever the samples cover the window. (b) CUDA events recorded on the current stream
     around each busy span, resolved lazily at drain() with `Event.query()` (never a sync) and
     placed on the host clock through an anchor event: exact in time but coarse in what counts
     (events bracket spans, not kernels: launch gaps inside a span count as busy). They draw the
     GPU's slices on the timeline and are the fallback when NVML is unavailable.
+    With `--trace-kernels` a third, exact source replaces both in the report: every kernel's CUPTI
+    record (torch.profiler, CUDA activity only; dataflow/host.py), sent to the driver at the end.
+    Measured against a CUDA-graph ground truth (bench/gpu_idle_check.py, H200): kernel records
+    within ~1 point; NVML 2x too busy on launch-bound tiny kernels (22.6% vs 10.6%) and a few
+    points too idle on back-to-back matmuls; span events count launch gaps as busy.
 With `enabled=True` (`--trace`) it also records Chrome trace events: X slices on named tracks
 ("compute" for work, "io" for waits), C counters and instants.
 
@@ -547,6 +551,9 @@ class TraceCollector:
         merged = {label: merge_intervals(ivs) for label, ivs in gpu_ivs.items()}
         for label, g in gpus.items():
             g["busy_us"] = union_length(merged[label], g["window"])
+            kernels = self._kernel_busy(g)
+            if kernels is not None:
+                g["kernels"] = {"window": kernels[1], "busy_us": union_length(*kernels)}
             samples = self._gpu_util.get(label)
             if samples:
                 g["util_samples"] = tr.coarsen_samples(sorted(
@@ -555,31 +562,41 @@ class TraceCollector:
         dropped = sum(p["dropped"] for p in self._procs.values())
         return {"processes": procs, "gpus": gpus, "dropped": dropped}, merged
 
-    def add_kernel_intervals(self, process_name: str, intervals: list) -> None:
-        """Kernel [t0, t1] intervals of `process_name` from torch.profiler (--trace-kernels), on
-        that process's tracer clock: the independent check of the CUDA-event busy time."""
-        self._kernel_intervals.setdefault(process_name, []).extend(intervals)
+    def add_kernel_intervals(self, process_name: str, intervals: list, window: list) -> None:
+        """Kernel [t0, t1] intervals of `process_name` (CUPTI records through torch.profiler under
+        --trace-kernels) and the [t0, t1] it recorded over, on that process's tracer clock. A GPU
+        whose every process sent them gets its idle from them (the most exact source)."""
+        self._kernel_intervals[process_name] = (intervals, window)
+
+    def _kernel_busy(self, gpu: dict) -> tuple[list, list] | None:
+        """(merged kernel intervals, window) of one GPU on the driver clock: the window is where
+        every process on it was recording (and inside the GPU's own window); None without records."""
+        ivs, starts, ends = [], [gpu["window"][0]], [gpu["window"][1]]
+        for name in gpu["nodes"]:
+            if name not in self._kernel_intervals:
+                return None
+            off = self._offsets.get(name, 0)
+            intervals, window = self._kernel_intervals[name]
+            ivs += [[a - off, b - off] for a, b in intervals]
+            starts.append(window[0] - off)
+            ends.append(window[1] - off)
+        return merge_intervals(ivs), [max(starts), min(ends)]
 
     def kernel_idle(self) -> dict:
-        """{GPU label: {"events_idle", "nvml_idle", "kernels_idle", "window_s"}}: idle of each GPU
-        from the CUDA events around spans, from NVML's samples (None without them) and from the
-        profiler's kernel intervals, over the part of the window the NVML samples cover (the
-        whole window without them)."""
+        """{GPU label: {"kernels_idle", "nvml_idle", "events_idle", "window_s"}}: idle of each GPU
+        with kernel records from the kernels, from NVML's samples (None without them) and from the
+        CUDA events around spans, all over the window the kernel records cover."""
         aggs, merged = self._aggregates_and_gpu_intervals()
         out = {}
         for label, g in aggs["gpus"].items():
-            kernels = []
-            for name in g["nodes"]:
-                off = self._offsets.get(name, 0)
-                kernels += [[a - off, b - off] for a, b in self._kernel_intervals.get(name, [])]
-            if kernels:
-                window, nvml_idle = g["window"], None
-                if g.get("util_samples"):
-                    window = tr.sampled_window(g["util_samples"], g["window"])
-                    nvml_idle = tr.sampled_idle(g["util_samples"], window)
-                out[label] = {"events_idle": idle_fraction(merged[label], window), "nvml_idle": nvml_idle,
-                              "kernels_idle": idle_fraction(merge_intervals(kernels), window),
-                              "window_s": (window[1] - window[0]) / 1e6}
+            kernels = self._kernel_busy(g)
+            if kernels is None:
+                continue
+            window = kernels[1]
+            nvml_idle = tr.sampled_idle(g["util_samples"], window) if g.get("util_samples") else None
+            out[label] = {"kernels_idle": idle_fraction(kernels[0], window), "nvml_idle": nvml_idle,
+                          "events_idle": idle_fraction(merged[label], window),
+                          "window_s": (window[1] - window[0]) / 1e6}
         return out
 
     def summary(self) -> dict:

@@ -213,6 +213,9 @@ def _relative(aggregates: dict, origin_us: int) -> dict:
     for group in ("processes", "gpus"):
         for name, agg in aggregates[group].items():
             out[group][name] = dict(agg, window=[agg["window"][0] - origin_us, agg["window"][1] - origin_us])
+            if agg.get("kernels"):
+                k = agg["kernels"]
+                out[group][name]["kernels"] = dict(k, window=[k["window"][0] - origin_us, k["window"][1] - origin_us])
             if agg.get("util_samples"):
                 out[group][name]["util_samples"] = [[a - origin_us, b - origin_us, p] for a, b, p in agg["util_samples"]]
     return out
@@ -297,7 +300,10 @@ def summarize(aggregates: dict, top: int = 8) -> dict:
         span_idle = max(0.0, 1.0 - g["busy_us"] / length)
         idle, source = span_idle, "cuda events"
         samples = g.get("util_samples")
-        if samples:  # kernel time, when NVML's samples cover most of the window
+        if g.get("kernels"):  # kernel records (--trace-kernels): exact
+            k = g["kernels"]
+            idle, source = max(0.0, 1.0 - k["busy_us"] / max(1, k["window"][1] - k["window"][0])), "kernels"
+        elif samples:  # kernel time sampled by NVML, when its samples cover most of the window
             covered = sampled_window(samples, g["window"])
             if covered[1] - covered[0] >= 0.5 * length:
                 idle, source = sampled_idle(samples, covered), "nvml"
@@ -355,8 +361,9 @@ def format_report(summary: dict) -> str:
             lines.append(f"  {label:<{w}}  {_pct(d['idle']):>6}  {causes}")
         sources = {label: d for label, d in devices.items() if "source" in d}
         for label, d in sources.items():
-            how = ("NVML kernel-time samples" if d["source"] == "nvml" else
-                   "CUDA events around spans (NVML unavailable: launch gaps count as busy)")
+            how = {"kernels": "kernel records (--trace-kernels)",
+                   "nvml": "NVML utilization samples (overstates launch-bound work; --trace-kernels is exact)",
+                   }.get(d["source"], "CUDA events around spans (NVML unavailable: launch gaps count as busy)")
             lines.append(f"    {label}: idle from {how}; span events say {_pct(d['span_idle'])}")
     if summary["idle_causes"]:
         lines.append("  top idle causes:")

@@ -488,7 +488,7 @@ def test_gpu_idle_from_nvml_samples_when_they_cover_the_window(tmp_path):
     assert gpu["source"] == "nvml"
     assert gpu["idle"] == pytest.approx(0.65)
     assert gpu["span_idle"] == pytest.approx(0.2)
-    assert "NVML kernel-time samples" in c.report() and "65.0%" in c.report()
+    assert "NVML utilization samples" in c.report() and "65.0%" in c.report()
     # Saved and reloaded, the same numbers; the GPU's utilization counter follows the samples.
     path = tmp_path / "nvml.json"
     c.write(str(path))
@@ -496,6 +496,31 @@ def test_gpu_idle_from_nvml_samples_when_they_cover_the_window(tmp_path):
     assert trace_report.summarize(aggs)["devices"]["GPU host:0"]["idle"] == pytest.approx(0.65)
     gpu_util = dict(rows)["GPU host:0"]["util"]
     assert [u["busy"] for _, u in gpu_util] == [50, 20]
+
+
+def test_kernel_records_take_precedence_over_nvml_and_spans(tmp_path):
+    s = 1_000_000
+    util = [(0, 10 * s, 50, 1)]
+    c = TraceCollector(enabled=True)
+    c.set_clock_offset("learner", 1 * s)   # process clock runs 1 s ahead of the driver's
+    c.add("learner", fake_gpu_drain("learner", (1 * s, 11 * s), 8 * s, [[1 * s, 9 * s]], {}, util))
+    c.add("generator", fake_gpu_drain("generator", (0, 10 * s), 1 * s, [[0, 1 * s]], {}, util))
+    # Kernels (process clocks): learner 2-3 s (driver 1-2 s), generator 1.5-2.5 s: union 1-2.5 s.
+    # Recording windows: learner driver 0.5-9, generator 0.2-10 -> common window 0.5-9 s (8.5 s).
+    c.add_kernel_intervals("learner", [[2 * s, 3 * s]], [int(1.5 * s), 10 * s])
+    assert "GPU host:0" not in c.kernel_idle()          # the generator's records are still missing
+    c.add_kernel_intervals("generator", [[int(1.5 * s), int(2.5 * s)]], [int(0.2 * s), 10 * s])
+    gpu = c.summary()["devices"]["GPU host:0"]
+    assert gpu["source"] == "kernels"
+    assert gpu["idle"] == pytest.approx(1 - 1.5 / 8.5)
+    k = c.kernel_idle()["GPU host:0"]
+    assert k["kernels_idle"] == pytest.approx(1 - 1.5 / 8.5) and k["window_s"] == pytest.approx(8.5)
+    assert k["nvml_idle"] == pytest.approx(0.5)
+    assert "kernel records" in c.report()
+    path = tmp_path / "k.json"
+    c.write(str(path))
+    aggs, _ = trace_report.load_trace(str(path))
+    assert trace_report.summarize(aggs)["devices"]["GPU host:0"]["idle"] == pytest.approx(1 - 1.5 / 8.5)
 
 
 def test_nvml_samples_that_cover_too_little_fall_back_to_span_events():
