@@ -7,22 +7,36 @@ Waits for: prompts (admitted by the prompt source under the staleness bound).
 Unblocked by: the prompt source; new weights arrive on the versioned edge `policy` at any time
 (weight_sync.transport=collective: by the learner's HybridEngine push; nodes/weight_sync.py).
 
-Weights switch only between generate calls, so no response mixes versions, and prompts already
-taken are generated (with the weights in hand at that moment), never lost. Generation runs in a
-worker thread so the actor keeps answering channel pulls and weight pushes meanwhile.
-Each call samples from a torch.Generator seeded with (seed, id of its first prompt): the same
-prompts in the same call give the same responses on any replica, after a restart or a resume.
+Llama / Qwen2 policies decode with nodes/decoding.py (static KV cache, CUDA graphs on a GPU) by
+continuous batching: prompts_per_call x group_size slots are refilled from the `prompts` channel as
+prompts arrive and sequences finish, and each prompt's item goes downstream as soon as its whole
+group finished, not after a batch. A prompt's group is admitted at once, and only while no newer
+weight version is announced: then admission stops, the slots drain, the weights switch (between
+serving() blocks), and admission resumes, so no response or group mixes versions. Prompts already
+taken are generated, never lost. Other models use the HF loop (nodes/models.py:sample_responses)
+in batches of up to prompts_per_call prompts, switching weights between batches.
+Generation runs in a worker thread so the actor keeps answering channel pulls and weight pushes.
+
+Determinism: the static decoder's noise is a function of (seed, prompt id, sample index, token
+index) only, so a prompt samples the same responses on any replica, in any batch or slot, after a
+restart or a resume (up to float differences between batch shapes). The HF loop seeds a
+torch.Generator per call from (seed, id of the call's first prompt).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from dataflow import Node
+from dataflow.channel import EndOfChannel, WouldBlock
+from dataflow.errors import UserError
 from nodes import policy
+from nodes.decoding import StaticDecoder, sample_key, unsupported_reason
 from nodes.models import sample_responses
 from nodes.weight_sync import SYNC_EDGE, GeneratorWeightSync, WeightSyncConfig
 
@@ -35,14 +49,33 @@ class GeneratorConfig:
     """Responses per prompt (GRPO groups; 1 for PPO)."""
     max_new_tokens: int = 8
     """Longest response in tokens."""
+    min_new_tokens: int = 0
+    """<eos> is masked out (of the sampled distribution and its log-probs) before this many tokens."""
     temperature: float = 1.0
     top_k: int = 0
     """Sample from the k most likely tokens (0 = all)."""
     prompts_per_call: int = 32
-    """Prompts batched into one generate call (taken as they are available, up to this many)."""
+    """Prompts decoded at once: the static decoder has prompts_per_call x group_size slots,
+    refilled as prompts arrive; the HF loop takes up to this many per call."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights and KV cache dtype (auto: bfloat16 on CUDA, float32 on CPU). The learner's weights
+    are cast into it as they arrive."""
+    decoder: Literal["auto", "hf"] = "auto"
+    """auto: the static decoder for llama/qwen2 (else the HF loop, logged); hf: always the HF loop."""
+    max_prompt_tokens: int = 0
+    """Static decoder: longest prompt (sizes the KV cache with max_new_tokens). 0 = the model's
+    max_position_embeddings - max_new_tokens, within [256, 1024]. A longer prompt fails the node."""
+    cuda_graphs: bool = True
+    """Static decoder on CUDA: replay each decode step as a CUDA graph (False: eager, to compare)."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """How the learner's weights arrive (must match the learner's; nodes/weight_sync.py)."""
     seed: int = 0
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    return getattr(torch, name)
 
 
 class Generator(Node):
@@ -52,24 +85,123 @@ class Generator(Node):
     subscribes = ("policy", SYNC_EDGE)
 
     async def setup(self):
-        self.model, self.tokenizer = policy.load(self.config.policy)
-        self.model.to(self.ctx.device).eval()
+        c = self.config
+        self.model, self.tokenizer = policy.load(c.policy)
+        # Cast before the weight sync's setup: it tells the learner the dtype to push in.
+        self.model.to(self.ctx.device, dtype=resolve_dtype(c.dtype, self.ctx.device)).eval()
         self.version = 0
-        self.weight_sync = GeneratorWeightSync(self.ctx, self.config.weight_sync)
+        self.weight_sync = GeneratorWeightSync(self.ctx, c.weight_sync)
         await self.weight_sync.setup(self.model)
+        self.decoder = None
+        reason = "generator.decoder=hf" if c.decoder == "hf" else unsupported_reason(self.model)
+        if reason:
+            self.ctx.log(f"generator: HF sampling loop ({reason})")
+            return
+        max_pos = self.model.config.max_position_embeddings
+        self.max_prompt = c.max_prompt_tokens or min(max(max_pos - c.max_new_tokens, 256), 1024)
+        self.decoder = StaticDecoder(
+            self.model, c.prompts_per_call * c.group_size, self.max_prompt + c.max_new_tokens,
+            eos_id=self.tokenizer.eos_token_id, max_new_tokens=c.max_new_tokens,
+            min_new_tokens=c.min_new_tokens, temperature=c.temperature, top_k=c.top_k,
+            seed=c.seed, cuda_graphs=c.cuda_graphs)
 
     async def run(self):
+        if self.decoder is None:
+            await self._run_batched()
+        else:
+            await self._run_continuous()
+
+    def _tokenize(self, msg) -> list[int]:
+        ids = self.tokenizer(msg.data["prompt"])["input_ids"]
+        if self.decoder is not None and len(ids) > self.max_prompt:
+            raise UserError(f"generator: prompt {msg.data['id']} has {len(ids)} tokens, more than "
+                            f"generator.max_prompt_tokens={self.max_prompt}; raise it")
+        return ids
+
+    async def _run_continuous(self):
+        c, dec = self.config, self.decoder
+        prompts, out = self.ctx.inputs["prompts"], self.ctx.outputs["samples"]
+        waiting: deque = deque()      # (msg, prompt ids) taken but not admitted
+        groups: dict[int, list] = {}  # group number -> [msg, samples, still running]
+        ready: list = []              # finished items the outbox had no room for
+        ended, number = False, 0
+
+        def emit(item) -> bool:     # never wait for room while holding the weights
+            try:
+                out.send_nowait(item[0], **item[1])
+                return True
+            except WouldBlock:
+                return False
+
+        while True:
+            # Wait for work outside serving(): an idle generator must not hold the weights (the
+            # collective push waits for them, and the prompt source for that push).
+            for item, meta in ready:
+                await out.send(item, **meta)
+            ready.clear()
+            if not waiting and not ended:
+                try:
+                    for msg in await prompts.recv_batch(c.prompts_per_call, 0.02):
+                        waiting.append((msg, self._tokenize(msg)))
+                except EndOfChannel:
+                    ended = True
+            if not waiting:
+                if ended:
+                    return
+                continue
+            async with self.weight_sync.serving() as self.version:
+                await asyncio.to_thread(dec.refresh)   # re-captures graphs if weights moved
+                with self.ctx.span("generate", version=self.version):
+                    while True:
+                        # Admit whole groups, only while these weights are the newest announced
+                        # and the output has room (backpressure).
+                        admit = []
+                        newer = self.ctx.latest_version(self.weight_sync.edge) > self.version
+                        while not newer and not ready and dec.free_slots() - len(admit) >= c.group_size:
+                            if not waiting and not ended:
+                                try:
+                                    msg = prompts.recv_nowait()
+                                    waiting.append((msg, self._tokenize(msg)))
+                                except WouldBlock:
+                                    break
+                                except EndOfChannel:
+                                    ended = True
+                                    break
+                            if not waiting:
+                                break
+                            msg, ids = waiting.popleft()
+                            groups[number] = [msg, [None] * c.group_size, c.group_size]
+                            admit += [(ids, (number, j), sample_key(c.seed, msg.data["id"], j))
+                                      for j in range(c.group_size)]
+                            number += 1
+                        if admit:
+                            await asyncio.to_thread(dec.add, admit)
+                        if not dec.active:
+                            break
+                        for (n, j), sample in await asyncio.to_thread(dec.step):
+                            group = groups[n]
+                            group[1][j] = sample
+                            group[2] -= 1
+                            if group[2] == 0:
+                                del groups[n]
+                                msg = group[0]
+                                item = ({**msg.data, "version": self.version, "samples": group[1]},
+                                        {**msg.meta, "version": self.version})
+                                if ready or not emit(item):   # keep the order of completion
+                                    ready.append(item)
+
+    async def _run_batched(self):
         c = self.config
         prompts, out = self.ctx.inputs["prompts"], self.ctx.outputs["samples"]
         async for batch in prompts.batches(c.prompts_per_call, 0.02):
-            ids = [self.tokenizer(m.data["prompt"])["input_ids"] for m in batch]
+            ids = [self._tokenize(m) for m in batch]
             repeated = [p for p in ids for _ in range(c.group_size)]
             rng = torch.Generator().manual_seed(c.seed * 2**32 + batch[0].data["id"])
             async with self.weight_sync.serving() as self.version:   # weights switch only here
                 with self.ctx.span("generate", prompts=len(batch), version=self.version):
                     samples = await asyncio.to_thread(
                         sample_responses, self.model, self.tokenizer, repeated, c.max_new_tokens,
-                        c.temperature, c.top_k or None, rng)
+                        c.temperature, c.top_k or None, rng, None, c.min_new_tokens)
             for i, msg in enumerate(batch):
                 group = samples[i * c.group_size:(i + 1) * c.group_size]
                 item = {**msg.data, "version": self.version, "samples": group}

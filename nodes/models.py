@@ -14,6 +14,7 @@ padding surrounds it (sampling with a KV cache and a fresh forward agree to ~1e-
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -40,6 +41,8 @@ class ModelConfig:
     """Hidden size."""
     n_head: int = 4
     """Attention heads (n_embd must be divisible by it)."""
+    n_kv_head: int = 0
+    """Key/value heads (grouped-query attention; must divide n_head). 0 = n_head."""
     intermediate_size: int = 256
     """MLP width."""
     max_position_embeddings: int = 64
@@ -53,6 +56,9 @@ class ModelConfig:
         if self.n_embd % self.n_head:
             raise ValueError(f"ModelConfig: n_embd={self.n_embd} is not divisible by "
                              f"n_head={self.n_head}; change one of them")
+        if self.n_kv_head < 0 or (self.n_kv_head and self.n_head % self.n_kv_head):
+            raise ValueError(f"ModelConfig: n_kv_head={self.n_kv_head} must divide "
+                             f"n_head={self.n_head} (or be 0 = n_head)")
 
 
 def as_model_config(values: ModelConfig | dict | None) -> ModelConfig:
@@ -74,7 +80,7 @@ def as_model_config(values: ModelConfig | dict | None) -> ModelConfig:
 def _hf_config(cfg: ModelConfig, tokenizer):
     cls = LlamaConfig if cfg.family == "llama" else Qwen2Config
     return cls(vocab_size=len(tokenizer), hidden_size=cfg.n_embd, num_hidden_layers=cfg.n_layer,
-               num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head,
+               num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head or cfg.n_head,
                intermediate_size=cfg.intermediate_size,
                max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
@@ -179,7 +185,7 @@ def _cache_kwarg(model: nn.Module, out) -> dict:
 def sample_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int]],
                      max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                      generator: torch.Generator | None = None,
-                     seed: int | None = None) -> list[dict]:
+                     seed: int | None = None, min_new_tokens: int = 0) -> list[dict]:
     """Sample one response per prompt with a KV cache, in a hand loop.
 
     Why not model.generate: on the 2-core CPU both take the same time within noise (batch
@@ -194,7 +200,9 @@ def sample_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int
     the log-probs of the temperature-1 distribution (sequence_logprobs has no top_k, so with
     top_k recompute old log-probs or pass these as behaviour_logprobs to ppo_policy_loss).
     Randomness comes from `generator`, else from
-    a torch.Generator seeded with `seed`, else from the global RNG.
+    a torch.Generator seeded with `seed`, else from the global RNG. Before `min_new_tokens`
+    tokens <eos> is masked out of the sampled distribution (and so of the behaviour log-probs).
+    The fast path for Llama/Qwen2 (static KV cache, CUDA graphs) is nodes/decoding.py.
     Sampling is over the whole vocab, so a response may contain any id, <pad>'s included: take
     masks from pad_batch, never from `ids != pad_id`.
     """
@@ -220,6 +228,8 @@ def sample_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int
     alive = torch.ones(num, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
         logits = out.logits[:, -1].float()
+        if step < min_new_tokens:
+            logits[:, eos_id] = float("-inf")
         if temperature > 0:
             logits = logits / temperature
             if top_k is not None and top_k < logits.shape[-1]:
@@ -301,27 +311,55 @@ def unpad_tokens(x: torch.Tensor, response_mask: torch.Tensor) -> list[list[floa
 
 def sequence_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       response_mask: torch.Tensor, temperature: float = 1.0,
-                      with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      with_entropy: bool = True,
+                      entropy_grad: bool = True,
+                      chunk_elems: int = 1 << 28) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs [B, T], entropy [B, T] or None) of the tokens in input_ids, token-aligned.
 
     logprobs[:, t] = log softmax(logits[:, t - 1] / temperature)[input_ids[:, t]] and entropy[:, t]
     the entropy of that distribution, both 0 where response_mask is 0. Keeps the autograd graph
     (wrap in torch.no_grad() for old/ref log-probs). Only the logits from the first response
     column on are computed (logits_to_keep).
+
+    Memory (a 152k vocab makes logits the largest tensor of a step): half-precision logits are
+    upcast to fp32 for the softmax; float64 models stay float64. Without autograd the upcast is
+    done a few rows at a time (<= chunk_elems values at once: 1 GiB of fp32). entropy_grad=False computes the entropy
+    as a detached metric, so backward keeps no softmax tensor for it (the learner does this when
+    entropy_coef is 0).
     """
     num_tokens = input_ids.shape[1]
     cols = torch.nonzero(response_mask.sum(0) > 0)
     first = int(cols[0]) if len(cols) else num_tokens - 1
     keep = num_tokens - max(first, 1) + 1              # logits at columns first-1 .. T-1
+    start = num_tokens - keep + 1                      # first column whose log-prob is computed
     out = model(input_ids=input_ids, attention_mask=attention_mask,
                 position_ids=_position_ids(attention_mask), use_cache=False, logits_to_keep=keep)
-    logits = out.logits[:, :-1].float() / temperature  # predicts columns T-keep+1 .. T-1
-    targets = input_ids[:, num_tokens - keep + 1:]
-    mask = response_mask[:, num_tokens - keep + 1:].to(logits.dtype)
-    logprobs = torch.zeros(input_ids.shape, dtype=logits.dtype, device=logits.device)
-    logprobs[:, num_tokens - keep + 1:] = logprobs_from_logits(logits, targets) * mask
-    entropy = None
-    if with_entropy:
-        entropy = torch.zeros_like(logprobs)
-        entropy[:, num_tokens - keep + 1:] = entropy_from_logits(logits) * mask
+    raw = out.logits[:, :-1]                           # predicts columns start .. T-1
+    del out
+    dtype = torch.float32 if raw.dtype in (torch.float16, torch.bfloat16) else raw.dtype
+    targets = input_ids[:, start:]
+    mask = response_mask[:, start:].to(dtype)
+    logprobs = torch.zeros(input_ids.shape, dtype=dtype, device=raw.device)
+    entropy = torch.zeros_like(logprobs) if with_entropy else None
+
+    def upcast(x):
+        x = x.to(dtype)
+        return x / temperature if temperature != 1.0 else x
+
+    if torch.is_grad_enabled():
+        logits = upcast(raw)
+        del raw
+        logprobs[:, start:] = logprobs_from_logits(logits, targets) * mask
+        if with_entropy:
+            with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+                entropy[:, start:] = entropy_from_logits(logits) * mask
+        return logprobs, entropy
+    per_row = max(1, raw.shape[1] * raw.shape[2])
+    rows = max(1, chunk_elems // per_row)
+    for i in range(0, raw.shape[0], rows):
+        logits = upcast(raw[i:i + rows])
+        logprobs[i:i + rows, start:] = logprobs_from_logits(logits, targets[i:i + rows]) * mask[i:i + rows]
+        if with_entropy:
+            entropy[i:i + rows, start:] = entropy_from_logits(logits) * mask[i:i + rows]
+        del logits
     return logprobs, entropy

@@ -39,6 +39,12 @@ def test_build_policy_is_seeded_and_sized(tok, policy):
         models.build_policy({"n_layers": 2}, tok)
     with pytest.raises(ValueError, match="divisible"):
         models.ModelConfig(n_embd=100, n_head=3)
+    with pytest.raises(ValueError, match="n_kv_head=3 must divide n_head=4"):
+        models.ModelConfig(n_head=4, n_kv_head=3)
+    gqa = models.build_policy(models.ModelConfig(family="qwen2", n_layer=1, n_embd=64, n_head=4,
+                                                 n_kv_head=2), tok)
+    assert gqa.config.num_key_value_heads == 2
+    assert gqa.model.layers[0].self_attn.k_proj.weight.shape == (2 * 16, 64)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -1,0 +1,486 @@
+"""Fast sampling for Llama / Qwen2 policies: a static KV cache with slots, CUDA-graph decode steps,
+counter-based sampling noise.
+
+Why not the HF loop (nodes/models.py:sample_responses): eager HF launches ~400 kernels per token and
+syncs to move probs to the CPU every token; on a GPU the decode step of a 0.5B model at batch 256 is
+~1 ms of work, so launch and sync overhead dominated. Here one decode step (model + sampling + state
+update) is a fixed sequence of tensor ops on preallocated buffers, so on CUDA it is captured once per
+slot-count bucket in a CUDA graph and replayed (one launch per token); the host syncs only every
+`sync_every` steps to collect finished sequences.
+
+Layout. `num_slots` slots, each holding one sequence of up to `max_len` tokens; per layer a K and a V
+cache [num_slots, max_len, n_kv_head, head_dim] in the model dtype (this is flash-attn's layout, so
+its kernel can read it directly). Per-slot lengths: slots hold sequences of different lengths, no
+left padding. Prefill (eager, right-padded, causal) writes a set of slots; a decode step advances the
+first B slots (B = a power-of-two bucket covering every active slot) with torch sdpa and a mask
+built from the lengths; rows that are free or finished compute but change nothing.
+
+Weights are read from the HF model's own modules at every call (no copies), so in-place updates
+(load_state_dict, the collective receiver) are seen at once. CUDA graphs, however, bake in tensor
+addresses: `refresh()` (called before each serving period) re-captures when a parameter's storage
+was replaced (e.g. rehome() in dataflow/weight_adapters.py sets `p.data`).
+
+Sampling noise is counter-based: token t of sample j of prompt id p under seed s uses Gumbel noise
+hashed from (s, p, j, t, vocab index) (Gumbel-max == sampling from the softmax), so a response does
+not depend on which batch, slot, replica or restart produced it. The behaviour log-probs are those of
+the distribution actually sampled (temperature, top_k, <eos> masked before min_new_tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+M32 = 0xFFFFFFFF
+
+
+def _fmix32(h):
+    """murmur3's 32-bit finaliser on int64 tensors or Python ints holding values in [0, 2**32).
+    Products may wrap in int64; the low 32 bits (all we keep) are still exact."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & M32
+    return h ^ (h >> 16)
+
+
+def sample_key(seed: int, prompt_id: int, index: int) -> int:
+    """The noise key of sample `index` of prompt `prompt_id` (a 32-bit int)."""
+    k = _fmix32(seed & M32) ^ (seed >> 32 & M32)
+    for part in (prompt_id & M32, prompt_id >> 32 & M32, index & M32):
+        k = _fmix32(k ^ part)
+    return k
+
+
+def gumbel_noise(keys: torch.Tensor, steps: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
+    """[B, V] float32 Gumbel(0, 1) noise, a pure function of (key, step, vocab index)."""
+    row = _fmix32(keys ^ steps)                               # [B]
+    h = _fmix32(row[:, None] ^ vocab_hash[None, :])           # [B, V]
+    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))          # uniform in (0, 1), 24 bits
+    return -torch.log(-torch.log(u))
+
+
+def sample_tokens(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor,
+                  vocab_hash: torch.Tensor, temperature: float, top_k: int,
+                  eos_id: int, min_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B], behaviour log-probs [B]) for float32 logits [B, V]; steps [B] = tokens already
+    generated per row (the noise counter, and what min_new_tokens compares with). Only tensor ops:
+    capturable in a CUDA graph. temperature 0: greedy, log-probs of the temperature-1 distribution."""
+    if min_new_tokens > 0:
+        block = steps < min_new_tokens
+        logits = logits.clone()
+        logits[:, eos_id] = torch.where(block, float("-inf"), logits[:, eos_id])
+    if temperature > 0:
+        logits = logits / temperature
+        if top_k and top_k < logits.shape[-1]:
+            kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        logp = torch.log_softmax(logits, dim=-1)
+        tokens = (logp + gumbel_noise(keys, steps, vocab_hash)).argmax(-1)
+    else:
+        logp = torch.log_softmax(logits, dim=-1)
+        tokens = logits.argmax(-1)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why `model` cannot use the static decoder (None: it can)."""
+    cfg = getattr(model, "config", None)
+    family = getattr(cfg, "model_type", None)
+    if family not in ("llama", "qwen2"):
+        return f"model_type {family!r} (the static decoder covers llama and qwen2)"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):   # position-independent inv_freq only
+        return f"rope type {rope_type!r}"
+    if getattr(cfg, "use_sliding_window", False):
+        return "sliding-window attention"
+    if getattr(cfg, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    inner = getattr(model, "model", None)
+    if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
+            or not hasattr(model, "lm_head"):
+        return "not a plain HF LlamaForCausalLM / Qwen2ForCausalLM module layout"
+    return None
+
+
+def _flash_with_kvcache():
+    try:
+        from flash_attn import flash_attn_with_kvcache
+        return flash_attn_with_kvcache
+    except Exception:
+        return None
+
+
+class StaticDecoder:
+    """Slots of a static KV cache, continuously refilled. Not thread-safe: one caller at a time.
+
+        dec = StaticDecoder(model, num_slots=256, max_len=384, eos_id=2, max_new_tokens=256)
+        dec.add([(prompt_ids, tag, key), ...])   # prefill into free slots (key: sample_key(...))
+        while dec.active: done = dec.step(8)     # [(tag, sample dict)] of the finished sequences
+
+    A sample dict is {"prompt_ids", "response_ids", "logprobs", "finished"} as sample_responses'.
+    `attention`: "auto" (flash-attn when importable on CUDA, else sdpa), "sdpa" or "flash".
+    `cuda_graphs`: None = on CUDA. `compile_sampler`: torch.compile the sampling ops (CUDA; falls
+    back to eager if compiling fails): unfused, the per-vocab noise costs ~15 passes over [B, V].
+    """
+
+    def __init__(self, model: nn.Module, num_slots: int, max_len: int, *, eos_id: int,
+                 max_new_tokens: int, min_new_tokens: int = 0, temperature: float = 1.0,
+                 top_k: int = 0, seed: int = 0, cuda_graphs: bool | None = None,
+                 attention: str = "auto", compile_sampler: bool | None = None,
+                 sync_every: int | None = None):
+        reason = unsupported_reason(model)
+        if reason:
+            raise ValueError(f"StaticDecoder: unsupported model: {reason}")
+        self.model = model
+        self.num_slots, self.max_len = num_slots, max_len
+        self.eos_id, self.max_new_tokens = eos_id, max_new_tokens
+        self.min_new_tokens = min(min_new_tokens, max_new_tokens)
+        self.temperature, self.top_k, self.seed = temperature, top_k or 0, seed
+        self._cuda_graphs, self._compile, self._sync_every = cuda_graphs, compile_sampler, sync_every
+        self._attention = attention
+        self._device = self._dtype = None
+        self.refresh()
+
+    # ----- buffers, weights -------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Call after the weights may have changed storage, device or dtype (cheap otherwise):
+        reallocates the cache on a device/dtype change, drops captured graphs on a storage change."""
+        p = next(self.model.parameters())
+        if (p.device, p.dtype) != (self._device, self._dtype):
+            self._allocate(p.device, p.dtype)
+        ptrs = tuple(t.data_ptr() for t in self.model.parameters())
+        if ptrs != getattr(self, "_ptrs", None):
+            self._graphs = {}
+            self._ptrs = ptrs
+
+    def _allocate(self, device: torch.device, dtype: torch.dtype) -> None:
+        cfg, S, L = self.model.config, self.num_slots, self.max_len
+        self._device, self._dtype = device, dtype
+        cuda = device.type == "cuda"
+        attn = self.model.model.layers[0].self_attn
+        self.n_head = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_head
+        self.head_dim = attn.head_dim
+        flash = _flash_with_kvcache() if cuda and dtype in (torch.float16, torch.bfloat16) else None
+        if self._attention == "flash" and flash is None:
+            raise ValueError("StaticDecoder(attention='flash'): flash_attn is not importable here "
+                             "(or the device/dtype is not CUDA fp16/bf16)")
+        self._flash = flash if self._attention in ("auto", "flash") else None
+        # sdpa reads [S, kv, L, d] (each head's keys contiguous; a transposed view is ~2x slower
+        # on CPU); flash_attn_with_kvcache wants [S, L, kv, d].
+        shape = (S, L, self.n_kv, self.head_dim) if self._flash else (S, self.n_kv, L, self.head_dim)
+        n_layer = len(self.model.model.layers)
+        self.k_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.v_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        z = dict(device=device, dtype=torch.long)
+        self.lengths = torch.zeros(S, **z)          # tokens in the cache (= next write position)
+        self.last = torch.zeros(S, **z)             # token to feed at the next step
+        self.n_gen = torch.zeros(S, **z)            # tokens generated so far
+        self.keys = torch.zeros(S, **z)
+        self.alive = torch.zeros(S, device=device, dtype=torch.bool)
+        self.out_tokens = torch.zeros(S, self.max_new_tokens, **z)
+        self.out_logp = torch.zeros(S, self.max_new_tokens, device=device, dtype=torch.float32)
+        self.slot_ids = torch.arange(S, **z)
+        self.positions = torch.arange(L, **z)
+        vocab = self.model.lm_head.weight.shape[0]     # the logits' width (config.vocab_size may differ)
+        self.vocab_hash = _fmix32(_fmix32(torch.arange(vocab, **z) ^ 0x9E3779B9))
+        self.slots: list = [None] * S              # (tag, prompt_ids) per busy slot
+        # host-side upper bound of each slot's length, without reading the device: prompt length
+        # at admission + decode steps since (slots that finished early only stay below it)
+        self._prompt_len, self._added_at, self._steps = [0] * S, [0] * S, 0
+        self.cuda_graphs = cuda if self._cuda_graphs is None else (self._cuda_graphs and cuda)
+        self.sync_every = self._sync_every or (8 if cuda else 1)
+        self.exact_lengths = not cuda
+        self._compiled = None
+        if cuda if self._compile is None else self._compile:
+            # default dynamic=None: a second batch size recompiles once with a dynamic batch
+            # dimension, not once per bucket
+            self._compiled = torch.compile(sample_tokens)
+        self._graphs = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+
+    @property
+    def active(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    def free_slots(self) -> int:
+        return self.slots.count(None)
+
+    # ----- model pieces -----------------------------------------------------------------------
+    def _qkv(self, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [B, T, h, d], k and v [B, T, kv, d] with RoPE applied (x: [B, T, hidden])."""
+        from transformers.models.llama.modeling_llama import rotate_half
+        B, T = x.shape[:2]
+        q = attn.q_proj(x).view(B, T, self.n_head, self.head_dim)
+        k = attn.k_proj(x).view(B, T, self.n_kv, self.head_dim)
+        v = attn.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]     # [B, T, 1, d]: broadcast over heads
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def _prefill(self, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Right-padded prompts [n, P] -> K/V into `slots`, float32 logits [n, V] at each last token.
+        Causal attention needs no padding mask: a real token never sees the pads after it."""
+        inner = self.model.model
+        n, P = ids.shape
+        h = inner.embed_tokens(ids)
+        cos, sin = inner.rotary_emb(h, self.positions[:P][None].expand(n, P))
+        g = self.n_head // self.n_kv
+        for i, layer in enumerate(inner.layers):
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, layer.input_layernorm(h), cos, sin)
+            if self._flash:
+                self.k_cache[i][slots, :P], self.v_cache[i][slots, :P] = k, v
+            else:
+                self.k_cache[i][slots, :, :P] = k.transpose(1, 2)
+                self.v_cache[i][slots, :, :P] = v.transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(g, 1),
+                v.transpose(1, 2).repeat_interleave(g, 1), is_causal=True, scale=attn.scaling)
+            h = h + attn.o_proj(o.transpose(1, 2).reshape(n, P, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        last = h[torch.arange(n, device=h.device), lens - 1]
+        return self.model.lm_head(inner.norm(last)).float()
+
+    def _decode_logits(self, B: int, L: int | None = None) -> torch.Tensor:
+        """One token for slots [0, B): writes its K/V at `lengths`, float32 logits [B, V].
+        Attends over cache positions [0, L) (default all: a fixed shape for CUDA graphs; eager
+        callers pass max(lengths) + 1 to skip the empty tail)."""
+        inner = self.model.model
+        L = L or self.max_len
+        pos = self.lengths[:B]
+        h = inner.embed_tokens(self.last[:B])[:, None]                   # [B, 1, hidden]
+        cos, sin = inner.rotary_emb(h, pos[:, None])
+        mask = (self.positions[None, :L] <= pos[:, None])[:, None, None, :]   # [B, 1, 1, L]
+        rows, g = self.slot_ids[:B], self.n_head // self.n_kv
+        for i, layer in enumerate(inner.layers):
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, layer.input_layernorm(h), cos, sin)
+            kc, vc = self.k_cache[i][:B], self.v_cache[i][:B]
+            if self._flash is not None:
+                # UNTESTED (flash-attn is installed nowhere this was written): appends k/v at
+                # cache_seqlens and attends over the cache in one kernel.
+                o = self._flash(q, kc, vc, k=k, v=v, cache_seqlens=pos.int(),
+                                softmax_scale=attn.scaling, causal=True)
+                o = o.reshape(B, 1, -1)
+            else:
+                kc[rows, :, pos] = k[:, 0]
+                vc[rows, :, pos] = v[:, 0]
+                # GQA for one query token: the g query heads sharing a KV head become g query rows.
+                o = F.scaled_dot_product_attention(
+                    q.view(B, self.n_kv, g, self.head_dim), kc[:, :, :L], vc[:, :, :L],
+                    attn_mask=mask, scale=attn.scaling)
+                o = o.reshape(B, 1, -1)
+            h = h + attn.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.model.lm_head(inner.norm(h[:, 0])).float()
+
+    def _sampler(self, *args):
+        if self._compiled is not None:
+            try:
+                return self._compiled(*args)
+            except Exception as e:    # e.g. no compiler toolchain: eager is correct, just slower
+                if torch.cuda.is_current_stream_capturing():
+                    raise
+                print(f"StaticDecoder: torch.compile of the sampler failed ({type(e).__name__}: "
+                      f"{str(e)[:200]}); sampling eagerly", flush=True)
+                self._compiled = None
+        return sample_tokens(*args)
+
+    def _record(self, rows: torch.Tensor, logits: torch.Tensor, live: torch.Tensor,
+                sampler=None) -> None:
+        """Sample for `rows` and advance their state where `live` (all tensor ops)."""
+        steps = self.n_gen[rows]
+        tok, lp = (sampler or self._sampler)(logits, self.keys[rows], steps, self.vocab_hash,
+                                             self.temperature, self.top_k, self.eos_id,
+                                             self.min_new_tokens)
+        col = steps.clamp(max=self.max_new_tokens - 1)
+        self.out_tokens[rows, col] = torch.where(live, tok, self.out_tokens[rows, col])
+        self.out_logp[rows, col] = torch.where(live, lp, self.out_logp[rows, col])
+        self.last[rows] = torch.where(live, tok, self.last[rows])
+        n_gen = steps + live.long()
+        self.n_gen[rows] = n_gen
+        self.alive[rows] = live & (tok != self.eos_id) & (n_gen < self.max_new_tokens)
+
+    def _step(self, B: int, L: int | None = None) -> None:
+        rows, live = self.slot_ids[:B], self.alive[:B].clone()
+        logits = self._decode_logits(B, L)
+        # the token fed this step is now in the cache (capped: a full slot stops being alive anyway)
+        self.lengths[:B] = torch.where(live, (self.lengths[:B] + 1).clamp(max=self.max_len - 1),
+                                       self.lengths[:B])
+        self._record(rows, logits, live)
+
+    def _run_step(self, B: int, L: int) -> None:
+        if not self.cuda_graphs:
+            # CPU: reading the lengths costs nothing; attend only over the filled positions
+            self._step(B, int(self.lengths[:B].max()) + 1 if self.exact_lengths else L)
+            return
+        graph = self._graphs.get((B, L))
+        if graph is None:
+            graph = self._capture(B, L)
+        graph.replay()
+
+    def _capture(self, B: int, L: int):
+        """Capture _step(B, L). The warm-up steps capture needs (on a side stream: cuBLAS
+        workspaces, the compiled sampler) really run, so the state they advance is saved before
+        and restored after: the live sequences must not move or see extra K/V."""
+        state = [self.lengths, self.last, self.n_gen, self.alive, self.out_tokens, self.out_logp]
+        saved = [t.clone() for t in state] + [[c.clone() for c in cs] for cs in (self.k_cache, self.v_cache)]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step(B, L)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the weight receiver's thread may use CUDA (NCCL) while this one captures
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self._step(B, L)
+        for t, s in zip(state, saved):   # capture ran nothing, but the warm-ups did
+            t.copy_(s)
+        for cs, ss in zip((self.k_cache, self.v_cache), saved[len(state):]):
+            for c, s in zip(cs, ss):
+                c.copy_(s)
+        self._graphs[B, L] = graph
+        return graph
+
+    # ----- public API -------------------------------------------------------------------------
+    @torch.no_grad()
+    def add(self, requests: list[tuple[list[int], object, int]]) -> None:
+        """Prefill requests (prompt_ids, tag, key) into free slots (lowest first, so the decode
+        bucket stays small). Raises ValueError if they do not fit."""
+        if not requests:
+            return
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        if len(requests) > len(free):
+            raise ValueError(f"StaticDecoder.add: {len(requests)} requests, {len(free)} free slots")
+        longest = max(len(p) for p, _, _ in requests)
+        if longest + self.max_new_tokens > self.max_len:
+            raise ValueError(f"prompt of {longest} tokens + max_new_tokens={self.max_new_tokens} "
+                             f"exceeds the decoder's max_len={self.max_len}")
+        was_training = self.model.training
+        self.model.eval()
+        dev = self._device
+        slots = free[:len(requests)]
+        ids = torch.zeros(len(requests), longest, dtype=torch.long)
+        for r, (p, _, _) in enumerate(requests):
+            ids[r, :len(p)] = torch.tensor(p, dtype=torch.long)
+        lens = torch.tensor([len(p) for p, _, _ in requests], dtype=torch.long)
+        keys = torch.tensor([k for _, _, k in requests], dtype=torch.long)
+        rows = torch.tensor(slots, dtype=torch.long).to(dev)
+        ids, lens, keys = ids.to(dev), lens.to(dev), keys.to(dev)
+        logits = self._prefill(ids, lens, rows)
+        self.lengths[rows], self.keys[rows], self.n_gen[rows] = lens, keys, 0
+        # eager sampler: prefill sizes vary, and each new shape would recompile a compiled one
+        self._record(rows, logits, torch.ones(len(slots), dtype=torch.bool, device=dev), sample_tokens)
+        for s, (p, tag, _) in zip(slots, requests):
+            self.slots[s] = (tag, list(p))
+            self._prompt_len[s], self._added_at[s] = len(p), self._steps
+        self.model.train(was_training)
+
+    @torch.no_grad()
+    def step(self, num_steps: int | None = None) -> list[tuple[object, dict]]:
+        """Up to `num_steps` (default sync_every) decode steps, then [(tag, sample)] for the
+        sequences that finished (their slots are free again)."""
+        busy = [i for i, s in enumerate(self.slots) if s is not None]
+        if not busy:
+            return []
+        # power-of-two bucket covering the busy slots; at least 8 so there are few graphs to capture
+        B = min(self.num_slots, max(8, 1 << busy[-1].bit_length()))
+        was_training = self.model.training
+        self.model.eval()
+        # on CPU checking costs nothing and saves whole steps; on CUDA it would sync every token
+        alive = self.alive[:B].any() if self._device.type != "cuda" else None
+        num_steps = num_steps or self.sync_every
+        # Attend over a 64-aligned bound of the longest sequence over these steps (a graph per
+        # (B, L) pair): with 128-token prompts and 256 new tokens, ~1/3 less KV read than max_len.
+        bound = max(self._prompt_len[s] + self._steps - self._added_at[s] for s in busy) + num_steps
+        L = min(self.max_len, -(-bound // 64) * 64)
+        for _ in range(num_steps):
+            if alive is not None and not bool(alive):
+                break
+            self._run_step(B, L)
+            self._steps += 1
+            if alive is not None:
+                alive = self.alive[:B].any()
+        self.model.train(was_training)
+        return self._collect(busy)
+
+    def _collect(self, busy: list[int]) -> list[tuple[object, dict]]:
+        alive = self.alive.tolist()
+        done = [i for i in busy if not alive[i]]
+        if not done:
+            return []
+        idx = torch.tensor(done, device=self._device)
+        n_gen = self.n_gen[idx].tolist()
+        tokens, logp = self.out_tokens[idx].tolist(), self.out_logp[idx].tolist()
+        out = []
+        for i, s in enumerate(done):
+            tag, prompt = self.slots[s]
+            response = tokens[i][:n_gen[i]]
+            out.append((tag, {"prompt_ids": prompt, "response_ids": response,
+                              "logprobs": logp[i][:n_gen[i]],
+                              "finished": bool(response) and response[-1] == self.eos_id}))
+            self.slots[s] = None
+        self.lengths[idx] = 0      # free slots decode harmlessly at position 0 until refilled
+        return out
+
+    @torch.no_grad()
+    def teacher_forced_logits(self, prompts: list[list[int]], continuations: list[list[int]]
+                              ) -> list[torch.Tensor]:
+        """Per sequence, float32 logits [len(cont), V] predicting each continuation token, through
+        prefill and decode steps fed the given tokens (tests and benchmarks: compare with HF).
+        Uses slots [0, n): call it on an idle decoder."""
+        if self.active or len(prompts) > self.num_slots:
+            raise ValueError("teacher_forced_logits needs an idle decoder with enough slots")
+        n, dev = len(prompts), self._device
+        was_training = self.model.training
+        self.model.eval()
+        ids = torch.zeros(n, max(len(p) for p in prompts), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, :len(p)] = torch.tensor(p, dtype=torch.long)
+        lens = torch.tensor([len(p) for p in prompts], device=dev)
+        logits = self._prefill(ids.to(dev), lens, self.slot_ids[:n])
+        self.lengths[:n] = lens
+        out = [[logits[i]] for i in range(n)]
+        for t in range(max(len(c) for c in continuations) - 1):
+            self.last[:n] = torch.tensor([c[t] if t < len(c) else 0 for c in continuations], device=dev)
+            logits = self._decode_logits(n)
+            self.lengths[:n] += 1
+            for i in range(n):
+                if t + 1 < len(continuations[i]):
+                    out[i].append(logits[i])
+        self.lengths[:n] = 0
+        self.model.train(was_training)
+        return [torch.stack(o) for o in out]
+
+
+@torch.no_grad()
+def decode_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int]],
+                     max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                     seed: int = 0, keys: list[tuple[int, int]] | None = None,
+                     min_new_tokens: int = 0, num_slots: int | None = None,
+                     decoder: StaticDecoder | None = None, **decoder_kwargs) -> list[dict]:
+    """sample_responses' result with a StaticDecoder: one sample per prompt, in order.
+    keys[i] = (prompt id, sample index) names prompt i's noise (default (i, 0)); with fewer
+    slots than prompts, slots are refilled as sequences finish. `decoder`: reuse one (its
+    sampling settings win; it must be idle)."""
+    keys = keys or [(i, 0) for i in range(len(prompt_ids_list))]
+    if decoder is None:
+        decoder = StaticDecoder(
+            model, num_slots or len(prompt_ids_list),
+            max(len(p) for p in prompt_ids_list) + max_new_tokens, eos_id=tokenizer.eos_token_id,
+            max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+            temperature=temperature, top_k=top_k or 0, seed=seed, **decoder_kwargs)
+    decoder.refresh()
+    queue = [(p, i, sample_key(decoder.seed, *keys[i])) for i, p in enumerate(prompt_ids_list)]
+    queue.reverse()
+    out: list[dict | None] = [None] * len(queue)
+    while queue or decoder.active:
+        take = min(decoder.free_slots(), len(queue))
+        decoder.add([queue.pop() for _ in range(take)])
+        for i, sample in decoder.step():
+            out[i] = sample
+    return out

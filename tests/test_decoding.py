@@ -1,0 +1,190 @@
+"""nodes/decoding.py on CPU (fp32): the static-cache decoder against the HF model, its sampling
+noise, and slot refilling. (CUDA graphs: bench/gpu_decode.py on a GPU.)"""
+
+import math
+
+import pytest
+import torch
+
+from nodes import decoding, models, tasks
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tasks.build_tokenizer()
+
+
+SHAPES = {"llama": dict(family="llama", n_layer=2, n_embd=64, n_head=4),
+          "qwen2-gqa": dict(family="qwen2", n_layer=2, n_embd=64, n_head=4, n_kv_head=2)}
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def policy(request, tok):
+    model = models.build_policy(models.ModelConfig(**SHAPES[request.param]), tok).eval()
+    if request.param.startswith("qwen2"):   # random init leaves the qkv biases at 0: make them count
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    return model
+
+
+def prompts(tok, n=12):
+    """Prompts of three different lengths."""
+    out = []
+    for i, r in enumerate(tasks.make_task("copy", 3, seed=0).take(n)):
+        ids = tok(r["prompt"])["input_ids"]
+        out.append(ids if i % 3 == 0 else ids[:-1] if i % 3 == 1 else ids[:3] + ids[-1:])
+    return out
+
+
+def test_decoder_logits_equal_hf_forward(tok, policy):
+    ps = prompts(tok, 6)
+    conts = [[(7 * i + j) % len(tok) for j in range(3 + i)] for i in range(len(ps))]
+    dec = decoding.StaticDecoder(policy, 8, 32, eos_id=tok.eos_token_id, max_new_tokens=16)
+    got = dec.teacher_forced_logits(ps, conts)
+    with torch.no_grad():
+        for p, c, g in zip(ps, conts, got):
+            ref = policy(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1:len(p) + len(c) - 1]
+            assert g.shape == ref.shape
+            assert (g - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_behaviour_logprobs_equal_sequence_logprobs(tok, policy, temperature):
+    samples = decoding.decode_responses(policy, tok, prompts(tok), 8, temperature=temperature, seed=0)
+    assert any(s["finished"] for s in samples) and not all(s["finished"] for s in samples)
+    for s in samples:
+        assert 1 <= len(s["response_ids"]) == len(s["logprobs"]) <= 8
+        assert s["finished"] == (s["response_ids"][-1] == tok.eos_token_id)
+        assert tok.eos_token_id not in s["response_ids"][:-1]
+    b = models.pad_batch(samples, tok.pad_token_id)
+    with torch.no_grad():
+        lp, _ = models.sequence_logprobs(policy, b["input_ids"], b["attention_mask"],
+                                         b["response_mask"], temperature, with_entropy=False)
+    assert ((lp - b["logprobs"]).abs() * b["response_mask"]).max() < 1e-5
+
+
+def test_greedy_equals_hf_loop(tok, policy):
+    ps = prompts(tok)
+    ours = decoding.decode_responses(policy, tok, ps, 6, temperature=0)
+    ref = models.sample_responses(policy, tok, ps, 6, temperature=0)
+    assert [s["response_ids"] for s in ours] == [s["response_ids"] for s in ref]
+    for a, b in zip(ours, ref):
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
+    top1 = decoding.decode_responses(policy, tok, ps, 6, top_k=1, seed=5)
+    assert [s["response_ids"] for s in top1] == [s["response_ids"] for s in ours]
+    assert all(abs(x) < 1e-6 for s in top1 for x in s["logprobs"])
+
+
+def test_responses_do_not_depend_on_batch_or_slot(tok, policy):
+    """The noise is keyed by (seed, prompt id, sample index, token index): the same key gives the
+    same response alone, in a full batch, in a different order, or through 3 refilled slots."""
+    ps = prompts(tok)
+    keys = [(100 + i // 2, i % 2) for i in range(len(ps))]
+    full = decoding.decode_responses(policy, tok, ps, 8, seed=3, keys=keys, top_k=10)
+    order = list(reversed(range(len(ps))))
+    shuffled = decoding.decode_responses(policy, tok, [ps[i] for i in order], 8, seed=3,
+                                         keys=[keys[i] for i in order], top_k=10, num_slots=3)
+    alone = decoding.decode_responses(policy, tok, ps[4:5], 8, seed=3, keys=keys[4:5], top_k=10)
+    for got, i in zip(shuffled, order):
+        assert got["response_ids"] == full[i]["response_ids"]
+        assert got["logprobs"] == pytest.approx(full[i]["logprobs"], abs=1e-5)
+    assert alone[0]["response_ids"] == full[4]["response_ids"]
+    other = decoding.decode_responses(policy, tok, ps, 8, seed=4, keys=keys, top_k=10)
+    assert [s["response_ids"] for s in other] != [s["response_ids"] for s in full]
+
+
+def test_slots_refill_and_finished_sequences_come_out_early(tok, policy):
+    # 50-61 token prompts: sequences cross the 64-token attention bound while decoding
+    ps = [(p * 20)[:50 + i] for i, p in enumerate(prompts(tok))]
+    keys = [decoding.sample_key(0, i, 0) for i in range(len(ps))]
+    reference = decoding.decode_responses(policy, tok, ps, 10, keys=[(i, 0) for i in range(len(ps))])
+    lengths = [len(s["response_ids"]) for s in reference]
+    assert min(lengths) < max(lengths) == 10
+    dec = decoding.StaticDecoder(policy, 4, 100, eos_id=tok.eos_token_id, max_new_tokens=10,
+                                 sync_every=3)
+    dec.exact_lengths = False    # as on CUDA: attend over the host-side bound (64-aligned), no sync
+    queue = list(range(len(ps)))
+    got, steps, early = {}, 0, False
+    while queue or dec.active:
+        while queue and dec.free_slots():
+            i = queue.pop(0)
+            dec.add([(ps[i], i, keys[i])])
+        for i, sample in dec.step():
+            early |= dec.active > 0          # came out while other sequences kept decoding
+            got[i] = sample
+        steps += 1
+    assert early
+    for i, ref in enumerate(reference):   # batch shapes differ, so logits only to float noise
+        assert got[i]["response_ids"] == ref["response_ids"]
+        assert got[i]["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-5)
+    # refilling freed slots takes fewer steps than decoding in fixed batches of 4
+    assert steps < sum(max(lengths[k:k + 4]) for k in range(0, len(ps), 4))
+
+
+def test_min_new_tokens_masks_eos(tok, policy):
+    ps = prompts(tok)
+    samples = decoding.decode_responses(policy, tok, ps, 8, seed=1, min_new_tokens=8)
+    assert all(len(s["response_ids"]) == 8 and not s["finished"] for s in samples)
+    # the behaviour log-probs are of the distribution without <eos>: log p - log(1 - p_eos)
+    b = models.pad_batch(samples, tok.pad_token_id)
+    with torch.no_grad():
+        logits = policy(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                        position_ids=models._position_ids(b["attention_mask"])).logits.float()
+    logits[..., tok.eos_token_id] = float("-inf")
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(2, b["input_ids"][:, 1:, None]).squeeze(2)
+    mask = b["response_mask"][:, 1:]
+    assert ((lp - b["logprobs"][:, 1:]).abs() * mask).max() < 1e-5
+    hf = models.sample_responses(policy, tok, ps, 8, seed=1, min_new_tokens=8)
+    assert all(len(s["response_ids"]) == 8 for s in hf)
+
+
+def test_counter_noise_samples_the_softmax():
+    """Gumbel-max with the hashed noise draws from softmax(logits): frequencies over 20k keys
+    match the probabilities (a broken hash, e.g. correlated across the vocab, fails this)."""
+    probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    n = 20000
+    logits = probs.log().expand(n, -1).contiguous()
+    keys = torch.tensor([decoding.sample_key(7, i, 0) for i in range(n)])
+    vocab_hash = decoding._fmix32(decoding._fmix32(torch.arange(5) ^ 0x9E3779B9))
+    tokens, lp = decoding.sample_tokens(logits, keys, torch.zeros(n, dtype=torch.long), vocab_hash,
+                                        1.0, 0, eos_id=4, min_new_tokens=0)
+    freq = torch.bincount(tokens, minlength=5).float() / n
+    assert (freq - probs).abs().max() < 4 * math.sqrt(0.25 / n)
+    assert torch.allclose(lp, probs.log()[tokens])
+    # the next token index draws independently of this one
+    again, _ = decoding.sample_tokens(logits, keys, torch.ones(n, dtype=torch.long), vocab_hash,
+                                      1.0, 0, eos_id=4, min_new_tokens=0)
+    same = (again == tokens).float().mean()
+    assert abs(same - (probs ** 2).sum()) < 0.02
+
+
+def test_weights_updated_in_place_or_replaced_are_used(tok, policy):
+    ps = prompts(tok, 3)
+    dec = decoding.StaticDecoder(policy, 4, 32, eos_id=tok.eos_token_id, max_new_tokens=4)
+    conts = [[5, 6, 7]] * 3
+    before = dec.teacher_forced_logits(ps, conts)
+    saved = {k: v.clone() for k, v in policy.state_dict().items()}
+    try:
+        with torch.no_grad():
+            w = policy.model.layers[0].mlp.down_proj.weight
+            w.mul_(3.0)                                  # in place (load_state_dict, receiver)
+            dec.refresh()
+            inplace = dec.teacher_forced_logits(ps, conts)
+            w.data = w.data.clone() * 2.0                # replaced storage (rehome)
+            dec.refresh()
+            replaced = dec.teacher_forced_logits(ps, conts)
+            ref = policy(input_ids=torch.tensor([ps[0] + conts[0]])).logits[0, len(ps[0]) - 1:-1]
+    finally:
+        policy.load_state_dict(saved)
+    assert (before[0] - inplace[0]).abs().max() > 1e-3
+    assert (replaced[0] - ref).abs().max() < 1e-5
+
+
+def test_unsupported_models_are_named(tok):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(tok)))
+    assert "gpt2" in decoding.unsupported_reason(gpt2)
+    with pytest.raises(ValueError, match="unsupported model"):
+        decoding.StaticDecoder(gpt2, 2, 16, eos_id=0, max_new_tokens=4)
