@@ -26,6 +26,7 @@ from dataflow import checkpoint
 from dataflow.errors import UserError
 from dataflow.node import NodeContext
 from dataflow.trace import Tracer
+from dataflow.trace_report import merge_intervals
 
 
 @dataclass
@@ -48,7 +49,9 @@ class HostSpec:
     restarts it), so a failed channel pull is retried and a publish skips it meanwhile."""
 
 
-RESTART_WAIT_S = 120.0  # how long a consumer keeps asking a producer whose process died
+# How long a consumer keeps asking a producer whose process died: as long as the runtime waits for
+# its restart (runtime.RESTART_TIMEOUT_S), which on a loaded machine can take minutes (imports).
+RESTART_WAIT_S = 300.0
 
 
 class NodeHost:
@@ -164,31 +167,46 @@ class NodeHost:
                 "channel_error": isinstance(e, channels.ChannelError) and not isinstance(e, channels.BadItem),
                 "traceback": traceback.format_exc(), "item": item}
 
-    # ---- --trace-kernels: torch.profiler's kernel intervals, to check the CUDA-event busy time ---
+    # ---- --trace-kernels: CUPTI kernel records (torch.profiler, CUDA activity only) -------------
     def _start_kernel_trace(self) -> None:
+        """Record every kernel this process runs. CUDA activity only: no CPU-op tracing, which is
+        what makes the profiler expensive (bench/gpu_idle_check.py: launch rate within noise of
+        profiling off, kernel busy time within ~1 point of a CUDA-graph ground truth)."""
+        import torch
         import torch.profiler as tp
 
-        self._profiler = tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA])
+        self._profiler = tp.profile(activities=[tp.ProfilerActivity.CUDA])
         self._profiler.__enter__()
-        # The profiler's timestamps are relative to its own start: an anchor event taken at a known
-        # tracer time maps them onto the tracer clock.
+        # Profiler timestamps have their own origin. A marker kernel launched right after a sync at
+        # a known tracer time starts within a few us of it: that maps kernel times onto the tracer clock.
+        torch.cuda.synchronize()
         self._anchor_us = self.tracer.now_us()
-        with tp.record_function("dataflow_clock_anchor"):
-            pass
+        torch.cuda._sleep(1000)
+        torch.cuda.synchronize()
 
-    async def stop_kernel_trace(self) -> list:
-        """Kernel [t0, t1] intervals (tracer clock) of this process; [] when not profiling."""
+    async def stop_kernel_trace(self) -> dict | None:
+        """{"window": [t0, t1], "intervals": [[t0, t1], ...]}: the kernels of this process on the
+        tracer clock and the span they were recorded over; None when not profiling."""
         if self._profiler is None:
-            return []
+            return None
+        import torch
         from torch.autograd import DeviceType
 
+        torch.cuda.synchronize()
+        stop_us = self.tracer.now_us()
         self._profiler.__exit__(None, None, None)
-        events = self._profiler.events()
-        anchor = next(e for e in events if e.name == "dataflow_clock_anchor")
-        shift = self._anchor_us - anchor.time_range.start
+        # The raw Kineto records (us from ns): building torch's FunctionEvents for a million kernels
+        # would take minutes.
+        kernels = sorted((e.start_ns() // 1000, e.end_ns() // 1000, e.name())
+                         for e in self._profiler.profiler.kineto_results.events()
+                         if e.device_type() == DeviceType.CUDA and e.end_ns() > e.start_ns())
         self._profiler = None
-        return [[e.time_range.start + shift, e.time_range.end + shift] for e in events
-                if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
+        marker = next((k for k in kernels if "spin" in k[2].lower()), kernels[0] if kernels else None)
+        if marker is None:
+            return {"window": [self._anchor_us, stop_us], "intervals": []}
+        shift = self._anchor_us - marker[0]
+        return {"window": [self._anchor_us, stop_us], "intervals": merge_intervals(
+            [[a + shift, b + shift] for a, b, _ in kernels if b + shift > self._anchor_us])}
 
     # ---- driver calls -----------------------------------------------------------------------
     async def poll(self, ack: tuple[int, int] | None = None) -> dict:
@@ -197,6 +215,7 @@ class NodeHost:
         lost to a cancelled poll (Ctrl-C) is sent again by the next one."""
         if ack is not None and ack[0] == os.getpid():
             self.events = [e for e in self.events if e["seq"] > ack[1]]
+        self._report_peak_memory()
         events = list(self.events)
         stats = {}
         if self.ctx is not None:
@@ -204,6 +223,21 @@ class NodeHost:
                 s = end.statistics()
                 stats[f"{'out' if isinstance(end, channels.SendEnd) else 'in'}:{end.channel}"] = s.current_buffer_used
         return {"events": events, "trace": self.tracer.drain(), "depths": stats, "pid": os.getpid()}
+
+    def _report_peak_memory(self) -> None:
+        """Emit `gpu/peak_mem_gb` (peak of torch's allocated bytes in this process) and
+        `gpu/peak_reserved_gb` as a metrics record whenever the peak grew by >= 1%: a few records
+        per node per run, so metrics.jsonl tells how much of its GPU each node needed."""
+        if self.device != "cuda":
+            return
+        import torch
+
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        if peak > 1.01 * getattr(self, "_peak_reported", 0.0) and peak > 0:
+            self._peak_reported = peak
+            self.emit({"kind": "metrics", "values": {
+                "gpu/peak_mem_gb": round(peak, 3),
+                "gpu/peak_reserved_gb": round(torch.cuda.max_memory_reserved() / 2**30, 3)}})
 
     async def clock(self) -> int:
         return self.tracer.now_us()  # the clock every trace event of this process uses

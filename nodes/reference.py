@@ -17,6 +17,7 @@ import torch
 from dataflow import Node
 from nodes import policy
 from nodes.models import pad_batch, sequence_logprobs, unpad_tokens
+from nodes.precision import Precision, micro_slices, prepare_frozen
 
 
 @dataclass(kw_only=True)
@@ -24,17 +25,27 @@ class ReferenceConfig:
     policy: policy.PolicySpec = field(default_factory=policy.PolicySpec)
     """The initial policy (the same spec the learner starts from)."""
     items_per_call: int = 32
-    """Items (prompt groups) batched into one forward pass, as they are available."""
+    """Items (prompt groups) taken from the input at once, as they are available."""
+    micro_batch_size: int = 0
+    """Samples per forward pass (0 = all of a call's samples at once). Bounds memory: a sample's
+    logits are (prompt + response) x vocab values (W1: 0.08 GB in bf16)."""
+    precision: Precision = "auto"
+    """auto: bf16 weights on CUDA (frozen, so no fp32 master copy is needed), fp32 on CPU."""
 
 
-def add_logprobs(model, pad_id: int, items: list[dict], key: str) -> None:
-    """Set samples[key] = per-token log-probs under `model` for every response of `items`."""
+def add_logprobs(model, pad_id: int, items: list[dict], key: str, micro_batch_size: int = 0) -> None:
+    """Set samples[key] = per-token log-probs under `model` for every response of `items`,
+    `micro_batch_size` samples per forward pass (0 = all at once), in the model's own dtype."""
     samples = [s for item in items for s in item["samples"]]
-    batch = pad_batch(samples, pad_id, token_keys=(), device=next(model.parameters()).device)
+    device = next(model.parameters()).device
+    batch = pad_batch(samples, pad_id, token_keys=(), device=device)
+    rows = []
     with torch.no_grad():
-        logprobs, _ = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"],
-                                        batch["response_mask"], with_entropy=False)
-    for s, row in zip(samples, unpad_tokens(logprobs, batch["response_mask"])):
+        for sl in micro_slices(len(samples), micro_batch_size):
+            logprobs, _ = sequence_logprobs(model, batch["input_ids"][sl], batch["attention_mask"][sl],
+                                            batch["response_mask"][sl], with_entropy=False)
+            rows += unpad_tokens(logprobs, batch["response_mask"][sl])
+    for s, row in zip(samples, rows):
         s[key] = row
 
 
@@ -45,13 +56,14 @@ class Reference(Node):
 
     async def setup(self):
         self.model, self.tokenizer = policy.load(self.config.policy)
-        self.model.to(self.ctx.device).eval().requires_grad_(False)
+        prepare_frozen(self.model, self.ctx.device, self.config.precision)
 
     async def run(self):
         inp, out = self.ctx.inputs["scored"], self.ctx.outputs["with_ref"]
         async for batch in inp.batches(self.config.items_per_call, 0.01):
             items = [m.data for m in batch]
             with self.ctx.span("reference forward", items=len(items)):
-                await asyncio.to_thread(add_logprobs, self.model, self.tokenizer.pad_token_id, items, "ref_logprobs")
+                await asyncio.to_thread(add_logprobs, self.model, self.tokenizer.pad_token_id, items,
+                                        "ref_logprobs", self.config.micro_batch_size)
             for msg, item in zip(batch, items):
                 await out.send(item, **msg.meta)

@@ -104,3 +104,93 @@ def test_grpo_advantages_are_group_normalised_per_token(setup):
         assert len(advs[i]) == len(samples[i]["response_ids"])
     ppo = step_advantages(samples, LearnerConfig(algorithm="ppo"))
     assert ppo == [s["advantages"] for s in samples]
+
+
+def _float64_update(model, samples, tok, micro_batch_size, stale):
+    """One ppo_update in float64 (SGD lr=1, so the weight change is exactly the clipped gradient);
+    returns (weights, stats)."""
+    m = fresh(model).double()
+    cfg = LearnerConfig(minibatch_size=len(samples), ppo_epochs=2, micro_batch_size=micro_batch_size,
+                        entropy_coef=0.01, max_grad_norm=1e9)
+    cfg.kl.coef = 0.1
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    stats = ppo_update(m, opt, with_advantages([dict(s) for s in samples], cfg), 0.1, tok.pad_token_id, cfg,
+                       random.Random(0), stale=stale)
+    return {k: v.clone() for k, v in m.state_dict().items()}, stats
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_micro_batches_equal_the_whole_minibatch_in_float64(setup, stale):
+    # Responses of different lengths and two failed samples: slices hold different numbers of
+    # valid tokens, which is what the token-share weighting has to get right.
+    tok, model, samples = setup
+    samples = [dict(s, failed=i in (1, 6)) for i, s in enumerate(samples)]
+    whole, whole_stats = _float64_update(model, samples, tok, 0, stale)
+    split, split_stats = _float64_update(model, samples, tok, 3, stale)  # 16 samples: 3+3+3+3+3+1
+    for k in whole:
+        assert torch.allclose(whole[k], split[k], rtol=0, atol=1e-12), k
+    for k in ("losses/policy", "losses/kl", "entropy", "losses/approx_kl", "losses/clipfrac", "grad_norm"):
+        assert split_stats[k] == pytest.approx(whole_stats[k], rel=1e-10, abs=1e-12), k
+    assert any(not torch.equal(whole[k], fresh(model).double().state_dict()[k]) for k in whole)
+
+
+def test_reference_and_old_logprobs_micro_batched_match(setup):
+    tok, model, samples = setup
+    m = fresh(model).double()
+    items = [{"samples": [dict(s) for s in samples[i:i + 2]]} for i in range(0, len(samples), 2)]
+    add_logprobs(m, tok.pad_token_id, items, "a")
+    add_logprobs(m, tok.pad_token_id, items, "b", micro_batch_size=5)
+    for item in items:
+        for s in item["samples"]:
+            assert s["a"] == pytest.approx(s["b"], abs=1e-12)
+
+
+def test_critic_micro_batches_equal_the_whole_minibatch(setup):
+    from nodes.critic import CriticConfig, critic_update
+    from nodes.models import ValueModel
+
+    tok, model, samples = setup
+    samples = [dict(s, values=[0.1] * len(s["response_ids"]), returns=[s["score"]] * len(s["response_ids"]))
+               for s in samples]
+    results = []
+    for mbs in (0, 3):
+        vm = ValueModel.from_policy(fresh(model)).double()
+        opt = torch.optim.SGD(vm.parameters(), lr=1.0)
+        cfg = CriticConfig(epochs=1, minibatch_size=len(samples), micro_batch_size=mbs, max_grad_norm=1e9)
+        stats = critic_update(vm, opt, samples, tok.pad_token_id, cfg, random.Random(0))
+        results.append(({k: v.clone() for k, v in vm.state_dict().items()}, stats))
+    # ValueModel.forward returns float32 values whatever the trunk's dtype, so this equality holds
+    # to float32 rounding, not float64's.
+    (w0, s0), (w1, s1) = results
+    for k in w0:
+        assert torch.allclose(w0[k], w1[k], rtol=1e-5, atol=1e-8), k
+    assert s1["critic/value_loss"] == pytest.approx(s0["critic/value_loss"], rel=1e-5)
+
+
+def test_precision_settings():
+    from nodes.precision import compute_dtype, micro_slices
+
+    assert compute_dtype("auto", "cpu") == torch.float32
+    assert compute_dtype("auto", "cuda") == torch.bfloat16
+    assert compute_dtype("fp32", "cuda") == torch.float32
+    assert compute_dtype("bf16", "cpu") == torch.bfloat16
+    assert micro_slices(7, 3) == [slice(0, 3), slice(3, 6), slice(6, 7)]
+    assert micro_slices(7, 0) == [slice(0, 7)]
+
+
+def test_sequence_logprobs_lean_paths_match_the_plain_one(setup):
+    # Row chunks without autograd (1 row at a time here) and a detached entropy give the same
+    # numbers as the autograd path; only the entropy's gradient is gone.
+    from nodes.models import pad_batch, sequence_logprobs
+
+    tok, model, samples = setup
+    m = fresh(model).double()
+    b = pad_batch(samples, tok.pad_token_id)
+    args = (m, b["input_ids"], b["attention_mask"], b["response_mask"])
+    lp, ent = sequence_logprobs(*args, temperature=0.7)
+    with torch.no_grad():
+        lp_c, ent_c = sequence_logprobs(*args, temperature=0.7, chunk_elems=1)
+    lp_d, ent_d = sequence_logprobs(*args, temperature=0.7, entropy_grad=False)
+    assert lp.dtype == torch.float64 and lp.requires_grad and ent.requires_grad
+    assert torch.allclose(lp, lp_c, rtol=0, atol=1e-12) and torch.allclose(ent, ent_c, rtol=0, atol=1e-12)
+    assert torch.equal(lp, lp_d) and torch.equal(ent, ent_d) and not ent_d.requires_grad

@@ -1,0 +1,53 @@
+"""Numeric precision and micro-batching shared by the learner, critic and reference nodes.
+
+`precision` settings (LearnerConfig, CriticConfig, ReferenceConfig):
+  "auto"  bf16 on CUDA, fp32 on CPU (the tests and the CPU demo stay exactly fp32);
+  "bf16"  trained models: fp32 master weights and optimizer state, forward/backward under bf16
+          autocast; the frozen reference: bf16 weights (nothing to accumulate, half the memory);
+  "fp32"  everything fp32.
+Why autocast rather than bf16 weights for trained models: AdamW updates of size lr * ~1 on
+weights of size ~0.02 fall below bf16's 8-bit mantissa and are lost; fp32 masters keep them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Literal
+
+import torch
+
+Precision = Literal["auto", "fp32", "bf16"]
+
+
+def compute_dtype(precision: str, device) -> torch.dtype:
+    """The dtype matmuls run in for `precision` on `device` (see the module docstring)."""
+    if precision not in ("auto", "fp32", "bf16"):
+        raise ValueError(f"precision={precision!r}; use 'auto', 'fp32' or 'bf16'")
+    on_cuda = torch.device(device).type == "cuda"
+    if precision == "bf16" or (precision == "auto" and on_cuda):
+        return torch.bfloat16
+    return torch.float32
+
+
+def autocast(dtype: torch.dtype, device):
+    """bf16 autocast on `device` when dtype is bf16; a no-op context otherwise."""
+    if dtype == torch.float32 or dtype == torch.float64:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+
+
+def prepare_trained(model: torch.nn.Module, device, precision: str) -> torch.nn.Module:
+    """A model the node trains: fp32 master weights on `device` (a checkpoint saved in bf16 would
+    otherwise load, and train, in bf16), whatever the compute dtype."""
+    return model.to(device=device, dtype=torch.float32)
+
+
+def prepare_frozen(model: torch.nn.Module, device, precision: str) -> torch.nn.Module:
+    """A model that is never trained (reference): weights in the compute dtype, no gradients."""
+    return model.to(device=device, dtype=compute_dtype(precision, device)).eval().requires_grad_(False)
+
+
+def micro_slices(n: int, micro_batch_size: int) -> list[slice]:
+    """Consecutive slices of range(n) of at most micro_batch_size (0 = one slice of all n)."""
+    size = micro_batch_size if micro_batch_size > 0 else max(n, 1)
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
