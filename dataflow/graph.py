@@ -96,6 +96,9 @@ class Graph:
     """Steps after which the run ends (the --max-steps flag overrides it)."""
     save_interval: int = 0
     """Checkpoint every this many steps, and on Ctrl-C / SIGTERM (0 = never; dataflow/checkpoint.py)."""
+    keep_checkpoints: int = 3
+    """Committed checkpoints kept in the run directory; older ones are deleted once a newer one
+    commits (0 = keep all)."""
     max_restarts: int = 0
     """Times each replica of a node that does not end the run is restarted after its process
     dies (0 = a death stops the run)."""
@@ -173,6 +176,9 @@ class Graph:
     def validate(self, source: str = "graph") -> None:
         """Raise GraphError listing every problem (file:line, node/channel, what to change)."""
         problems = list(self._problems)
+        if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 0:
+            problems.append(f"{source}: keep_checkpoints must be an integer >= 0 (got {self.keep_checkpoints!r}); "
+                            "0 keeps every checkpoint")
         for spec in self.nodes.values():
             problems += _node_problems(spec)
         if not problems:  # pools, and which GPU each replica gets (needs sound node resources)
@@ -263,7 +269,13 @@ class Graph:
         return [r for node, _ in self.channels[channel].src for r in self.nodes[node].replica_names()]
 
     def consumers(self, channel: str) -> list[str]:
-        return [r for node, _ in self.channels[channel].dst for r in self.nodes[node].replica_names()]
+        """Replica names consuming from `channel` (only replica 0 of an inputs_on_replica_0 kind)."""
+        return [r for node, _ in self.channels[channel].dst for r in self._readers(node)]
+
+    def _readers(self, node: str) -> list[str]:
+        spec = self.nodes[node]
+        names = spec.replica_names()
+        return names[:1] if getattr(spec.kind, "inputs_on_replica_0", False) else names
 
 
 def _is_node_class(kind: Any) -> bool:

@@ -26,6 +26,10 @@ class Node:
     outputs: ClassVar[tuple[str, ...]] = ()
     subscribes: ClassVar[tuple[str, ...]] = ()
     publishes: ClassVar[tuple[str, ...]] = ()
+    inputs_on_replica_0: ClassVar[bool] = False
+    """Only replica 0 reads the input channels (the others get no input ports): a node whose
+    replicas are the ranks of one job (dataflow/multirank.py), rank 0 handing out the work.
+    A channel with several consumer replicas gives each item to one of them."""
 
     def __init__(self, config: Any, ctx: "NodeContext"):
         self.config = config

@@ -14,9 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dataflow import Graph
-from nodes.learner import Learner
-
-from graphs.ppo import PROGRESS, PPOGraphConfig, add_rollout_nodes, gpu_layout, wire_policy
+from graphs.ppo import PROGRESS, PPOGraphConfig, add_learner, add_rollout_nodes, gpu_layout, wire_policy
 
 
 @dataclass(kw_only=True)
@@ -34,9 +32,9 @@ def build(cfg: GRPOGraphConfig) -> Graph:
     cfg.generator.group_size = cfg.learner.group_size = cfg.group_size
     cfg.learner.algorithm = "grpo"
     g = Graph("grpo", max_steps=cfg.max_steps, progress=PROGRESS, save_interval=cfg.save_interval,
-              max_restarts=cfg.max_restarts, drop_bad_items=cfg.drop_bad_items)
+              keep_checkpoints=cfg.keep_checkpoints, max_restarts=cfg.max_restarts, drop_bad_items=cfg.drop_bad_items)
     on_gpus = gpu_layout(g, cfg, trainers=("reference", "learner"))
     rollouts = add_rollout_nodes(g, cfg, on_gpus)
-    g.node("learner", Learner, cfg.learner, cpus=1, ends_run=True, **on_gpus.get("learner", {}))
+    add_learner(g, cfg, on_gpus)
     g.channel(rollouts, "learner.rollouts", capacity=cfg.channel_capacity, name="rollouts")
     return g

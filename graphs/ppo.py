@@ -34,6 +34,7 @@ from nodes.reward import Reward, RewardConfig
 from nodes.reward_model import RewardModel, RewardModelConfig
 from nodes.tasks import make_task
 from nodes.weight_sync import SYNC_EDGE
+from dataflow.multirank import RANKS_EDGE
 
 
 @dataclass(kw_only=True)
@@ -53,10 +54,14 @@ class PPOGraphConfig:
     """Longest response (0 = what the built-in task needs; set it for your own data)."""
     max_staleness: int = 1
     """Policy versions the generators may run ahead of the learner (0 = synchronous)."""
-    weight_transport: Literal["object_store", "collective"] = "object_store"
+    weight_transport: Literal["object_store", "collective", "cuda_ipc"] = "object_store"
     """How the learner's weights reach the generators. object_store: a state dict through Ray's
     object store. collective: the HybridEngine push (gloo; NCCL when each end has a GPU of its
-    own; llama/qwen2 policies), the `policy` edge then carries only the version."""
+    own; llama/qwen2 policies), the `policy` edge then carries only the version. cuda_ipc: learner
+    and every generator on ONE physical GPU (placement=colocated, num_gpus=1): the learner writes
+    its weights, cast to learner.weight_sync.ipc_dtype (default bfloat16), into GPU buffers it
+    shares by CUDA IPC and each generator copies them on the GPU; no CPU round trip, costs two
+    model-sized buffers on the learner and one per generator. Fails on CPU or across GPUs."""
     weight_checksums: bool = False
     """Log a checksum of the weights per version, learner and generators (metrics.jsonl)."""
     prompts_per_step: int = 256
@@ -79,6 +84,9 @@ class PPOGraphConfig:
     """Stop as soon as the mean reward reaches this (0 = off)."""
     save_interval: int = 0
     """Checkpoint every this many steps and on Ctrl-C (0 = off); continue with --resume DIR."""
+    keep_checkpoints: int = 3
+    """Checkpoints kept under <run>/checkpoints: older ones are deleted once a newer one is saved
+    (0 = keep all)."""
     drop_bad_items: bool = False
     """Drop (and count) channel items that fail to decode, instead of failing the node reading them."""
     max_restarts: int = 3
@@ -127,7 +135,8 @@ def gpu_layout(g: Graph, cfg, trainers: tuple[str, ...]) -> dict[str, dict]:
     if cfg.placement == "colocated":
         g.pool("gpus", gpus=n)
         gens = cfg.generator_replicas or n
-        per_gpu = math.ceil((gens + len(trainers)) / n)  # the most equal shares one GPU has to hold
+        # The most equal shares one GPU has to hold (the learner is learner.dp x learner.tp actors).
+        per_gpu = math.ceil((gens + len(trainers) + _learner_ranks(cfg) - 1) / n)
         layout = {name: {"pool": "gpus", "gpus": (1 - share) / per_gpu} for name in ("generator", *trainers)}
         train_pool = "gpus"
     else:
@@ -135,7 +144,8 @@ def gpu_layout(g: Graph, cfg, trainers: tuple[str, ...]) -> dict[str, dict]:
         g.pool("train", gpus=1)
         gens = cfg.generator_replicas or n - 1
         layout = {"generator": {"pool": "rollout", "gpus": 1 / math.ceil(gens / (n - 1))}}
-        layout.update({name: {"pool": "train", "gpus": (1 - share) / len(trainers)} for name in trainers})
+        actors = len(trainers) + _learner_ranks(cfg) - 1
+        layout.update({name: {"pool": "train", "gpus": (1 - share) / actors} for name in trainers})
         train_pool = "train"
     layout["generator"]["replicas"] = gens
     if share:
@@ -164,6 +174,19 @@ def add_rollout_nodes(g: Graph, cfg, on_gpus: dict[str, dict]) -> str:
     return "reference.with_ref"
 
 
+def _learner_ranks(cfg) -> int:
+    return cfg.learner.dp * cfg.learner.tp
+
+
+def add_learner(g: Graph, cfg, on_gpus: dict[str, dict]) -> None:
+    """The learner: learner.dp x learner.tp replicas, the ranks of one FSDP2 x TP job
+    (dataflow/multirank.py), which meet through the versioned edge RANKS_EDGE (learner -> itself)."""
+    ranks = _learner_ranks(cfg)
+    g.node("learner", Learner, cfg.learner, cpus=1, ends_run=True, replicas=ranks, **on_gpus.get("learner", {}))
+    if ranks > 1:
+        g.versioned(RANKS_EDGE, src="learner", dst=["learner"])
+
+
 PROGRESS = ["reward/mean±reward/std", "kl", "entropy", "staleness/mean", "perf/samples_per_s"]
 
 
@@ -172,11 +195,11 @@ def build(cfg: PPOGraphConfig) -> Graph:
     cfg.learner.algorithm = "ppo"
     cfg.critic.train_samples = cfg.prompts_per_step
     g = Graph("ppo", max_steps=cfg.max_steps, progress=PROGRESS, save_interval=cfg.save_interval,
-              max_restarts=cfg.max_restarts, drop_bad_items=cfg.drop_bad_items)
+              keep_checkpoints=cfg.keep_checkpoints, max_restarts=cfg.max_restarts, drop_bad_items=cfg.drop_bad_items)
     on_gpus = gpu_layout(g, cfg, trainers=("reference", "critic", "learner"))
     rollouts = add_rollout_nodes(g, cfg, on_gpus)
     g.node("critic", Critic, cfg.critic, cpus=0.5, **on_gpus.get("critic", {}))
-    g.node("learner", Learner, cfg.learner, cpus=1, ends_run=True, **on_gpus.get("learner", {}))
+    add_learner(g, cfg, on_gpus)
     g.channel(rollouts, "critic.with_ref", capacity=cfg.channel_capacity, name="with_ref")
     g.channel("critic.advantaged", "learner.rollouts", capacity=cfg.channel_capacity, name="rollouts")
     return g

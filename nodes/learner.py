@@ -28,8 +28,11 @@ import torch
 
 from dataflow import Node
 from dataflow.channel import EndOfChannel
+from dataflow.errors import UserError
+from dataflow.multirank import RANKS_EDGE
 from nodes import policy
 from nodes.models import pad_batch, save_policy, sequence_logprobs
+from nodes.precision import Precision, autocast, compute_dtype, micro_slices, prepare_trained
 from nodes.weight_sync import SYNC_EDGE, LearnerWeightSync, WeightSyncConfig
 from nodes.rl_math import (AdaptiveKLController, FixedKLController, grpo_advantages, kl_penalty,
                            masked_mean, masked_whiten, ppo_policy_loss)
@@ -61,6 +64,12 @@ class LearnerConfig:
     ppo_epochs: int = 1
     minibatch_size: int = 128
     """Samples per optimizer step."""
+    micro_batch_size: int = 0
+    """Samples per forward/backward pass; their gradients accumulate into each minibatch's one
+    optimizer step, with the same result as the whole minibatch at once (0 = the whole minibatch).
+    Bounds memory: the logits of a sample are (prompt + response) x vocab floats (W1: 0.16 GB)."""
+    precision: Precision = "auto"
+    """auto: bf16 autocast over fp32 master weights on CUDA, fp32 on CPU; or bf16 / fp32 (nodes/precision.py)."""
     clip_eps: float = 0.2
     is_truncation: float = 2.0
     """Cap of the importance weight pi_old / pi_behaviour for stale samples (decoupled PPO)."""
@@ -81,6 +90,14 @@ class LearnerConfig:
     """Put the ids of the prompts each step trained on in its metrics ("prompt_ids")."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """How weights reach the generators: object store, or the HybridEngine push (nodes/weight_sync.py)."""
+    dp: int = 1
+    """Data-parallel ranks: FSDP2 shards the model over them, each trains on its share of every
+    minibatch. The graph runs the learner as dp x tp replicas (dataflow/multirank.py)."""
+    tp: int = 1
+    """Tensor-parallel ranks (column/row-wise plans of Llama / Qwen2 blocks, dataflow/layout.py):
+    attention heads, KV heads, MLP width and vocab must divide by it."""
+    rendezvous_timeout_s: float = 600.0
+    """dp x tp > 1: how long the ranks wait for each other in their setups."""
     seed: int = 0
 
 
@@ -94,7 +111,7 @@ def step_advantages(samples: list[dict], c: LearnerConfig) -> list[list[float]]:
 
 
 def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: int, c: LearnerConfig,
-               rng: random.Random, stale: bool) -> dict:
+               rng: random.Random, stale: bool, ranks=None) -> dict:
     """PPO epochs over minibatches of `samples`; one gradient clip per optimizer step.
 
     Each sample needs "advantage_tokens" (per response token), "logprobs" (behaviour),
@@ -102,19 +119,36 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
     An optimizer step whose loss or gradient norm is not finite is skipped (the weights and the
     optimizer state stay as they were); "updates/skipped" counts them, "updates/skipped_last" is
     the run of skipped steps at the end, "updates/skip_reason" says why (the first one).
+
+    Micro-batches (c.micro_batch_size): each minibatch is run in slices of that many samples whose
+    gradients accumulate before its one optimizer step. Every loss term is a mean over the valid
+    tokens of the whole minibatch, so micro-batch j's loss is weighted by n_j / n (its share of
+    those tokens): the summed gradient (and every reported stat) equals the unsplit minibatch's.
+    Forward/backward run under c.precision's autocast (nodes/precision.py).
+
+    `ranks` (dataflow/multirank.TrainRanks; every rank calls with the same samples and rng state):
+    each dp rank runs its share of every minibatch, weighted by its share of the minibatch's
+    tokens like a micro-batch (FSDP sums the gradients over dp), so the update equals one rank's.
     """
     keys = ("logprobs", "ref_logprobs", "advantage_tokens")
     device = next(model.parameters()).device
+    amp = compute_dtype(c.precision, device)
     full = pad_batch(samples, pad_id, token_keys=keys, device=device)
     failed = torch.tensor([0.0 if s["failed"] else 1.0 for s in samples], device=device)
     mask = full["response_mask"] * failed[:, None]
+    if ranks is not None:  # row len(samples): a mask-0 copy of row 0 that pads short dp shares
+        full = {k: torch.cat([v, v[:1]]) if torch.is_tensor(v) else v for k, v in full.items()}
+        mask = torch.cat([mask, torch.zeros_like(mask[:1])])
     advantages = masked_whiten(full["advantage_tokens"], mask) if c.whiten_advantages else full["advantage_tokens"]
     # Proximal ("old") log-probs: when every sample came from the current weights, the behaviour
     # log-probs are them (up to float noise) and the extra forward pass is skipped.
     if stale:
-        with torch.no_grad():
-            old_logprobs, _ = sequence_logprobs(model, full["input_ids"], full["attention_mask"], mask,
-                                                temperature=c.temperature, with_entropy=False)
+        old_logprobs = torch.zeros_like(full["logprobs"])
+        with torch.no_grad(), autocast(amp, device):
+            for sl in micro_slices(len(samples), c.micro_batch_size):
+                old_logprobs[sl], _ = sequence_logprobs(
+                    model, full["input_ids"][sl], full["attention_mask"][sl], mask[sl],
+                    temperature=c.temperature, with_entropy=False)
     else:
         old_logprobs = full["logprobs"]
     stats: dict[str, list[float]] = {}
@@ -124,33 +158,60 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
         order = list(range(len(samples)))
         rng.shuffle(order)
         for start in range(0, len(order), c.minibatch_size):
-            idx = torch.tensor(order[start:start + c.minibatch_size], device=device)
-            logprobs, entropy = sequence_logprobs(model, full["input_ids"][idx], full["attention_mask"][idx],
-                                                  mask[idx], temperature=c.temperature)
-            pg_loss, pg_stats = ppo_policy_loss(
-                logprobs, old_logprobs[idx], advantages[idx], mask[idx], c.clip_eps,
-                behaviour_logprobs=full["logprobs"][idx] if stale else None,
-                is_truncation=c.is_truncation if stale else None)
-            kl = masked_mean(kl_penalty(logprobs, full["ref_logprobs"][idx], c.kl.estimator), mask[idx])
-            ent = masked_mean(entropy, mask[idx])
-            loss = pg_loss + kl_coef * kl - c.entropy_coef * ent
+            mb_idx = torch.tensor(order[start:start + c.minibatch_size], device=device)
+            mb_tokens = max(mask[mb_idx].sum().item(), 1.0)
+            if ranks is not None:  # this dp rank's share (the tp ranks of a dp group: the same)
+                mb_idx = ranks.dp_share(mb_idx, pad_index=len(samples))
             optimizer.zero_grad(set_to_none=True)
             total += 1
+            sums = dict.fromkeys(("loss", "policy", "kl", "entropy", "approx_kl", "clipfrac", "is_weight"), 0.0)
+            finite = True
+            for sl in micro_slices(len(mb_idx), c.micro_batch_size):
+                idx = mb_idx[sl]
+                # This slice's share of the minibatch's valid tokens (0 when all of them are failed);
+                # a Python float (double), so the weighting adds no float32 rounding.
+                weight = mask[idx].sum().item() / mb_tokens
+                with autocast(amp, device):
+                    logprobs, entropy = sequence_logprobs(model, full["input_ids"][idx], full["attention_mask"][idx],
+                                                          mask[idx], temperature=c.temperature,
+                                                          entropy_grad=c.entropy_coef != 0)
+                pg_loss, pg_stats = ppo_policy_loss(
+                    logprobs, old_logprobs[idx], advantages[idx], mask[idx], c.clip_eps,
+                    behaviour_logprobs=full["logprobs"][idx] if stale else None,
+                    is_truncation=c.is_truncation if stale else None)
+                kl = masked_mean(kl_penalty(logprobs, full["ref_logprobs"][idx], c.kl.estimator), mask[idx])
+                ent = masked_mean(entropy, mask[idx])
+                loss = (pg_loss + kl_coef * kl - c.entropy_coef * ent) * weight
+                w = weight
+                for k, v in (("loss", loss.item()), ("policy", pg_loss.item() * w), ("kl", kl.item() * w),
+                             ("entropy", ent.item() * w), ("approx_kl", pg_stats["approx_kl"] * w),
+                             ("clipfrac", pg_stats["clipfrac"] * w), ("is_weight", pg_stats["is_weight_mean"] * w)):
+                    sums[k] += v
+                ok = finite and math.isfinite(sums["loss"])
+                if ranks is not None:  # all ranks back or none: backward is a collective under FSDP
+                    ok = ranks.all_true(ok)
+                if ok:
+                    loss.backward()
+                else:  # a non-finite slice: no more backward; the whole optimizer step is skipped
+                    finite = False
+                del logprobs, entropy, loss
+            if ranks is not None:  # the minibatch's stats: the dp shares' weighted parts add up
+                sums = ranks.sum_over_dp(sums)
             grad_norm = torch.tensor(float("nan"))
-            if torch.isfinite(loss):
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.max_grad_norm)
-            if torch.isfinite(loss) and torch.isfinite(grad_norm):
+            if finite:
+                clip = torch.nn.utils.clip_grad_norm_ if ranks is None else ranks.clip_grad_norm_
+                grad_norm = clip(model.parameters(), c.max_grad_norm)  # ranks: the global norm
+            if finite and torch.isfinite(grad_norm):
                 optimizer.step()
                 skipped_last = 0
             else:  # skip this optimizer step
                 optimizer.zero_grad(set_to_none=True)
                 skipped, skipped_last = skipped + 1, skipped_last + 1
-                reason = reason or (f"non-finite loss {loss.item()} (policy {pg_loss.item()}, kl {kl.item()})"
-                                    if not torch.isfinite(loss) else f"non-finite gradient norm {grad_norm.item()}")
-            for k, v in {"losses/policy": pg_loss.item(), "losses/kl": kl.item(), "entropy": ent.item(),
-                         "losses/approx_kl": pg_stats["approx_kl"], "losses/clipfrac": pg_stats["clipfrac"],
-                         "losses/is_weight": pg_stats["is_weight_mean"], "grad_norm": grad_norm.item()}.items():
+                reason = reason or (f"non-finite loss {sums['loss']} (policy {sums['policy']}, kl {sums['kl']})"
+                                    if not finite else f"non-finite gradient norm {grad_norm.item()}")
+            for k, v in {"losses/policy": sums["policy"], "losses/kl": sums["kl"], "entropy": sums["entropy"],
+                         "losses/approx_kl": sums["approx_kl"], "losses/clipfrac": sums["clipfrac"],
+                         "losses/is_weight": sums["is_weight"], "grad_norm": grad_norm.item()}.items():
                 stats.setdefault(k, []).append(v)
     model.eval()
     return {**{k: sum(v) / len(v) for k, v in stats.items()}, "updates/total": total,
@@ -160,12 +221,33 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
 class Learner(Node):
     Config = LearnerConfig
     inputs = ("rollouts",)
-    publishes = ("policy", SYNC_EDGE)
+    publishes = ("policy", SYNC_EDGE, RANKS_EDGE)
+    subscribes = (RANKS_EDGE,)
+    # dp x tp ranks: rank 0 alone reads the rollouts, reports, checkpoints and publishes; it
+    # broadcasts each step's samples and every collective to the others (_all / _follow).
+    inputs_on_replica_0 = True
 
     async def setup(self):
         c = self.config
+        self.ranks = None           # dataflow.multirank.TrainRanks when dp x tp > 1
+        if c.dp * c.tp > 1:
+            from dataflow.layout import ParallelLayout
+            from dataflow.multirank import join
+
+            self.ranks = await join(self.ctx, ParallelLayout(dp=c.dp, tp=c.tp), c.rendezvous_timeout_s)
+        elif self.ctx.num_replicas > 1:
+            raise UserError(f"node '{self.ctx.name}' has {self.ctx.num_replicas} replicas but learner.dp x "
+                            f"learner.tp = 1; declare it with replicas=dp*tp")
+        self._pending_state = None  # dp x tp: a loaded (model, optimizer) state, spread in run()
+        self._saved = None          # dp x tp: (step, model, optimizer) gathered for state_dict()
         self.model, self.tokenizer = policy.load(c.policy)
-        self.model.to(self.ctx.device).eval()
+        # fp32 master weights even from a bf16 checkpoint (precision.prepare_trained).
+        prepare_trained(self.model, self.ctx.device, c.precision).eval()
+        if self.ranks is not None:  # TP over "tp", then FSDP2 over "dp" (dataflow/layout.py)
+            try:
+                self.ranks.shard(self.model)
+            except ValueError as e:
+                raise UserError(f"learner.dp={c.dp} learner.tp={c.tp}: {e}") from None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr)
         self.kl_ctl = (AdaptiveKLController(c.kl.coef, c.kl.target, c.kl.horizon) if c.kl.kind == "adaptive"
                        else FixedKLController(c.kl.coef))
@@ -175,18 +257,74 @@ class Learner(Node):
         self.duplicates = 0
         self.bad_updates = 0  # optimizer steps skipped in a row (non-finite loss or gradient)
         self.weight_sync = LearnerWeightSync(self.ctx, c.weight_sync)
-        await self.weight_sync.setup(self.model)
+        await self.weight_sync.setup(self.model, self.ranks)
 
     def state_dict(self) -> dict:
-        return {"step": self.version, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "kl": self.kl_ctl.state_dict(), "rng": self.rng.getstate()}
+        if self.ranks is None:
+            return {"step": self.version, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "kl": self.kl_ctl.state_dict(), "rng": self.rng.getstate()}
+        # dp x tp: rank 0 saves the whole state (the one-rank format, so any layout can resume
+        # from it), gathered by every rank before the learner asked for the checkpoint; a
+        # state_dict() call must not communicate (the engine calls each replica on its own).
+        if not self.ranks.lead:
+            return {"step": self.version}
+        if self._saved is None or self._saved[0] != self.version:
+            raise RuntimeError(f"a learner of dp={self.config.dp} x tp={self.config.tp} ranks saves its state only "
+                               f"at its own checkpoints (every save_interval steps), not at step {self.version}")
+        _, model, optimizer = self._saved
+        return {"step": self.version, "model": model, "optimizer": optimizer, "kl": self.kl_ctl.state_dict(),
+                "rng": self.rng.getstate()}
 
     def load_state_dict(self, state: dict) -> None:
+        if self.ranks is not None:  # spread over the ranks at the start of run() (a collective)
+            self.version = state["step"]
+            if self.ranks.lead:
+                self._pending_state = (state["model"], state["optimizer"])
+                self.kl_ctl.load_state_dict(state["kl"])
+                self.rng.setstate(state["rng"])
+            return
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.kl_ctl.load_state_dict(state["kl"])
         self.rng.setstate(state["rng"])
         self.version = state["step"]
+
+    async def _all(self, op: str, **args):
+        """Run `op` on every rank: rank 0 broadcasts it, then each rank runs _handle (so every
+        collective is issued in the same order on all ranks). One rank: just _handle."""
+        if self.ranks is not None:
+            await asyncio.to_thread(self.ranks.broadcast, (op, args))
+        return await self._handle(op, args)
+
+    async def _follow(self) -> None:
+        """Ranks > 0: run rank 0's commands until it says stop."""
+        while True:
+            op, args = await asyncio.to_thread(self.ranks.broadcast)
+            if op == "stop":
+                return
+            async with self.ctx.state_lock:
+                await self._handle(op, args)
+
+    async def _handle(self, op: str, args: dict):
+        c = self.config
+        if op == "train":
+            self.rng.setstate(args["rng"])      # every rank shuffles the minibatches alike
+            stats = await asyncio.to_thread(ppo_update, self.model, self.optimizer, args["samples"],
+                                            args["kl_coef"], self.tokenizer.pad_token_id, c, self.rng,
+                                            args["stale"], self.ranks)
+            if self.ranks is not None and not self.ranks.lead:   # rank 0 counts its steps in _lead
+                self.version = args["version"]
+            return stats
+        if op == "publish":
+            return await self.weight_sync.publish(self.model, args["version"])
+        if op == "gather":                      # whole state on rank 0
+            return await asyncio.to_thread(self.ranks.full_state, self.model,
+                                           self.optimizer if args["optimizer"] else None)
+        if op == "load":                        # rank 0's loaded state onto every rank
+            model, optimizer = self._pending_state or (None, None)
+            self._pending_state = None
+            return await asyncio.to_thread(self.ranks.load_full_state, self.model, self.optimizer, model, optimizer)
+        raise ValueError(f"unknown learner command {op!r}")
 
     def _weights(self) -> dict:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
@@ -223,66 +361,90 @@ class Learner(Node):
                                      f"{self.config.max_bad_updates}); the last reason: {reason}")
 
     async def run(self):
-        c = self.config
-        await self.weight_sync.publish(self.model, self.version)
-        t_last = time.perf_counter()
+        if self.ranks is not None and not self.ranks.lead:
+            return await self._follow()
+        ended = False
         try:
-            while True:
-                t_wait = time.perf_counter()
-                items = await self._collect(self.version)
-                if items is None:
-                    return
-                wait_s = time.perf_counter() - t_wait
-                samples = [s for item in items for s in item["samples"]]
-                for item in items:
-                    for s in item["samples"]:
-                        s["version"] = item["version"]
-                staleness = [self.version - s["version"] for s in samples]
-                if max(staleness) > c.max_staleness:
-                    raise RuntimeError(f"sample of version {min(s['version'] for s in samples)} reached learner "
-                                       f"version {self.version}: staleness {max(staleness)} > max_staleness {c.max_staleness}")
-                for s, adv in zip(samples, step_advantages(samples, c)):
-                    s["advantage_tokens"] = adv
-                # Update -> report, under the state lock: a checkpoint sees a step whole or not at all.
-                async with self.ctx.state_lock:
-                    with self.ctx.span("train step", samples=len(samples), version=self.version):
-                        stats = await asyncio.to_thread(
-                            ppo_update, self.model, self.optimizer, samples, self.kl_ctl.value,
-                            self.tokenizer.pad_token_id, c, self.rng, max(staleness) > 0)
-                    self._count_bad_updates(stats)
-                    kl_coef = self.kl_ctl.value
-                    self.kl_ctl.update(stats["losses/kl"], len(samples))
-                    self.version += 1
-                    now = time.perf_counter()
-                    ok = [s["score"] for s in samples if not s["failed"]]
-                    mean = sum(ok) / max(len(ok), 1)
-                    std = math.sqrt(sum((x - mean) ** 2 for x in ok) / max(len(ok), 1))
-                    metrics = {
-                        "reward/mean": mean, "reward/std": std, "kl": stats["losses/kl"], "entropy": stats["entropy"],
-                        "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
-                        "perf/samples_per_s": len(samples) / (now - t_last), "kl_coef": kl_coef,
-                        "samples/failed": len(samples) - len(ok), "response_length/mean":
-                            sum(len(s["response_ids"]) for s in samples) / len(samples),
-                        "timing/wait_batch_s": wait_s, "timing/step_s": now - t_last, "version": self.version,
-                        "prompts/duplicates_dropped": self.duplicates,
-                        **{k: v for k, v in stats.items() if k not in ("losses/kl", "entropy")},
-                    }
-                    if c.record_prompt_ids:
-                        metrics["prompt_ids"] = [item["id"] for item in items]
-                    t_last = now
-                    go_on = await self.ctx.step_done(metrics)
-                # Checkpoint before the new weights go out: in synchronous mode nothing of the next
-                # batch exists yet, so every node's state is the state after this step.
-                if self.ctx.checkpoint_due(self.version):
-                    await self.ctx.checkpoint(self.version)
-                if not go_on:
-                    return
-                if c.target_reward and mean >= c.target_reward:
-                    self.ctx.log(f"mean reward {mean:.3f} reached target_reward {c.target_reward}: stopping")
-                    return
-                await self.weight_sync.publish(self.model, self.version)
+            await self._lead()
+            ended = True
         finally:
-            if c.save_final and self.version > 0:
-                path = Path(self.ctx.run_dir) / "final"
-                save_policy(self.model, self.tokenizer, str(path))
-                self.ctx.artifact("final weights", str(path))
+            await self._finish(ended)
+
+    async def _finish(self, ended: bool) -> None:
+        """Save the final weights (one rank: also after a failure; dp x tp: gathered, so only after
+        a normal end, when the other ranks still follow) and release the other ranks."""
+        c = self.config
+        if c.save_final and self.version > 0 and (self.ranks is None or ended):
+            model = self.model
+            if self.ranks is not None:          # a plain copy with the gathered weights
+                weights, _ = await self._all("gather", optimizer=False)
+                model, _ = policy.load(c.policy)
+                prepare_trained(model, "cpu", c.precision).load_state_dict(weights)
+            path = Path(self.ctx.run_dir) / "final"
+            save_policy(model, self.tokenizer, str(path))
+            self.ctx.artifact("final weights", str(path))
+        if self.ranks is not None and ended:
+            await asyncio.to_thread(self.ranks.broadcast, ("stop", {}))
+
+    async def _lead(self):
+        c = self.config
+        if self._pending_state is not None:    # dp x tp, resumed: every rank takes its shards
+            await self._all("load")
+        await self._all("publish", version=self.version)
+        t_last = time.perf_counter()
+        while True:
+            t_wait = time.perf_counter()
+            items = await self._collect(self.version)
+            if items is None:
+                return
+            wait_s = time.perf_counter() - t_wait
+            samples = [s for item in items for s in item["samples"]]
+            for item in items:
+                for s in item["samples"]:
+                    s["version"] = item["version"]
+            staleness = [self.version - s["version"] for s in samples]
+            if max(staleness) > c.max_staleness:
+                raise RuntimeError(f"sample of version {min(s['version'] for s in samples)} reached learner "
+                                   f"version {self.version}: staleness {max(staleness)} > max_staleness {c.max_staleness}")
+            for s, adv in zip(samples, step_advantages(samples, c)):
+                s["advantage_tokens"] = adv
+            # Update -> report, under the state lock: a checkpoint sees a step whole or not at all.
+            async with self.ctx.state_lock:
+                with self.ctx.span("train step", samples=len(samples), version=self.version):
+                    stats = await self._all("train", samples=samples, kl_coef=self.kl_ctl.value,
+                                            stale=max(staleness) > 0, rng=self.rng.getstate(),
+                                            version=self.version + 1)
+                self._count_bad_updates(stats)
+                kl_coef = self.kl_ctl.value
+                self.kl_ctl.update(stats["losses/kl"], len(samples))
+                self.version += 1
+                now = time.perf_counter()
+                ok = [s["score"] for s in samples if not s["failed"]]
+                mean = sum(ok) / max(len(ok), 1)
+                std = math.sqrt(sum((x - mean) ** 2 for x in ok) / max(len(ok), 1))
+                metrics = {
+                    "reward/mean": mean, "reward/std": std, "kl": stats["losses/kl"], "entropy": stats["entropy"],
+                    "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
+                    "perf/samples_per_s": len(samples) / (now - t_last), "kl_coef": kl_coef,
+                    "samples/failed": len(samples) - len(ok), "response_length/mean":
+                        sum(len(s["response_ids"]) for s in samples) / len(samples),
+                    "timing/wait_batch_s": wait_s, "timing/step_s": now - t_last, "version": self.version,
+                    "prompts/duplicates_dropped": self.duplicates,
+                    **{k: v for k, v in stats.items() if k not in ("losses/kl", "entropy")},
+                }
+                if c.record_prompt_ids:
+                    metrics["prompt_ids"] = [item["id"] for item in items]
+                t_last = now
+                go_on = await self.ctx.step_done(metrics)
+            # Checkpoint before the new weights go out: in synchronous mode nothing of the next
+            # batch exists yet, so every node's state is the state after this step.
+            if self.ctx.checkpoint_due(self.version):
+                if self.ranks is not None:  # gathered now: state_dict() must not communicate
+                    self._saved = (self.version, *await self._all("gather", optimizer=True))
+                await self.ctx.checkpoint(self.version)
+            if not go_on:
+                return
+            if c.target_reward and mean >= c.target_reward:
+                self.ctx.log(f"mean reward {mean:.3f} reached target_reward {c.target_reward}: stopping")
+                return
+            await self._all("publish", version=self.version)

@@ -8,6 +8,18 @@
                                      of its own) and broadcasts its weights with a WeightPusher to a
                                      WeightReceiver in every generator replica. `policy` still
                                      carries the version (value None: nothing rides the object store).
+    weight_transport="cuda_ipc"      learner and generators in different processes on ONE physical GPU
+                                     (placement=colocated, num_gpus=1): the learner copies its state
+                                     dict, cast to `ipc_dtype`, into one of two flat GPU buffers
+                                     (alternating by version parity, each with an int64 seqlock header)
+                                     that it shared once by CUDA IPC; `policy` carries only the handles
+                                     and the layout. A generator opens them, copies the version into a
+                                     private GPU staging buffer as soon as it is announced (checking the
+                                     header before and after: a copy the learner overwrote meanwhile is
+                                     dropped, a newer version is on its way), and copies staging into
+                                     its parameters at its next switch. GPU memory: 2 buffers on the
+                                     learner, 1 staging buffer per generator, each the model's size in
+                                     ipc_dtype. A generator on another GPU, or a CPU node, fails (no fallback).
 
     Learner:    sync = LearnerWeightSync(ctx, config.weight_sync); await sync.setup(model)
                 await sync.publish(model, version)      # returns once every generator holds it
@@ -28,6 +40,10 @@ placement=colocated) and the dtype to push in, then all ends build the PushGroup
 bounded (`rendezvous_timeout_s` in setup, `timeout_s` for a push or a generator's wait for a version)
 and fails naming both ends (WeightPushError), which fails the node.
 
+Ordering (cuda_ipc): the payload is announced to the generators first; a generator's serving()
+waits (bounded, timeout_s) until it has staged at least the version announced on `policy`. The
+learner overwrites a version's buffer only two publishes later, after a whole training step.
+
 `checksums`: after each publish the learner logs {"weights/version", "weights/checksum"} (ctx.metrics,
 so metrics.jsonl), and each generator logs the same for every version it switches to: equal
 checksums at equal versions show the transport delivered the learner's weights.
@@ -42,7 +58,7 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -54,13 +70,19 @@ SYNC_EDGE = "policy_sync"
 
 @dataclass(kw_only=True)
 class WeightSyncConfig:
-    transport: Literal["object_store", "collective"] = "object_store"
+    transport: Literal["object_store", "collective", "cuda_ipc"] = "object_store"
     """object_store: state dict through Ray's object store. collective: HybridEngine push
-    (gloo/NCCL broadcast from the learner; llama / qwen2 models)."""
+    (gloo/NCCL broadcast from the learner; llama / qwen2 models). cuda_ipc: learner and every
+    generator on one physical GPU share the weights through CUDA IPC buffers (no copy through the
+    CPU; see the module docstring)."""
+    ipc_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """cuda_ipc (the learner's setting counts): the dtype the learner's weights are cast to in the
+    shared buffers; match the generators' dtype (generator.dtype auto = bfloat16 on CUDA)."""
     backend: Literal["auto", "gloo"] = "auto"
     """collective: auto = NCCL when every end has a CUDA device of its own, else gloo."""
     timeout_s: float = 120.0
-    """collective: a push, or a generator's wait for a version, that takes longer fails naming both ends."""
+    """collective: a push, or a generator's wait for a version, that takes longer fails naming both ends.
+    cuda_ipc: a generator's wait for a version it has not staged yet."""
     rendezvous_timeout_s: float = 600.0
     """collective: how long the learner and the generators wait for each other in their setups
     (which include loading the models)."""
@@ -69,9 +91,12 @@ class WeightSyncConfig:
 
 
 def weights_checksum(model: torch.nn.Module, dtype: torch.dtype | None = None) -> float:
-    """Order-sensitive checksum of the parameters (by name), optionally cast to `dtype` first."""
+    """Order-sensitive checksum of the parameters (by name), optionally cast to `dtype` first.
+    Sharded (DTensor) parameters are gathered whole first: a collective for a multi-rank learner."""
+    from torch.distributed.tensor import DTensor
+
     with torch.no_grad():
-        sums = [p.detach().to(dtype or p.dtype).double().sum() * (i + 1)
+        sums = [(p.full_tensor() if isinstance(p, DTensor) else p).detach().to(dtype or p.dtype).double().sum() * (i + 1)
                 for i, (_, p) in enumerate(sorted(model.named_parameters()))]
         return float(torch.stack(sums).sum().item()) if sums else 0.0
 
@@ -95,19 +120,138 @@ def _group_device(backend: str) -> str:
     return f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
 
 
+# ---- cuda_ipc: flat buffer layout, seqlock, handles ---------------------------------------------
+IPC_ALIGN = 128
+"""Elements: each tensor of the flat buffer starts at a multiple of this (256 bytes in bf16)."""
+
+IPC_NEEDS_ONE_GPU = ("weight_transport=cuda_ipc needs every generator on the learner's GPU; "
+                     "use object_store or collective")
+
+
+def flat_layout(shapes: dict[str, tuple[int, ...]], align: int = IPC_ALIGN) -> tuple[list, int]:
+    """([(name, offset, shape)], total elements): the tensors of `shapes` (in its order) laid out
+    back to back in one flat buffer, each starting at a multiple of `align` elements."""
+    layout, offset = [], 0
+    for name, shape in shapes.items():
+        shape = tuple(int(d) for d in shape)
+        layout.append((name, offset, shape))
+        numel = 1
+        for d in shape:
+            numel *= d
+        offset += -(-numel // align) * align if numel else 0
+    return layout, offset
+
+
+def ipc_state_split(state: dict[str, torch.Tensor]) -> tuple[dict[str, tuple], dict[str, torch.Tensor]]:
+    """(shapes of the floating-point entries: they go in the flat buffer, the other entries
+    (integer buffers, if a model has any): CPU copies that ride the edge with each version)."""
+    shapes = {k: tuple(v.shape) for k, v in state.items() if v.is_floating_point()}
+    extra = {k: v.detach().to("cpu", copy=True) for k, v in state.items() if not v.is_floating_point()}
+    return shapes, extra
+
+
+def pack_state(flat: torch.Tensor, layout: list, state: dict[str, torch.Tensor]) -> None:
+    """Copy (casting to flat's dtype, moving to its device) every tensor of `layout` from `state`
+    into its view of `flat`."""
+    with torch.no_grad():
+        for name, view in unpack_state(flat, layout).items():
+            view.copy_(state[name].detach(), non_blocking=True)
+
+
+def unpack_state(flat: torch.Tensor, layout: list) -> dict[str, torch.Tensor]:
+    """name -> view of `flat` (no copy) with the shape `layout` gives it."""
+    out = {}
+    for name, offset, shape in layout:
+        numel = 1
+        for d in shape:
+            numel *= d
+        out[name] = flat[offset:offset + numel].view(shape)
+    return out
+
+
+def seqlock_consistent(version: int, before: int, after: int) -> bool:
+    """A copy of a buffer holds `version` whole when its header read `version` both before and after
+    the copy (the learner writes -1 first, then the data, then the version it wrote)."""
+    return before == version and after == version
+
+
+def _gpu_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _device_index() -> int:
+    return torch.cuda.current_device()
+
+
+def _ipc_device(index: int) -> torch.device:
+    return torch.device("cuda", index)
+
+
+def _on(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _require_cuda(device: str, who: str) -> None:
+    if not str(device).startswith("cuda") or not torch.cuda.is_available():
+        raise UserError(f"weight_transport=cuda_ipc needs CUDA, but {who} runs on {device} "
+                        "(placement=cpu?): use weight_transport=object_store (or collective)")
+
+
+def _share(tensor: torch.Tensor):
+    """The CUDA IPC handle of `tensor` ((rebuild function, its arguments), torch's own reduction)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return reduce_tensor(tensor)
+
+
+def _open(handle, device_index: int) -> torch.Tensor:
+    """The tensor a _share() handle names, opened on this process's `device_index` (as OpenRLHF
+    does: the learner's CUDA_VISIBLE_DEVICES numbering may differ from ours)."""
+    import inspect
+
+    func, args = handle
+    args = list(args)
+    args[list(inspect.signature(func).parameters).index("storage_device")] = device_index
+    return func(*args)
+
+
 class LearnerWeightSync:
-    """Learner end: setup() (collective: rendezvous, push group), publish(model, version)."""
+    """Learner end: setup() (collective: rendezvous, push group; cuda_ipc: the shared buffers),
+    publish(model, version)."""
 
     def __init__(self, ctx, config: WeightSyncConfig, edge: str = "policy"):
         self.ctx, self.config, self.edge = ctx, config, edge
         self.pusher = None
         self.dtype: torch.dtype | None = None     # what the generators hold (collective)
+        self.ranks = None                         # a dp x tp learner's dataflow.multirank.TrainRanks
+        self.lead = True                          # the rank that publishes (rank 0)
+        self.ipc: dict[str, Any] | None = None    # cuda_ipc: buffers, headers, their handles, layout
 
-    async def setup(self, model: torch.nn.Module) -> None:
+
+    async def setup(self, model: torch.nn.Module, ranks=None) -> None:
+        """One rank, or every rank of a dp x tp learner (`ranks`): rank 0 meets the generators and
+        sends; the others only take part in the resharding all-gathers of each push."""
+        self.ranks, self.lead = ranks, ranks is None or ranks.lead
+        if self.config.transport == "cuda_ipc":
+            _require_cuda(self.ctx.device, self.ctx.full_name)
+            if self.lead:
+                await asyncio.to_thread(self._ipc_setup, model)
+            return
         if self.config.transport != "collective":
             return
         from dataflow.hybrid_engine import ParallelLayout, PushGroup, WeightPusher, WeightPushError
         from dataflow.weight_adapters import family_of
+
+        if not self.lead:      # rank 0 tells the dtype the generators hold (the gathers cast to it)
+            self.dtype = getattr(torch, await asyncio.to_thread(ranks.broadcast))
+            self.pusher = WeightPusher(ranks.layout, ranks.mesh, group=None, dtype=self.dtype,
+                                       timeout_s=self.config.timeout_s)
+            return
 
         try:
             family_of(model)
@@ -144,22 +288,79 @@ class LearnerWeightSync:
         group = await asyncio.to_thread(lambda: PushGroup(
             host=host, port=push_port, rank=0, names=names, device=_group_device(backend),
             timeout_s=c.rendezvous_timeout_s))
-        self.pusher = WeightPusher(ParallelLayout(dp=1, tp=1, tp_gen=1), None, group=group,
+        if ranks is not None:
+            await asyncio.to_thread(ranks.broadcast, str(self.dtype).removeprefix("torch."))
+        # dp x tp: the training layout, generation tp 1 (a generator holds the whole model), so each
+        # push all-gathers over dp then tp on every rank and rank 0 broadcasts (dataflow/reshard.py).
+        layout = ranks.layout if ranks is not None else ParallelLayout(dp=1, tp=1, tp_gen=1)
+        self.pusher = WeightPusher(layout, ranks.mesh if ranks is not None else None, group=group,
                                    dtype=self.dtype, timeout_s=c.timeout_s)
         self.ctx.log(f"weight push: {backend} to {', '.join(names[1:])}, {self.dtype}")
 
+    def _ipc_setup(self, model: torch.nn.Module) -> None:
+        """Two flat buffers in ipc_dtype for the whole state dict (+ an int64 seqlock header each),
+        allocated and shared once; kept referenced here for the learner's lifetime."""
+        self.dtype = getattr(torch, self.config.ipc_dtype)
+        index = _device_index()
+        device = _ipc_device(index)
+        shapes, _ = ipc_state_split(model.state_dict())    # a DTensor's shape is the whole tensor's
+        layout, total = flat_layout(shapes)
+        with _on(device):
+            buffers = [torch.zeros(max(total, 1), dtype=self.dtype, device=device) for _ in range(2)]
+            headers = [torch.full((1,), -1, dtype=torch.int64, device=device) for _ in range(2)]
+            _sync(device)
+            handles = [{"buffer": _share(b), "header": _share(h)} for b, h in zip(buffers, headers)]
+        self.ipc = {"buffers": buffers, "headers": headers, "handles": handles, "layout": layout,
+                    "uuid": _gpu_uuid(index), "device": device}
+        size = buffers[0].numel() * buffers[0].element_size()
+        self.ctx.log(f"weight sync: CUDA IPC on GPU {self.ipc['uuid']} ({device}), 2 buffers of "
+                     f"{size / 2**20:.1f} MiB in {self.config.ipc_dtype}, {len(layout)} tensors")
+
+    def _ipc_write(self, state: dict[str, torch.Tensor], version: int) -> dict:
+        """Seqlock write of `state` into the buffer of `version`'s parity; returns the edge payload."""
+        ipc, slot = self.ipc, version % 2
+        buffer, header = ipc["buffers"][slot], ipc["headers"][slot]
+        _, extra = ipc_state_split(state)
+        device = ipc["device"]
+        with _on(device):
+            header.fill_(-1)
+            _sync(device)
+            pack_state(buffer, ipc["layout"], state)
+            _sync(device)
+            header.fill_(version)
+            _sync(device)
+        return {"cuda_ipc": ipc["handles"][slot], "slot": slot, "layout": ipc["layout"],
+                "gpu_uuid": ipc["uuid"], "dtype": self.config.ipc_dtype, "extra": extra,
+                "learner": self.ctx.full_name}
+
     async def publish(self, model: torch.nn.Module, version: int) -> None:
-        """Deliver `model`'s weights as `version` to every generator, then announce it on the edge."""
-        if self.pusher is None:
-            state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-            await self.ctx.publish(self.edge, state, version=version)
+        """Deliver `model`'s weights as `version` to every generator, then announce it on the edge.
+        A dp x tp learner calls it on every rank (collective); rank 0 publishes."""
+        if self.config.transport == "cuda_ipc":
+            if self.ranks is None:
+                state = model.state_dict()
+            else:              # the whole weights, gathered on rank 0 (CPU)
+                state, _ = await asyncio.to_thread(self.ranks.full_state, model)
+            if self.lead:
+                with self.ctx.span("weight push", version=version):
+                    payload = await asyncio.to_thread(self._ipc_write, state, version)
+                await self.ctx.publish(self.edge, payload, version=version)
+        elif self.pusher is None:
+            if self.ranks is None:
+                state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            else:              # the whole weights, gathered on rank 0
+                state, _ = await asyncio.to_thread(self.ranks.full_state, model)
+            if self.lead:
+                await self.ctx.publish(self.edge, state, version=version)
         else:
             with self.ctx.span("weight push", version=version):
                 await asyncio.to_thread(self.pusher.push, model, version)
-            await self.ctx.publish(self.edge, None, version=version)
+            if self.lead:
+                await self.ctx.publish(self.edge, None, version=version)
         if self.config.checksums:
             checksum = await asyncio.to_thread(weights_checksum, model, self.dtype)
-            self.ctx.metrics({"weights/version": version, "weights/checksum": checksum})
+            if self.lead:
+                self.ctx.metrics({"weights/version": version, "weights/checksum": checksum})
 
 
 def _tcp_store(host: str, port: int, is_master: bool, timeout: timedelta):
@@ -175,10 +376,16 @@ class GeneratorWeightSync:
         self.ctx, self.config, self.edge = ctx, config, edge
         self.model = None
         self.receiver = None
-        self.version = 0      # object store: the shared seed's weights are version 0
+        self.version = 0      # object store, cuda_ipc: the shared seed's weights are version 0
+        self.ipc: _IpcReceiver | None = None
 
     async def setup(self, model: torch.nn.Module) -> None:
         self.model = model
+        if self.config.transport == "cuda_ipc":
+            _require_cuda(self.ctx.device, self.ctx.full_name)
+            self.ipc = _IpcReceiver(self.ctx, self.config, model, self.edge, _device_index())
+            self.ipc.start(self)
+            return
         if self.config.transport != "collective":
             return
         from dataflow.hybrid_engine import PushGroup, WeightPushError, WeightReceiver
@@ -219,9 +426,21 @@ class GeneratorWeightSync:
     async def serving(self):
         """`async with sync.serving() as version:` switch to the newest weights (at least the version
         announced on the edge), then keep them fixed until the block exits."""
+        if self.ipc is not None:
+            if self.ipc.error is not None:
+                raise self.ipc.error
+            target = self.ctx.latest_version(self.edge)
+            if max(target, self.ipc.staged) > self.version:
+                version = await self.ipc.apply(target, self.version)
+                await self._switched(version)
+            yield self.version
+            return
         if self.receiver is None:
             if self.ctx.latest_version(self.edge) > self.version:
                 version, state = await self.ctx.latest(self.edge)
+                if isinstance(state, dict) and "cuda_ipc" in state:
+                    raise RuntimeError(f"{self.ctx.full_name}: '{self.edge}' v{version} carries CUDA IPC handles: "
+                                       "the learner uses weight_transport=cuda_ipc, this generator object_store")
                 if state is None:
                     raise RuntimeError(f"{self.ctx.full_name}: '{self.edge}' v{version} carries no weights: "
                                        "the learner uses weight_transport=collective, this generator object_store")
@@ -264,3 +483,149 @@ class GeneratorWeightSync:
         if self.config.checksums:
             checksum = await asyncio.to_thread(weights_checksum, self.model)
             self.ctx.metrics({"weights/version": version, "weights/checksum": checksum})
+
+
+class _IpcReceiver:
+    """A generator's cuda_ipc end: a task that, for each version announced on the edge, opens the
+    learner's buffer (once per buffer) and copies it into a private staging buffer right away,
+    checking the seqlock header around the copy; apply() copies staging into the model."""
+
+    def __init__(self, ctx, config: WeightSyncConfig, model: torch.nn.Module, edge: str, device_index: int):
+        self.ctx, self.config, self.model, self.edge, self.index = ctx, config, model, edge, device_index
+        self.staged = -1                  # the version staging holds whole (-1: none)
+        self.seen = -1                    # the newest version announced that was looked at
+        self.layout: list | None = None
+        self.extra: dict = {}
+        self.staging: torch.Tensor | None = None
+        self.opened: dict[Any, torch.Tensor] = {}   # handle key -> the learner's tensor, opened once
+        self.error: BaseException | None = None
+        self.changed = asyncio.Condition()
+        self.lock = asyncio.Lock()        # staging: one writer (a receipt) or reader (apply) at a time
+        self.stream = None
+        self.task: asyncio.Task | None = None
+
+    def start(self, owner: GeneratorWeightSync) -> None:
+        self.owner = owner
+        self.task = asyncio.ensure_future(self._receive())
+
+    async def _receive(self) -> None:
+        try:
+            while True:
+                await self.ctx.wait_version(self.edge, self.seen + 1)
+                version, payload = await self.ctx.latest(self.edge)
+                self.seen = max(self.seen, version)
+                self._check(version, payload)
+                if version <= self.owner.version or version <= self.staged:
+                    continue
+                async with self.lock:
+                    ok, before, after = await asyncio.to_thread(self._stage, version, payload)
+                    if ok:
+                        self.staged, self.extra = version, payload.get("extra", {})
+                    elif before == version:   # the copy began, so staging holds a torn mix
+                        self.staged = -1
+                if not ok:
+                    self.ctx.log(f"weight sync: dropped v{version} (the learner rewrote its buffer during "
+                                 f"the copy: header {before} -> {after}); a newer version is coming")
+                async with self.changed:
+                    self.changed.notify_all()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:        # serving() raises it
+            self.error = e
+            async with self.changed:
+                self.changed.notify_all()
+
+    def _check(self, version: int, payload) -> None:
+        me = self.ctx.full_name
+        if not (isinstance(payload, dict) and "cuda_ipc" in payload):
+            kind = ("no weights" if payload is None else
+                    "a state dict" if isinstance(payload, dict) else type(payload).__name__)
+            raise UserError(f"{me}: '{self.edge}' v{version} carries {kind}, not CUDA IPC handles: this "
+                            f"generator uses weight_transport=cuda_ipc, the learner another transport")
+        mine = self.uuid()
+        if payload["gpu_uuid"] != mine:
+            raise UserError(f"{IPC_NEEDS_ONE_GPU} ({payload.get('learner', 'the learner')} is on GPU "
+                            f"{payload['gpu_uuid']}, {me} on {mine})")
+        if self.layout is None:
+            held = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+            self.ctx.log(f"weight sync: CUDA IPC from {payload.get('learner', 'the learner')} on GPU {mine}, "
+                         f"{len(payload['layout'])} tensors in {payload['dtype']}" +
+                         (f" (cast to this generator's {held})" if held != payload["dtype"] else ""))
+        self.layout = payload["layout"]
+
+    def uuid(self) -> str:
+        return _gpu_uuid(self.index)
+
+    def open(self, handle) -> torch.Tensor:
+        """The learner's tensor `handle` names; opened once (torch's rebuild would count a reference
+        per call on the learner's side)."""
+        import inspect
+
+        names = list(inspect.signature(handle[0]).parameters)
+        key = tuple(repr(handle[1][names.index(n)])      # one allocation (and the tensor's place in it)
+                    for n in ("storage_handle", "storage_offset_bytes", "tensor_offset", "tensor_size"))
+        if key not in self.opened:
+            self.opened[key] = _open(handle, self.index)
+        return self.opened[key]
+
+    def _stage(self, version: int, payload: dict) -> tuple[bool, int, int]:
+        """Copy the buffer holding `version` into staging; (whole?, header before, header after)."""
+        buffer, header = self.open(payload["cuda_ipc"]["buffer"]), self.open(payload["cuda_ipc"]["header"])
+        if self.staging is None or self.staging.shape != buffer.shape or self.staging.dtype != buffer.dtype:
+            self.staging = None
+            self.staging = torch.empty_like(buffer)
+        return stage_copy(self.staging, buffer, header, version, self._stream())
+
+    def _stream(self):
+        if self.stream is None and self.staging.is_cuda:
+            self.stream = torch.cuda.Stream(device=self.staging.device)
+        return self.stream
+
+    async def apply(self, target: int, current: int) -> int:
+        """Wait (up to timeout_s) until staging holds a version >= target, copy it into the model
+        (between serving() blocks: nothing generates); returns that version."""
+        try:
+            await asyncio.wait_for(self._wait_staged(target), self.config.timeout_s)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"{self.ctx.full_name}: weights v{target} not staged from the learner's CUDA "
+                               f"IPC buffer within {self.config.timeout_s:g} s (serving v{current}, "
+                               f"staged v{self.staged})") from None
+        # Shielded: a cancelled serving() leaves the copy to finish under the lock (the next
+        # serving() copies the same staged version again).
+        return await asyncio.shield(asyncio.ensure_future(self._load_staged(current)))
+
+    async def _load_staged(self, current: int) -> int:
+        async with self.lock:
+            version = self.staged
+            if version > current:
+                await asyncio.to_thread(self._load)
+        return max(version, current)
+
+    async def _wait_staged(self, target: int) -> None:
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.error is not None or self.staged >= target)
+        if self.error is not None:
+            raise self.error
+
+    def _load(self) -> None:
+        state = {**unpack_state(self.staging, self.layout), **self.extra}
+        with _on(self.staging.device):
+            self.model.load_state_dict(state)
+            _sync(self.staging.device)    # staging may be rewritten (side stream) once this returns
+
+
+def stage_copy(staging: torch.Tensor, buffer: torch.Tensor, header: torch.Tensor, version: int,
+               stream=None) -> tuple[bool, int, int]:
+    """Seqlock read: copy `buffer` into `staging` if `header` reads `version` before and after
+    (on `stream`, a side CUDA stream, so generation on the default stream is not waited for).
+    Returns (whole?, header before, header after); staging is garbage when not whole."""
+    ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    with ctx, torch.no_grad():
+        before = int(header.item())       # .item() waits for the current stream
+        if before != version:
+            return False, before, before
+        staging.copy_(buffer)
+        if stream is not None:
+            stream.synchronize()
+        after = int(header.item())
+    return seqlock_consistent(version, before, after), before, after

@@ -18,13 +18,15 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
 
-from dataflow.errors import NodeFailed  # noqa: E402
+from dataflow.errors import NodeFailed, UserError  # noqa: E402
 from dataflow.hybrid_engine import WeightPushError  # noqa: E402
 from dataflow.runtime import RunOptions, load_graph, run_graph  # noqa: E402
 from nodes.models import ModelConfig, build_policy  # noqa: E402
 from nodes.tasks import build_tokenizer  # noqa: E402
+from nodes import weight_sync  # noqa: E402
 from nodes.weight_sync import (SYNC_EDGE, GeneratorWeightSync, LearnerWeightSync,  # noqa: E402
-                               WeightSyncConfig, weights_checksum)
+                               WeightSyncConfig, flat_layout, ipc_state_split, pack_state,
+                               seqlock_consistent, stage_copy, unpack_state, weights_checksum)
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ("prompts_per_step=32", "channel_capacity=16", "critic.minibatch_size=32", "learner.minibatch_size=32")
@@ -130,6 +132,144 @@ def test_collective_sync_in_one_process():
         assert lctx.latest_version("policy") == 2     # a failed push announces nothing
 
     asyncio.run(asyncio.wait_for(scenario(), 120))
+
+
+# ---- cuda_ipc on CPU: the error, the flat buffer, the seqlock, both ends with CPU stand-ins ------
+def test_cuda_ipc_on_cpu_fails_naming_the_setting():
+    async def scenario():
+        edges, cfg = Edges(), WeightSyncConfig(transport="cuda_ipc")
+        with pytest.raises(UserError, match=r"weight_transport=cuda_ipc needs CUDA, but learner runs on cpu"):
+            await LearnerWeightSync(StandInContext(edges, "learner"), cfg).setup(tiny_policy(seed=0))
+        with pytest.raises(UserError, match=r"weight_transport=cuda_ipc needs CUDA, but generator runs on cpu"):
+            await GeneratorWeightSync(StandInContext(edges, "generator"), cfg).setup(tiny_policy(seed=0))
+
+    asyncio.run(scenario())
+
+
+def test_flat_buffer_pack_unpack_is_bit_exact():
+    g = torch.Generator().manual_seed(0)
+    shapes = {"scalar": (), "empty": (0, 3), "vec": (5,), "mat": (7, 3), "cube": (2, 3, 4), "long": (300,)}
+    state = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    state["vec"][:3] = torch.tensor([float("inf"), -0.0, float("nan")])
+    layout, total = flat_layout({k: v.shape for k, v in state.items()}, align=128)
+    assert [n for n, _, _ in layout] == list(shapes)
+    ends = [(off, off + torch.Size(s).numel()) for _, off, s in layout]
+    assert all(off % 128 == 0 for off, _ in ends) and all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))
+    assert total >= ends[-1][1] and total % 128 == 0
+    flat = torch.full((total,), 7.0)
+    pack_state(flat, layout, state)
+    back = unpack_state(flat, layout)
+    for k, v in state.items():
+        assert back[k].shape == v.shape and (back[k].data_ptr() != v.data_ptr() or not v.numel())
+        assert torch.equal(back[k].view(torch.int32), v.view(torch.int32)), k    # bit exact (nan, -0.0)
+    assert unpack_state(flat, layout)["mat"].data_ptr() == flat[layout[3][1]:].data_ptr()   # views, no copy
+    bf = torch.zeros(total, dtype=torch.bfloat16)             # the cast: as .to(bfloat16)
+    pack_state(bf, layout, state)
+    for k, v in unpack_state(bf, layout).items():
+        assert torch.equal(v.view(torch.int16), state[k].to(torch.bfloat16).view(torch.int16)), k
+    shapes_, extra = ipc_state_split({"w": torch.ones(2), "steps": torch.tensor([3])})
+    assert shapes_ == {"w": (2,)} and list(extra) == ["steps"]
+
+
+class ScriptedHeader:
+    """A seqlock header whose reads return the given values in turn (a learner writing meanwhile)."""
+
+    def __init__(self, *values):
+        self.values = list(values)
+
+    def item(self):
+        return self.values.pop(0)
+
+
+def test_seqlock_copy_keeps_only_whole_versions():
+    assert seqlock_consistent(4, 4, 4)
+    assert not seqlock_consistent(4, -1, 4) and not seqlock_consistent(4, 4, -1)
+    assert not seqlock_consistent(4, 4, 6) and not seqlock_consistent(4, 2, 2)
+    buffer, staging = torch.arange(8.0), torch.zeros(8)
+    assert stage_copy(staging, buffer, torch.tensor([4]), 4) == (True, 4, 4)
+    assert torch.equal(staging, buffer)
+    staging.zero_()
+    assert stage_copy(staging, buffer, ScriptedHeader(-1), 4) == (False, -1, -1)   # being written: no copy
+    assert stage_copy(staging, buffer, ScriptedHeader(6), 4) == (False, 6, 6)      # already the next one
+    assert not staging.any()
+    assert stage_copy(staging, buffer, ScriptedHeader(4, -1), 4) == (False, 4, -1)  # overwritten meanwhile
+    assert stage_copy(staging, buffer, ScriptedHeader(4, 6), 4) == (False, 4, 6)
+
+
+def test_cuda_ipc_both_ends_with_cpu_stand_ins(monkeypatch):
+    """The cuda_ipc logic with the CUDA parts stood in on CPU (buffers on CPU, a handle = a registry
+    key): versions alternate between two buffers, a generator stages at receipt and switches only in
+    serving(), serves the learner's weights cast to ipc_dtype (equal checksums), drops a version the
+    learner overwrote before the copy (and then times out waiting for it), and a generator on another
+    GPU fails naming the setting."""
+    shared: dict[int, torch.Tensor] = {}
+
+    def rebuild(storage_handle, storage_offset_bytes, tensor_offset, tensor_size, storage_device):
+        assert storage_device == 0
+        return shared[storage_handle]
+
+    def share(t):
+        shared[id(t)] = t
+        return rebuild, (id(t), 0, 0, tuple(t.shape), "learner's device")
+
+    for name, value in (("_require_cuda", lambda device, who: None), ("_device_index", lambda: 0),
+                        ("_ipc_device", lambda index: torch.device("cpu")), ("_share", share),
+                        ("_gpu_uuid", lambda index: "GPU-0")):
+        monkeypatch.setattr(weight_sync, name, value)
+
+    async def scenario():
+        edges = Edges()
+        cfg = WeightSyncConfig(transport="cuda_ipc", checksums=True, timeout_s=0.5)
+        lctx, gctx = StandInContext(edges, "learner"), StandInContext(edges, "generator")
+        learner, gen = LearnerWeightSync(lctx, cfg), GeneratorWeightSync(gctx, cfg)
+        model = tiny_policy(seed=0)
+        await learner.setup(model)
+        await gen.setup(tiny_policy(seed=0))     # the shared seed: version 0
+
+        async def serve():
+            async with gen.serving() as version:
+                return version, weights_checksum(gen.model)
+
+        await learner.publish(model, 0)
+        await asyncio.sleep(0.05)
+        assert (await serve())[0] == 0 and gen.ipc.staged == -1     # v0 is the seed's: nothing staged
+        want = {}
+        for version in (1, 2):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01 * version)
+            await learner.publish(model, version)
+            want[version] = weights_checksum(model, torch.bfloat16)
+            await asyncio.sleep(0.05)
+            assert gen.ipc.staged == version and gen.version == 0   # staged at receipt, not switched yet
+        assert learner.ipc["headers"][0].item() == 2 and learner.ipc["headers"][1].item() == 1
+        assert await serve() == (2, want[2])
+        for (k, v), (k2, v2) in zip(model.state_dict().items(), gen.model.state_dict().items()):
+            assert k == k2 and torch.equal(v2, v.to(torch.bfloat16).float()), k
+        assert [e["weights/version"] for e in gctx.logged] == [2]
+        assert lctx.logged[1:] == [{"weights/version": v, "weights/checksum": c} for v, c in want.items()]
+
+        learner.config = WeightSyncConfig(transport="cuda_ipc")   # publish now returns before the receipt
+        await learner.publish(model, 3)
+        learner.ipc["headers"][1].fill_(5)      # the learner began v5 before the generator copied v3
+        await asyncio.sleep(0.05)
+        assert gen.ipc.staged == 2
+        with pytest.raises(RuntimeError, match=r"weights v3 not staged .* within 0.5 s"):
+            await serve()
+        for version in (4, 5):
+            await learner.publish(model, version)
+        await asyncio.sleep(0.05)
+        assert (await serve())[0] == 5
+
+        other = GeneratorWeightSync(StandInContext(edges, "generator", 1, 2), cfg)
+        monkeypatch.setattr(weight_sync._IpcReceiver, "uuid", lambda self: "GPU-1")
+        await other.setup(tiny_policy(seed=0))
+        await asyncio.sleep(0.05)
+        with pytest.raises(UserError, match=r"weight_transport=cuda_ipc needs every generator on the "
+                                            r"learner's GPU; use object_store or collective"):
+            await asyncio.wait_for(other.serving().__aenter__(), 5)
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
 
 
 # ---- the PPO graph -----------------------------------------------------------------------------

@@ -1,0 +1,295 @@
+"""One node as dp x tp ranks inside a graph: the replicas of a node are the ranks of one torch
+process group and one DeviceMesh ("dp", "tp"); rank 0 leads, the others follow its commands.
+
+    ranks = await join(ctx, ParallelLayout(dp=2, tp=2), timeout_s)   # in setup(), every replica
+    ranks.shard(model)              # TP over "tp" then FSDP2 over "dp" (dataflow/layout.py)
+    op = ranks.broadcast(op_or_None)   # rank 0 sends, the others receive (blocking: use a thread)
+
+Rendezvous: replica 0 hosts a TCPStore and publishes its address on the versioned edge
+RANKS_EDGE (graph: node -> itself); every replica writes its device there; replica 0 picks the
+backend: NCCL when every rank is on a CUDA device of its own, gloo when all are on CPU (ranks
+sharing a GPU are refused: NCCL cannot put two ranks on one device). The default process group
+is this node's: a process hosts one replica, and the weight push groups are standalone ones.
+
+Why a leader: only rank 0 reads the node's inputs (Node.inputs_on_replica_0: a channel shared
+by several consumer replicas hands each item to one of them), reports steps and publishes.
+Every collective (a training step, a weight push, a state gather) is started by a command that
+rank 0 broadcasts, so all ranks issue the same collectives in the same order, whatever the
+engine asks of each replica in between (state_dict() never communicates).
+
+Arithmetic that differs from one rank (all in `TrainRanks`): each dp rank trains on its share of
+every minibatch, the FSDP gradient reduction *sums* over dp (divide factor 1) because the loss
+of each share is already weighted by its share of the minibatch's tokens, the gradient norm is
+the global one over the 2-D mesh, and reported loss statistics are summed over dp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import math
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dataflow.errors import UserError
+from dataflow.layout import ParallelLayout, apply_training_layout, build_mesh
+
+RANKS_EDGE = "ranks"
+"""Versioned edge (a multi-rank node -> itself) carrying its replica 0's rendezvous address."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _device_info(device: str) -> dict:
+    if device.startswith("cuda"):
+        return {"device": "cuda", "uuid": str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)}
+    return {"device": "cpu", "uuid": ""}
+
+
+async def join(ctx, layout: ParallelLayout, timeout_s: float = 600.0,
+               collective_timeout_s: float = 3600.0) -> "TrainRanks":
+    """Make this replica rank `ctx.replica` of a process group of all the node's replicas (in
+    every replica's setup, concurrently) and build the training mesh."""
+    import ray
+
+    world, rank, me = layout.world_size, ctx.replica, ctx.full_name
+    if ctx.num_replicas != world:
+        raise UserError(f"node '{ctx.name}': dp x tp = {layout.dp} x {layout.tp} = {world} ranks, but "
+                        f"the graph declares {ctx.num_replicas} replica(s); declare it with replicas={world}")
+    timeout = timedelta(seconds=timeout_s)
+
+    def store_at(host, port, master):
+        return dist.TCPStore(host, port, None, master, timeout, wait_for_workers=False)
+
+    if rank == 0:
+        host, port = ray.util.get_node_ip_address(), _free_port()
+        store = await asyncio.to_thread(store_at, host, port, True)
+        await ctx.publish(RANKS_EDGE, {"host": host, "port": port}, version=0)
+    else:
+        try:
+            await asyncio.wait_for(ctx.wait_version(RANKS_EDGE, 0), timeout_s)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"{me}: no rendezvous address from {ctx.name}[0] on edge '{RANKS_EDGE}' "
+                               f"within {timeout_s:g} s (is g.versioned('{RANKS_EDGE}', src='{ctx.name}', "
+                               f"dst=['{ctx.name}']) declared?)") from None
+        _, addr = await ctx.latest(RANKS_EDGE)
+        host, port = addr["host"], addr["port"]
+        store = await asyncio.to_thread(store_at, host, port, False)
+
+    def meet():
+        store.set(f"rank/{rank}", json.dumps(_device_info(ctx.device)))
+        keys = [f"rank/{r}" for r in range(world)]
+        try:
+            store.wait(keys, timeout)
+        except Exception:
+            missing = [f"{ctx.name}[{r}]" for r, k in enumerate(keys) if not store.check([k])]
+            raise RuntimeError(f"{me}: rendezvous at {host}:{port}: {', '.join(missing)} did not join "
+                               f"within {timeout_s:g} s") from None
+        ends = [json.loads(store.get(k)) for k in keys]
+        kinds = {e["device"] for e in ends}
+        if kinds == {"cpu"}:
+            backend, device = "gloo", "cpu"
+        elif kinds == {"cuda"} and len({e["uuid"] for e in ends}) == world:
+            backend, device = "nccl", "cuda"
+        else:
+            where = ", ".join(f"{ctx.name}[{r}]: {e['device']} {e['uuid'][:12]}" for r, e in enumerate(ends))
+            raise UserError(f"node '{ctx.name}' as {world} ranks needs every rank on a GPU of its own "
+                            f"(NCCL) or every rank on CPU (gloo); got {where}. Give the node whole GPUs "
+                            "or a pool with at least dp x tp GPUs (placement=colocated, num_gpus >= dp*tp)")
+        kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}
+        dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
+                                timeout=timedelta(seconds=collective_timeout_s), **kwargs)
+        return backend, device
+
+    backend, device = await asyncio.to_thread(meet)
+    mesh = build_mesh(layout, device)
+    return TrainRanks(layout, mesh, rank, backend, device, store)
+
+
+class TrainRanks:
+    """This process's rank of a multi-rank node: its mesh coordinates and the collectives the
+    node's code needs (see the module docstring)."""
+
+    def __init__(self, layout: ParallelLayout, mesh, rank: int, backend: str, device: str, store=None):
+        self.layout, self.mesh, self.rank, self.backend, self.device = layout, mesh, rank, backend, device
+        self._store = store           # replica 0 hosts it: keep it alive
+        self.world = layout.world_size
+        self.dp_rank, self.tp_rank = (int(x) for x in mesh.get_coordinate())
+        self.dp_size = layout.dp
+        self.dp_group = mesh.get_group("dp")
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+    def __repr__(self) -> str:
+        return f"TrainRanks(rank {self.rank} of dp={self.layout.dp} x tp={self.layout.tp}, {self.backend})"
+
+    # ---- model -------------------------------------------------------------------------------
+    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """TP then FSDP2 (apply_training_layout); gradients are summed over dp, not averaged, since
+        each dp rank's loss is already weighted by its share of the minibatch (ppo_update)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        apply_training_layout(model, self.mesh, self.layout)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)
+                # Plain SUM: with factor 1 FSDP2 would pick PREMUL_SUM(1.0) for fp32/bf16, which
+                # gloo lacks (and a multiply by 1 is no work worth saving on NCCL either).
+                m.set_force_sum_reduction_for_comms(True)
+        return model
+
+    # ---- commands and small collectives --------------------------------------------------------
+    def broadcast(self, obj=None):
+        """Rank 0's `obj` on every rank (pickled; blocking: call it from a thread)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _flag_device(self):
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    def all_true(self, flag: bool) -> bool:
+        """True on every rank iff `flag` is True on every rank (so all ranks take the same branch
+        around a collective, e.g. backward under FSDP)."""
+        t = torch.tensor([1.0 if flag else 0.0], device=self._flag_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item() > 0)
+
+    def sum_over_dp(self, values: dict[str, float]) -> dict[str, float]:
+        """Per-key sums over the dp ranks (tp ranks of one dp group hold equal values)."""
+        if self.dp_size == 1:
+            return dict(values)
+        keys = list(values)
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=self._flag_device())
+        dist.all_reduce(t, group=self.dp_group)
+        return dict(zip(keys, t.tolist()))
+
+    def dp_share(self, idx: torch.Tensor, pad_index: int) -> torch.Tensor:
+        """This dp rank's contiguous share of the minibatch indices `idx`, padded with `pad_index`
+        (a row whose mask is 0) to ceil(len/dp), so every rank runs the same number of forward /
+        backward passes (each is a collective under FSDP and TP)."""
+        per = math.ceil(len(idx) / self.dp_size)
+        mine = idx[self.dp_rank * per:(self.dp_rank + 1) * per]
+        if len(mine) < per:
+            mine = torch.cat([mine, torch.full((per - len(mine),), pad_index, dtype=idx.dtype, device=idx.device)])
+        return mine
+
+    def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the global gradient, whatever mesh each parameter
+        lives on (TP-replicated norms are 1-D on dp, the rest 2-D): each rank adds the squares of
+        its local shards, divided by how many ranks hold the same elements, then one all-reduce."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        grads = [p.grad for p in parameters if p.grad is not None]
+        total = torch.zeros((), dtype=torch.float64, device=self._flag_device())
+        locals_ = []
+        for g in grads:
+            if isinstance(g, DTensor):
+                local, copies = g.to_local(), self.world // g.device_mesh.size()
+                for dim, pl in enumerate(g.placements):
+                    if isinstance(pl, Replicate):
+                        copies *= g.device_mesh.size(dim)
+            else:
+                local, copies = g, self.world
+            locals_.append(local)
+            total += local.detach().double().pow(2).sum().to(total.device) / copies
+        dist.all_reduce(total)
+        norm = total.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        if torch.isfinite(norm):
+            for local in locals_:
+                local.detach().mul_(coef.to(device=local.device, dtype=local.dtype))
+        return norm.to(locals_[0].dtype if locals_ else torch.float32).cpu()   # as torch's: grads' dtype
+
+    # ---- whole state (checkpoints, final weights, the object-store weight push) ----------------
+    def _full(self, t: torch.Tensor, cache: dict) -> torch.Tensor:
+        """The whole tensor on CPU (a DTensor is gathered: collective); `cache` dedupes tied ones."""
+        from torch.distributed.tensor import DTensor
+
+        if id(t) not in cache:
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            cache[id(t)] = full.detach().to("cpu", copy=True)
+        return cache[id(t)]
+
+    def full_state(self, model: torch.nn.Module, optimizer=None) -> tuple[dict, dict | None]:
+        """(model state dict, optimizer state dict) as full CPU tensors on rank 0 ({} / None
+        elsewhere); collective. The formats are a one-rank model's and optimizer's (optimizer
+        state keyed by parameter index), so checkpoints move between layouts.
+
+        (torch.distributed.checkpoint's get_model_state_dict(full_state_dict=True) left these
+        FSDP2 + TP parameters as DTensors on torch 2.13, hence the explicit full_tensor().)"""
+        cache: dict = {}
+        msd = {k: self._full(v, cache) for k, v in model.state_dict().items()}
+        osd = None
+        if optimizer is not None:
+            raw = optimizer.state_dict()
+            osd = {"param_groups": copy.deepcopy(raw["param_groups"]),
+                   "state": {i: {k: self._full(v, cache) if torch.is_tensor(v) else v for k, v in st.items()}
+                             for i, st in raw["state"].items()}}
+        if not self.lead:
+            return {}, None
+        return msd, osd
+
+    def load_full_state(self, model: torch.nn.Module, optimizer, model_state: dict | None,
+                        optim_state: dict | None) -> None:
+        """Distribute rank 0's full state dicts (as full_state returns them) over the ranks;
+        collective. Each rank receives the whole thing and keeps its shards (simple; a resume
+        is rare: a streaming scatter would cap the memory at one tensor)."""
+        from torch.distributed.tensor import DTensor
+
+        model_state, optim_state = self.broadcast((model_state, optim_state) if self.lead else None)
+
+        def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+            """`full` laid out as `like` (a DTensor for a DTensor: optimizer state must be one)."""
+            if isinstance(like, DTensor):
+                return DTensor.from_local(_local_piece(full.to(like.device, like.dtype), like), like.device_mesh,
+                                          like.placements, shape=like.shape, stride=like.stride(),
+                                          run_check=False)
+            return full.to(like.device, like.dtype)
+
+        def local(t):
+            return t.to_local() if isinstance(t, DTensor) else t
+
+        targets = model.state_dict(keep_vars=True)
+        missing = sorted(set(targets) - set(model_state))
+        if missing:
+            raise KeyError(f"load_full_state: the state has no {missing[:5]}")
+        with torch.no_grad():
+            for k, t in targets.items():
+                local(t).copy_(local(shard_like(model_state[k], t)))
+        if optimizer is not None and optim_state is not None:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            state = {int(i): {k: shard_like(v, params[int(i)]) if torch.is_tensor(v) and
+                              tuple(v.shape) == tuple(params[int(i)].shape) else v for k, v in st.items()}
+                     for i, st in optim_state["state"].items()}
+            optimizer.load_state_dict({"param_groups": optim_state["param_groups"], "state": state})
+
+
+def _local_piece(full: torch.Tensor, like) -> torch.Tensor:
+    """This rank's local tensor of DTensor `like`, cut from the whole tensor `full` without any
+    communication. distribute_tensor cannot make _StridedShard placements (torch 2.13), which
+    TP-then-FSDP2 gives (dataflow/reshard.py): the tensor is cut by TP first, then each TP chunk
+    by FSDP, so plain Shard placements are applied before strided ones; uneven sizes as torch.chunk."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from dataflow.reshard import _chunk_sizes
+
+    mesh, coords = like.device_mesh, like.device_mesh.get_coordinate()
+    steps = [(i, pl) for i, pl in enumerate(like.placements) if isinstance(pl, (Shard, _StridedShard))]
+    steps.sort(key=lambda step: isinstance(step[1], _StridedShard))
+    t = full
+    for i, pl in steps:
+        sizes = _chunk_sizes(t.shape[pl.dim], mesh.size(i))
+        t = t.narrow(pl.dim, sum(sizes[:coords[i]]), sizes[coords[i]])
+    return t.contiguous()

@@ -1,0 +1,247 @@
+"""The learner as dp x tp ranks (dataflow/multirank.py): one PPO update in 2 and 4 gloo processes
+equals the one-rank update; graph runs with learner dp=2 / tp=2 deliver the learner's full
+weights to the generators (object store and HybridEngine push).
+
+Function level: processes are forked (the parent already imported torch and transformers) and
+train in float64, so the only differences from one rank are summation orders.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import random
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dataflow.layout import ParallelLayout, build_mesh
+from dataflow.multirank import TrainRanks
+from nodes.learner import LearnerConfig, ppo_update, step_advantages
+from nodes.models import ModelConfig, build_policy, sample_responses
+from nodes.reference import add_logprobs
+from nodes.tasks import build_tokenizer, make_task, score
+
+MODEL = ModelConfig(n_layer=2, n_embd=32, n_head=4, intermediate_size=64)   # every TP dim divides by 2
+
+
+def _samples():
+    tok = build_tokenizer()
+    model = build_policy(MODEL, tok)
+    task = make_task("copy", 3)
+    prompts = task.take(7)
+    ids = [tok(p["prompt"])["input_ids"] for p in prompts for _ in range(2)]
+    samples = sample_responses(model, tok, ids, task.max_new_tokens, seed=0)
+    items = [{"samples": samples[2 * i:2 * i + 2], "fields": p} for i, p in enumerate(prompts)]
+    add_logprobs(model, tok.pad_token_id, items, "ref_logprobs")
+    out = []
+    for item in items:
+        for s in item["samples"]:
+            s["score"] = score(item["fields"], tok.decode(s["response_ids"], skip_special_tokens=True))
+            s["failed"] = len(out) in (3, 8)       # failed samples: shares hold unequal token counts
+            s["advantages"] = [s["score"] - 0.1] * len(s["response_ids"])
+            out.append(s)
+    return tok, out
+
+
+# 14 samples in minibatches of 6: 6, 6, 2 -> dp shares of 3 and 1 (the short one is padded), and
+# micro-batches of 2 inside each share; 2 epochs; stale=True also runs the proximal forward.
+CFG = dict(minibatch_size=6, micro_batch_size=2, ppo_epochs=2, entropy_coef=0.01, max_grad_norm=0.5, lr=1e-2)
+
+
+def _update(model, samples, pad_id, ranks=None):
+    cfg = LearnerConfig(**CFG)
+    cfg.kl.coef = 0.1
+    samples = [dict(s) for s in samples]
+    for s, adv in zip(samples, step_advantages(samples, cfg)):
+        s["advantage_tokens"] = adv
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    stats = ppo_update(model, opt, samples, 0.1, pad_id, cfg, random.Random(0), stale=True, ranks=ranks)
+    return opt, stats
+
+
+@pytest.fixture(scope="module")
+def reference():
+    tok, samples = _samples()
+    model = build_policy(MODEL, tok).double()
+    _, stats = _update(model, samples, tok.pad_token_id)
+    return tok, samples, {k: v.clone() for k, v in model.state_dict().items()}, stats
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, layout, port, tmp, tok, samples):
+    torch.set_num_threads(1)
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=layout.world_size)
+    ranks = TrainRanks(layout, build_mesh(layout), rank, "gloo", "cpu")
+    model = ranks.shard(build_policy(MODEL, tok).double())
+    opt, stats = _update(model, samples, tok.pad_token_id, ranks)
+    weights, optim = ranks.full_state(model, opt)
+    # Loading distributes rank 0's full state into a fresh sharded model (a resume): gathering
+    # it again gives the same tensors.
+    fresh = ranks.shard(build_policy(MODEL, tok).double())
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    ranks.load_full_state(fresh, fresh_opt, weights if rank == 0 else None, optim if rank == 0 else None)
+    again, again_optim = ranks.full_state(fresh, fresh_opt)
+    record = {"stats": stats, "weights": weights, "reloaded": again,
+              "optim_equal": rank != 0 or _nested_equal(optim, again_optim)}
+    with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(record, f)
+    dist.destroy_process_group()
+
+
+def _nested_equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_nested_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_nested_equal(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a):
+        return torch.equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2), (2, 2)])
+def test_multirank_update_equals_one_rank(reference, tmp_path, dp, tp):
+    tok, samples, want, want_stats = reference
+    layout = ParallelLayout(dp=dp, tp=tp)
+    mp.start_processes(_worker, args=(layout, _free_port(), str(tmp_path), tok, samples),
+                       nprocs=layout.world_size, start_method="fork")
+    records = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(layout.world_size)]
+    got = records[0]["weights"]
+    assert set(got) == set(want)
+    # float64: the ranks only reorder sums (dp shares, TP partial sums, the norm's all-reduce).
+    moved = 0.0
+    for k in want:
+        assert torch.allclose(got[k], want[k], rtol=0, atol=1e-10), (k, (got[k] - want[k]).abs().max())
+        moved = max(moved, (want[k] - build_policy(MODEL, tok).double().state_dict()[k]).abs().max().item())
+    assert moved > 1e-3          # the update did move the weights
+    for r in records:             # every rank reports the global minibatch statistics
+        for k in ("losses/policy", "losses/kl", "entropy", "grad_norm", "updates/total"):
+            assert r["stats"][k] == pytest.approx(want_stats[k], rel=1e-9, abs=1e-12), k
+    assert records[0]["stats"]["grad_norm"] > CFG["max_grad_norm"]      # clipping was active
+    for k in want:
+        assert torch.equal(records[0]["reloaded"][k], got[k]), k
+    assert all(r["optim_equal"] for r in records)
+
+
+# ---- graph runs: the learner as 2 and 4 Ray actors ----------------------------------------------
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ("prompts_per_step=4", "group_size=4", "channel_capacity=16", "learner.minibatch_size=8",
+         "max_staleness=0", "weight_checksums=true")
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    import ray
+
+    # Logical CPUs: up to 4 learner ranks (1 CPU each) next to the rollout nodes.
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    yield
+    ray.shutdown()
+
+
+def run_grpo(tmp_path, *overrides: str, max_steps: int):
+    import asyncio
+
+    from dataflow.runtime import RunOptions, load_graph, run_graph
+
+    graph, config = load_graph(str(ROOT / "graphs/grpo.py"), [*SMALL, *overrides])
+    summary = asyncio.run(run_graph(graph, RunOptions(max_steps=max_steps, out_dir=str(tmp_path), quiet=True), config))
+    assert summary.status in ("done", "max steps reached"), summary.status
+    return summary, [json.loads(line) for line in Path(summary.metrics_path).read_text().splitlines()]
+
+
+def check_generators_hold_learner_weights(records, versions):
+    """Every version a generator switched to has the checksum of the whole weights the learner
+    (rank 0, after gathering them) logged for it; only rank 0 reports steps."""
+    steps = [r for r in records if "step" in r]
+    assert [r["step"] for r in steps] == list(range(1, len(steps) + 1))
+    assert {r["node"] for r in steps} == {"learner[0]"}
+    sums: dict[str, dict[int, float]] = {}
+    for r in records:
+        if "weights/checksum" in r:
+            sums.setdefault(r["node"], {})[r["weights/version"]] = r["weights/checksum"]
+    learner = sums.pop("learner[0]")
+    assert sorted(learner) == versions
+    assert len(set(learner.values())) == len(versions), "the weights should change at every version"
+    assert sums, "the generator should have switched weights"
+    for gen, got in sums.items():
+        assert got, gen
+        for version, checksum in got.items():
+            assert checksum == pytest.approx(learner[version], rel=1e-12, abs=0), (gen, version)
+
+
+def test_grpo_graph_learner_dp2_object_store(ray_instance, tmp_path):
+    summary, records = run_grpo(tmp_path, "learner.dp=2", max_steps=3)
+    check_generators_hold_learner_weights(records, [0, 1, 2])
+    assert (tmp_path / "final" / "config.json").exists()        # gathered, saved by rank 0
+
+
+def test_grpo_graph_learner_tp2_collective_push_checkpoint_then_resume_as_2x2(ray_instance, tmp_path):
+    """tp=2 with the HybridEngine push (every rank all-gathers, rank 0 broadcasts to the
+    generator): the generator holds the learner's weights at every version. The checkpoint of
+    step 2 holds the whole state (one-rank format); a 2 x 2 learner resumes from it and goes on."""
+    first, records = run_grpo(tmp_path / "a", "learner.tp=2", "weight_transport=collective", "save_interval=2",
+                              max_steps=2)
+    check_generators_hold_learner_weights(records, [0, 1])
+    ckpt = tmp_path / "a" / "checkpoints" / "step_2"
+    assert (ckpt / "learner[0]").is_dir() and (ckpt / "learner[1]").is_dir()
+    # The whole step-2 weights, as a plain model loads them (a one-rank learner could resume too).
+    from dataflow.checkpoint import read_state
+    from nodes.weight_sync import weights_checksum
+
+    state = read_state(ckpt / "learner[0]")["node"]
+    assert state["step"] == 2 and state["optimizer"]["state"]
+    plain = build_policy(ModelConfig(), build_tokenizer())
+    plain.load_state_dict(state["model"])
+    step2 = weights_checksum(plain)
+    import shutil
+
+    from dataflow.runtime import RunOptions, load_graph, run_graph
+    import asyncio
+
+    graph, config = load_graph(str(ROOT / "graphs/grpo.py"), [*SMALL, "learner.dp=2", "learner.tp=2"])
+    summary = asyncio.run(run_graph(graph, RunOptions(max_steps=3, out_dir=str(tmp_path / "a"), quiet=True,
+                                                      resume=str(ckpt)), config))
+    assert summary.status == "max steps reached", summary.status
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "step" in r]
+    assert steps == [1, 2, 3], steps
+    sums = [r for r in records if r.get("node") == "learner[0]" and r.get("weights/version") == 2]
+    gens = [r for r in records if r.get("node") == "generator" and r.get("weights/version") == 2]
+    assert sums and gens and gens[-1]["weights/checksum"] == pytest.approx(sums[-1]["weights/checksum"], rel=1e-12)
+    # The resumed ranks pushed exactly the checkpointed weights (loading spread them over 2 x 2).
+    assert sums[-1]["weights/checksum"] == pytest.approx(step2, rel=1e-12)
+    shutil.rmtree(tmp_path / "a", ignore_errors=True)
+
+
+def test_only_rank_0_reads_the_rollouts():
+    """A channel with several consumer replicas hands each item to one of them: the learner's
+    other ranks get no input port, and the producer counts rank 0 as its only consumer."""
+    from dataflow.runtime import _wiring, load_graph
+
+    graph, _ = load_graph(str(ROOT / "graphs/grpo.py"), ["learner.dp=2", "learner.tp=2"])
+    graph.validate()
+    assert graph.nodes["learner"].replicas == 4 and "ranks" in graph.versioned_edges
+    hosts = {name: name for spec in graph.nodes.values() for name in spec.replica_names()}
+    # rank 0 is the only consumer: it may prefetch the whole channel capacity
+    assert _wiring(graph, "learner[0]", hosts)["inputs"]["rollouts"]["prefetch"] == graph.channels["rollouts"].capacity
+    for follower in ("learner[1]", "learner[2]", "learner[3]"):
+        assert _wiring(graph, follower, hosts)["inputs"] == {}
+    assert _wiring(graph, "reference", hosts)["outputs"]["with_ref"]["consumers"] == ["learner[0]"]
+    assert [r for r, _ in _wiring(graph, "learner[0]", hosts)["publishes"]["ranks"]] == \
+        ["learner[0]", "learner[1]", "learner[2]", "learner[3]"]
