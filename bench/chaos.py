@@ -4,10 +4,12 @@
 
 1. The chaos run: `python -m dataflow.run graphs/ppo.py` as a subprocess, recording the prompt
    ids each step trained on; once it is running, every `--every` s one replica other than the
-   learner (prompts, generator, reward, reference, critic) is picked at random and its process
-   is sent SIGKILL (pids from <run>/processes.json). After `--minutes` the run gets SIGTERM.
+   learner is sent SIGKILL (pids from <run>/processes.json). Victims go round the node kinds
+   (prompts, generator, reward, reference, critic) in a seeded random order, reshuffled every
+   round, so each kind is killed once in every 5 kills (a random replica of a kind with several);
+   a purely random draw can miss a kind for a whole run. After `--minutes` the run gets SIGTERM.
 2. A clean run of the same settings for as many steps as the chaos run finished.
-Reports: kills, restarts (from metrics.jsonl), samples lost (prompts of the finished steps never
+Reports: kills (per kind), restarts (from metrics.jsonl), samples lost (prompts of the finished steps never
 trained on) and duplicated (trained on twice), both must be 0, and the mean reward of the last
 10 steps of each run. Exit status 1 if a sample was lost or duplicated.
 """
@@ -36,17 +38,28 @@ def start(out: Path, *args: str) -> subprocess.Popen:
 
 
 def records(out: Path) -> list[dict]:
+    """metrics.jsonl's complete lines (the run may be writing the last one as we read)."""
     path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
 
 
 def steps(out: Path) -> list[dict]:
     return [r for r in records(out) if "step" in r]
 
 
+KINDS = ("prompts", "generator", "reward", "reference", "critic")
+
+
+def victims(rng: random.Random):
+    """Node kinds to kill, forever: every round is all of KINDS in a fresh seeded order."""
+    while True:
+        yield from rng.sample(KINDS, len(KINDS))
+
+
 def chaos(out: Path, minutes: float, every: float, rng: random.Random) -> list[tuple[float, str]]:
     proc = start(out, "--max-steps", "100000")
-    kills = []
+    kills, kinds = [], victims(rng)
     try:
         while not (out / "processes.json").exists() or not steps(out):
             if proc.poll() is not None:
@@ -59,7 +72,8 @@ def chaos(out: Path, minutes: float, every: float, rng: random.Random) -> list[t
                 raise SystemExit(f"the chaos run ended early (exit {proc.returncode}); see {out.with_suffix('.log')}")
             if time.monotonic() >= next_kill:
                 pids = json.loads((out / "processes.json").read_text())
-                victim = rng.choice(sorted(n for n in pids if n != "learner"))
+                kind = next(kinds)
+                victim = rng.choice(sorted(n for n in pids if n.split("[")[0] == kind))
                 try:
                     os.kill(pids[victim], signal.SIGKILL)
                     kills.append((round(time.monotonic() - t0, 1), victim))
@@ -101,7 +115,9 @@ def main() -> int:
     clean = start(out / "clean", "--max-steps", str(n))
     clean.wait()
     clean_steps = steps(out / "clean")
-    result = {"minutes": args.minutes, "kills": len(kills), "killed": kills, "restarts": restarts, "steps": n,
+    per_kind = {k: sum(1 for _, v in kills if v.split("[")[0] == k) for k in KINDS}
+    result = {"minutes": args.minutes, "every_s": args.every, "kills": len(kills), "kills_per_kind": per_kind,
+              "killed": kills, "restarts": restarts, "steps": n,
               "samples_trained": len(trained), "lost": lost, "duplicated": duplicated,
               "final_reward_chaos": round(final_reward(chaos_steps), 4),
               "final_reward_clean": round(final_reward(clean_steps), 4), "clean_steps": len(clean_steps),

@@ -99,6 +99,48 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4"]
 
 
+def test_keep_checkpoints_deletes_older_ones_after_a_newer_commits(tmp_path):
+    run = tmp_path / "run"
+
+    def save(step):
+        tmp = checkpoint.begin(run, step)
+        checkpoint.write_state(tmp / "learner", {"step": step})
+        path = checkpoint.commit(tmp, {"graph": "g", "step": step})
+        return path, checkpoint.prune(run, 2, path)
+
+    names = lambda: sorted(p.name for p in (run / "checkpoints").iterdir())  # noqa: E731
+    for step in (2, 4):
+        assert save(step)[1] == []
+    assert save(6)[1] == [run / "checkpoints" / "step_2"] and names() == ["step_4", "step_6"]
+    # A run resumed from step_4 of a longer one: its own step_6 replaces the old one and step_4,
+    # the one it resumed from, stays until a newer one (step_8) exists; a crashed save's .tmp is left.
+    checkpoint.begin(run, 10)
+    assert save(6)[1] == [] and names() == ["step_10.tmp", "step_4", "step_6"]
+    assert save(8)[1] == [run / "checkpoints" / "step_4"] and names() == ["step_10.tmp", "step_6", "step_8"]
+    assert checkpoint.prune(run, 0, run / "checkpoints" / "step_8") == []  # 0 keeps all
+    with pytest.raises(Exception, match=r"keep_checkpoints must be an integer >= 0 \(got -1\); 0 keeps every"):
+        load_graph(str(ROOT / "graphs/ppo.py"), ["keep_checkpoints=-1"])
+
+
+def test_a_restarted_replica_loads_the_newer_of_its_snapshot_and_the_last_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    tmp = checkpoint.begin(run, 4)
+    checkpoint.write_state(tmp / "critic", {"node": {"progress": 4, "w": torch.zeros(2)}})
+    last = checkpoint.commit(tmp, {"graph": "g", "step": 4})
+    assert checkpoint.restore_dir(run, last, "critic") == last / "critic"  # no snapshot yet
+    checkpoint.write_snapshot(run, "critic", {"progress": 6, "w": torch.ones(2)})
+    checkpoint.write_snapshot(run, "critic", {"progress": 7, "w": torch.full((2,), 7.0)})  # replaces it
+    assert checkpoint.restore_dir(run, last, "critic") == run / "snapshots" / "critic"
+    assert checkpoint.restore_dir(run, None, "critic") == run / "snapshots" / "critic"
+    assert torch.equal(checkpoint.read_state(run / "snapshots" / "critic")["node"]["w"], torch.full((2,), 7.0))
+    assert sorted(p.name for p in (run / "snapshots").iterdir()) == ["critic"]
+    checkpoint.write_snapshot(run, "critic", {"progress": 4, "w": torch.ones(2)})  # not newer: the checkpoint
+    assert checkpoint.restore_dir(run, last, "critic") == last / "critic"
+    checkpoint.clear_snapshots(run)  # a new (or resumed) run never loads an earlier run's snapshot
+    assert checkpoint.restore_dir(run, last, "critic") == last / "critic"
+    assert checkpoint.restore_dir(run, last, "generator") is None
+
+
 def test_metrics_continue_from_the_checkpoint_step(tmp_path):
     lines = [{"step": 1}, {"node": "critic", "x": 1}, {"step": 2}, {"node": "critic", "x": 2}, {"step": 3}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 4, "cut')
@@ -117,11 +159,14 @@ def ray_instance():
     ray.shutdown()
 
 
-# Synchronous PPO, small; one item per batched call, so every number is reproducible (checkpoint.py).
+# Synchronous PPO, small, with the default batched calls (batches form by arrival: the resumed run
+# matches within RESUME_TOL; dataflow/checkpoint.py says why). The generator's static decoder
+# draws its noise per prompt, so a prompt samples the same tokens whatever shares its batch.
 SYNC = ("max_staleness=0", "prompts_per_step=16", "channel_capacity=16", "learner.minibatch_size=8",
-        "critic.minibatch_size=8", "generator.prompts_per_call=1", "reference.items_per_call=1",
-        "critic.items_per_call=1", "policy.model.n_layer=1", "policy.model.n_embd=64",
-        "policy.model.intermediate_size=128", "learner.kl.kind=adaptive", "save_interval=3")
+        "critic.minibatch_size=8", "policy.model.n_layer=1",
+        "policy.model.n_embd=64", "policy.model.intermediate_size=128", "learner.kl.kind=adaptive",
+        "save_interval=3")
+RESUME_TOL = 1e-5  # largest |difference| of a weight after 3 resumed steps; measured: see the test
 
 
 def run(out: Path, *overrides: str, max_steps: int, resume: Path | None = None):
@@ -154,15 +199,15 @@ def node_tensors(directory: Path) -> dict:
     return found
 
 
-def assert_same_tensors(a: dict, b: dict) -> None:
+def max_difference(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].numel())
 
 
-def test_resume_continues_bit_for_bit_and_metrics_have_no_gap(ray_instance, tmp_path):
+def test_resume_continues_the_run_and_metrics_have_no_gap(ray_instance, tmp_path):
     """6 steps straight (checkpoints at 3 and 6); then from its step-3 checkpoint, 3 more steps
-    in another directory: the same metrics, weights, optimizer and critic state, bit for bit."""
+    in another directory: the same samples and rewards, and metrics, weights, optimizer and critic
+    state within rounding (RESUME_TOL), far below what 3 steps of training change."""
     straight = tmp_path / "straight"
     run(straight, *SYNC, max_steps=6)
     ckpt = straight / "checkpoints" / "step_3"
@@ -179,14 +224,23 @@ def test_resume_continues_bit_for_bit_and_metrics_have_no_gap(ray_instance, tmp_
     assert [r["step"] for r in resumed_steps] == [1, 2, 3, 4, 5, 6]  # no gap, no repeat
     assert resumed_steps[:3] == straight_steps[:3]  # carried over from the checkpoint's run
     for a, b in zip(resumed_steps[3:], straight_steps[3:]):
-        for key in ("reward/mean", "kl", "entropy", "kl_coef", "losses/policy", "grad_norm", "version"):
-            assert a[key] == b[key], (a["step"], key, a[key], b[key])
-    # the same weights, optimizer state and critic, bit for bit
-    assert_same_tensors(load_file(str(resumed / "final" / "model.safetensors")),
-                        load_file(str(straight / "final" / "model.safetensors")))
-    for node in ("learner", "critic"):
-        assert_same_tensors(node_tensors(resumed / "checkpoints" / "step_6" / node),
-                            node_tensors(straight / "checkpoints" / "step_6" / node))
+        assert (a["reward/mean"], a["version"]) == (b["reward/mean"], b["version"])  # the same samples
+        for key in ("kl", "entropy", "kl_coef", "losses/policy", "grad_norm"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-7), (a["step"], key, a[key], b[key])
+    # The same weights within RESUME_TOL; 3 steps of training move them by far more than that, so
+    # a resume that lost the optimizer, the KL controller, an RNG or the data position would fail.
+    final = load_file(str(resumed / "final" / "model.safetensors"))
+    weights_diff = max_difference(final, load_file(str(straight / "final" / "model.safetensors")))
+    learner_diff = max_difference(node_tensors(resumed / "checkpoints" / "step_6" / "learner"),
+                                  node_tensors(straight / "checkpoints" / "step_6" / "learner"))
+    critic_diff = max_difference(node_tensors(resumed / "checkpoints" / "step_6" / "critic"),
+                                 node_tensors(straight / "checkpoints" / "step_6" / "critic"))
+    trained = max_difference({k: v for k, v in node_tensors(ckpt / "learner").items() if "/model/" in k},
+                             {k: v for k, v in node_tensors(straight / "checkpoints" / "step_6" / "learner").items()
+                              if "/model/" in k})
+    print(f"resume vs straight: weights {weights_diff:.3g}, learner state {learner_diff:.3g}, "
+          f"critic state {critic_diff:.3g}; steps 4-6 moved the weights by {trained:.3g}")
+    assert max(weights_diff, learner_diff, critic_diff) <= RESUME_TOL and trained > 100 * RESUME_TOL
     assert checkpoint.read_state(resumed / "checkpoints" / "step_6" / "prompts")["node"] == {"position": 96}
 
     # Ctrl-C / SIGTERM (the CLI cancels the driver task): a checkpoint of the learner's last step.

@@ -199,8 +199,18 @@ def test_a_take_left_by_a_dead_consumer_hands_nothing_to_it():
 
 
 def _records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's complete lines (the driver may be writing the last one as we read)."""
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
+
+
+def _progress(state_dir: Path) -> int:
+    """A critic state's training passes ("progress"), from its state.json (-1: none yet)."""
+    try:
+        return json.loads((state_dir / "state.json").read_text())["node"]["progress"]
+    except (OSError, ValueError, KeyError):
+        return -1
 
 
 def _wait_until(condition, timeout_s: float, what: str, thread: threading.Thread, outcome: dict):
@@ -240,6 +250,15 @@ def test_a_killed_generator_is_restarted_and_a_killed_learner_stops_the_run(ray_
     _wait_until(lambda: len(steps()) >= killed_at + 4, 300, "4 steps after the restart", thread, outcome)
     assert json.loads((run_dir / "processes.json").read_text())["generator"] != pids["generator"]
 
+    # kill -9 of the critic once it has trained since the last checkpoint: it comes back with that
+    # training (its snapshot, critic.snapshot_interval=1), not as of the checkpoint.
+    snapshot = run_dir / "snapshots" / "critic"
+    _wait_until(lambda: _progress(snapshot) > _progress(checkpoint.latest(run_dir) / "critic"), 120,
+                "a critic snapshot newer than the last checkpoint", thread, outcome)
+    os.kill(pids["critic"], signal.SIGKILL)
+    killed_at = len(steps())
+    _wait_until(lambda: len(steps()) >= killed_at + 2, 300, "2 steps after the critic's restart", thread, outcome)
+
     t_kill = time.monotonic()
     os.kill(pids["learner"], signal.SIGKILL)
     thread.join(60)
@@ -248,13 +267,55 @@ def test_a_killed_generator_is_restarted_and_a_killed_learner_stops_the_run(ray_
     assert isinstance(error, NodeFailed) and error.node == "learner", repr(error)
     assert "its process died" in error.summary
     assert outcome["t"] - t_kill < 10, outcome["t"] - t_kill
-    assert error.last_checkpoint == str(checkpoint.latest(run_dir)) and error.last_checkpoint.endswith(
-        f"step_{len(steps()) // 2 * 2}")
+    # the newest committed checkpoint: of the last even step, or the one before when the kill hit
+    # the learner while it was saving (the step's metrics are out before its checkpoint commits)
+    last_saved = int(error.last_checkpoint.rsplit("_", 1)[1])
+    assert error.last_checkpoint == str(checkpoint.latest(run_dir)) and last_saved in (
+        len(steps()) // 2 * 2, len(steps()) // 2 * 2 - 2), (error.last_checkpoint, len(steps()))
 
     trained = [i for r in steps() for i in r["prompt_ids"]]
     assert trained == list(range(16 * len(steps())))  # every prompt once, none lost, none twice
     restarts = [r for r in _records(run_dir) if r.get("restarted")]
-    assert [(r["restarted"], r["restarts/total"]) for r in restarts] == [("generator", 1)]
+    assert [(r["restarted"], r["restarts/total"]) for r in restarts] == [("generator", 1), ("critic", 2)]
+    assert Path(restarts[1]["state_from"]).resolve() == snapshot.resolve() and restarts[1]["restarts/critic"] == 1
     events = json.loads(trace.read_text())["traceEvents"]
-    assert any(e.get("ph") == "i" and e.get("name") == "restart" and e["args"]["node"] == "generator"
-               for e in events)
+    assert {e["args"]["node"] for e in events if e.get("ph") == "i" and e.get("name") == "restart"} == {
+        "generator", "critic"}
+    # keep_checkpoints (default 3): only the newest three are left
+    kept = sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*") if checkpoint.is_checkpoint(p))
+    assert kept == [last_saved - 4, last_saved - 2, last_saved]
+
+
+def test_prompts_are_reissued_after_a_jsonl_dataset_is_exhausted(ray_instance, tmp_path):
+    """A JSONL dataset of 3 batches read once (prompts.epochs=1), all admitted at once
+    (max_staleness=2) into channels that hold them all: the source has sent its last prompt within
+    a second, and the generator (one prompt per call) still holds most of them when it is killed
+    after step 1. The source is still up to re-issue them, so all 3 batches train, each prompt once
+    (before the fix: the source had returned, and the run ended after step 1)."""
+    rows = [{"prompt": f"copy {i // 10} {i % 10} :", "answer": f"{i // 10} {i % 10}"} for i in range(48)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "reward.py").write_text("def reward(prompt, response, answer):\n"
+                                        "    return float(response.split() == answer.split())\n")
+    graph, config = load_graph(str(ROOT / "graphs/ppo.py"), [
+        f"prompts.path={tmp_path / 'data.jsonl'}", "prompts.epochs=1", f"reward.path={tmp_path / 'reward.py'}",
+        "max_new_tokens=12", "prompts_per_step=16", "channel_capacity=64", "max_staleness=2",
+        "learner.minibatch_size=16", "critic.minibatch_size=16", "generator.prompts_per_call=1",
+        "policy.model.n_layer=1", "policy.model.n_embd=64", "policy.model.intermediate_size=128",
+        "learner.record_prompt_ids=true"])
+    run_dir, outcome = tmp_path / "run", {}
+
+    def driver():
+        try:
+            outcome["summary"] = asyncio.run(run_graph(graph, RunOptions(out_dir=str(run_dir), quiet=True), config))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            outcome["error"] = e
+
+    thread = threading.Thread(target=driver, daemon=True)
+    thread.start()
+    steps = lambda: [r for r in _records(run_dir) if "step" in r]  # noqa: E731
+    _wait_until(lambda: len(steps()) >= 1, 300, "step 1", thread, outcome)
+    os.kill(json.loads((run_dir / "processes.json").read_text())["generator"], signal.SIGKILL)
+    thread.join(300)
+    assert not thread.is_alive() and "error" not in outcome, outcome.get("error")
+    assert outcome["summary"].status == "done" and outcome["summary"].restarts == {"generator": 1}
+    assert [i for r in steps() for i in r["prompt_ids"]] == list(range(48))  # every prompt once
