@@ -47,11 +47,12 @@ class CriticConfig:
     precision: Precision = "auto"
     """auto: bf16 autocast over fp32 master weights on CUDA, fp32 on CPU (nodes/precision.py)."""
     seed: int = 0
-    snapshot_interval: int = 1
+    snapshot_interval: int = -1
     """Every this many training passes, write the critic's state to <run>/snapshots/<replica>/:
     a critic restarted after its process died loads it, keeping its training since the last
     checkpoint (0 = off: it comes back as of the last checkpoint). Costs one write of the value
-    model plus its AdamW state (3x the weights) per pass."""
+    model plus its AdamW state (3x the weights) per pass. -1 = auto: every pass while that state
+    is under 256 MB (the built-in models), else off (said once in the log: set it to opt in)."""
 
 
 def critic_update(model, optimizer, samples: list[dict], pad_id: int, c: CriticConfig, rng: random.Random) -> dict:
@@ -123,6 +124,12 @@ class Critic(Node):
         to <run>/snapshots/ (dataflow/checkpoint.py), for a restart of this replica."""
         self.progress += 1
         every = self.config.snapshot_interval
+        if every < 0:  # auto: decided once, from the size of what a snapshot writes
+            state_bytes = 3 * sum(p.numel() * p.element_size() for p in self.model.parameters())
+            every = self.config.snapshot_interval = 1 if state_bytes < 256 * 2**20 else 0
+            if not every:
+                self.ctx.log(f"critic snapshots off: each would write {state_bytes / 2**30:.1f} GiB; a restarted "
+                             "critic resumes from the last checkpoint (set critic.snapshot_interval=N to opt in)")
         if every and self.progress % every == 0:
             with self.ctx.span("critic snapshot"):
                 await asyncio.to_thread(checkpoint.write_snapshot, self.ctx.run_dir, self.ctx.full_name,
