@@ -149,14 +149,6 @@ def test_metrics_continue_from_the_checkpoint_step(tmp_path):
 
 
 # ---- real runs ----------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ray_instance():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}})
-    yield
-    ray.shutdown()
 
 
 # Synchronous PPO, small, with the default batched calls (batches form by arrival: the resumed run

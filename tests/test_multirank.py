@@ -143,15 +143,8 @@ SMALL = ("prompts_per_step=4", "group_size=4", "channel_capacity=16", "learner.m
          "max_staleness=0", "weight_checksums=true")
 
 
-@pytest.fixture(scope="module")
-def ray_instance():
-    import ray
-
-    # Logical CPUs: up to 4 learner ranks (1 CPU each) next to the rollout nodes.
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    yield
-    ray.shutdown()
+# Logical CPUs: up to 4 learner ranks (1 CPU each) next to the rollout nodes (tests/conftest.py).
+RAY_NUM_CPUS = 8
 
 
 def run_grpo(tmp_path, *overrides: str, max_steps: int):

@@ -20,12 +20,7 @@ from dataflow.runtime import RunOptions, load_graph, run_graph  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_instance():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_instance")  # one Ray for the module (tests/conftest.py)
 
 
 def run(graph_file: str, tmp_path: Path, *overrides: str, max_steps: int | None = None,

@@ -39,16 +39,6 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ModelConfig(n_layer=1, n_embd=32, n_head=2, intermediate_size=64)
 
 
-@pytest.fixture(scope="module")
-def ray_instance():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}})
-    yield
-    ray.shutdown()
-
-
 # ---- a node hosted in this process, fed by a fake producer -------------------------------------------
 class _Remote:
     def __init__(self, fn):

@@ -273,12 +273,6 @@ def test_cuda_ipc_both_ends_with_cpu_stand_ins(monkeypatch):
 
 
 # ---- the PPO graph -----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    yield
-    ray.shutdown()
 
 
 def run(graph_file: str, tmp_path: Path, *overrides: str, max_steps: int) -> list[dict]:
