@@ -168,10 +168,15 @@ def write_state(directory: str | Path, state: dict, durable: bool = True) -> Non
     tree, tensors = pack(state)
     save_file(tensors, str(directory / TENSORS))
     if durable:
-        _write_json(directory / STATE_JSON, tree)
         _fsync(directory / TENSORS)
+    # state.json is what marks the directory complete (replica_state_dir), so it is written last
+    # and renamed into place: a process killed mid-write leaves no half-written state.json.
+    partial = directory / (STATE_JSON + ".tmp")
+    if durable:
+        _write_json(partial, tree)
     else:
-        (directory / STATE_JSON).write_text(json.dumps(tree))
+        partial.write_text(json.dumps(tree))
+    partial.rename(directory / STATE_JSON)
 
 
 def read_state(directory: str | Path) -> dict:
@@ -421,6 +426,8 @@ async def save(hosts: dict, first: list[str], run_dir: str | Path, step: int | N
         if isinstance(result, RayActorError) or (isinstance(result, dict) and result.get("saved") is False):
             # its process died mid-run (the runtime is restarting it)
             old = replica_state_dir(previous, name) if previous is not None else None
+            if (tmp / name).exists():  # what it wrote before it died is incomplete
+                shutil.rmtree(tmp / name)
             if old is not None:
                 shutil.copytree(old, tmp / name)
             stale[name] = read_manifest(previous)["step"] if old is not None else None

@@ -99,6 +99,54 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4"]
 
 
+class _Remote:
+    """Stands in for an actor method handle: .remote() returns an awaitable, as Ray's does."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        async def call():
+            return self.fn(*args)
+        return call()
+
+
+class _Host:
+    def __init__(self, save_state):
+        self.save_state = _Remote(save_state)
+
+
+def test_a_replica_killed_mid_save_keeps_its_previous_state_not_its_half_written_one(tmp_path):
+    """The critic dies while writing its part of step 4 (CI caught this: the copy of its step-2
+    state then hit the half-written directory). Its part of step 4 is step 2's, whole."""
+    from ray.exceptions import RayActorError
+
+    run = tmp_path / "run"
+
+    def saver(value):
+        def save_state(directory, step):
+            checkpoint.write_state(directory, {"w": torch.full((2,), value), "step": step})
+            return {"saved": True, "step": step}
+        return save_state
+
+    def dies_mid_write(directory, step):
+        Path(directory).mkdir(parents=True)
+        (Path(directory) / "tensors.safetensors").write_bytes(b"half")
+        raise RayActorError()
+
+    step_2 = asyncio.run(checkpoint.save({"learner": _Host(saver(2.0)), "critic": _Host(saver(2.0))}, ["learner"],
+                                         run, 2, {"graph": "g"}))
+    step_4 = asyncio.run(checkpoint.save({"learner": _Host(saver(4.0)), "critic": _Host(dies_mid_write)},
+                                         ["learner"], run, 4, {"graph": "g"}, previous=step_2))
+    assert checkpoint.read_manifest(step_4)["stale"] == {"critic": 2}
+    assert torch.equal(checkpoint.read_state(step_4 / "critic")["w"], torch.full((2,), 2.0))
+    assert torch.equal(checkpoint.read_state(step_4 / "learner")["w"], torch.full((2,), 4.0))
+    # no earlier checkpoint to take it from: the replica has no state in step 4 (it starts fresh)
+    step_4 = asyncio.run(checkpoint.save({"learner": _Host(saver(4.0)), "critic": _Host(dies_mid_write)},
+                                         ["learner"], tmp_path / "other", 4, {"graph": "g"}))
+    assert checkpoint.replica_state_dir(step_4, "critic") is None and not (step_4 / "critic").exists()
+
+
 def test_keep_checkpoints_deletes_older_ones_after_a_newer_commits(tmp_path):
     run = tmp_path / "run"
 
