@@ -61,9 +61,12 @@ def main() -> None:
     off = statistics.median(r["rate"] for r in results[False])
     on = statistics.median(r["rate"] for r in results[True])
     mb_per_min = statistics.median(r["trace_bytes"] / 1e6 / (r["run_s"] / 60) for r in results[True])
+    # Each round's on/off pair ran back to back: their ratio cancels the machine's slow drift.
+    ratios = sorted(b["rate"] / a["rate"] for a, b in zip(results[False], results[True]))
     print("\n| tracing | samples/s (median) |\n|---|---|")
     print(f"| off | {off:.1f} |\n| on | {on:.1f} |")
-    print(f"\non / off = {on / off:.3f} (goal >= 0.98); trace size {mb_per_min:.2f} MB per minute "
+    print(f"\non / off = {on / off:.3f} (goal >= 0.98); per round: {', '.join(f'{r:.3f}' for r in ratios)}, "
+          f"median {statistics.median(ratios):.3f}; trace size {mb_per_min:.2f} MB per minute "
           f"(-> {5 * mb_per_min:.1f} MB for a 5-minute run; budget 50 MB)")
 
 

@@ -48,6 +48,14 @@ class NodeSpec:
     ends_run: bool = False
     pool: str | None = None
 
+    @property
+    def restartable(self) -> bool:
+        """Whether a replica whose process died may be restarted alone: not the run-ending node,
+        and not a rank of a multi-rank job (inputs_on_replica_0 with several replicas), which
+        cannot rejoin its running process group."""
+        ranks_of_one_job = self.replicas > 1 and getattr(self.kind, "inputs_on_replica_0", False)
+        return not self.ends_run and not ranks_of_one_job
+
     def replica_names(self) -> list[str]:
         if self.replicas == 1:
             return [self.name]

@@ -277,6 +277,7 @@ class NodeHost:
         async with self.state_lock:
             self.ctx.checkpoint_step = step
             try:
+                await self.node.prepare_checkpoint()
                 node_state = self.node.state_dict()
             finally:
                 self.ctx.checkpoint_step = None

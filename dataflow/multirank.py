@@ -13,9 +13,12 @@ is this node's: a process hosts one replica, and the weight push groups are stan
 
 Why a leader: only rank 0 reads the node's inputs (Node.inputs_on_replica_0: a channel shared
 by several consumer replicas hands each item to one of them), reports steps and publishes.
-Every collective (a training step, a weight push, a state gather) is started by a command that
-rank 0 broadcasts, so all ranks issue the same collectives in the same order, whatever the
-engine asks of each replica in between (state_dict() never communicates).
+Every collective (a training step, a value pass, a weight push, a state gather) is started by a
+command that rank 0 broadcasts (`RankCommands`, used by the learner and the critic), one at a
+time, so all ranks issue the same collectives in the same order, whatever the engine asks of
+each replica in between: a checkpoint's gather runs in Node.prepare_checkpoint on rank 0 as one
+more command, and state_dict() never communicates. A rank cannot rejoin a running process group,
+so the runtime does not restart one alone (NodeSpec.restartable): a dead rank ends the run.
 
 Arithmetic that differs from one rank (all in `TrainRanks`): each dp rank trains on its share of
 every minibatch, the FSDP gradient reduction *sums* over dp (divide factor 1) because the loss
@@ -39,7 +42,9 @@ from dataflow.errors import UserError
 from dataflow.layout import ParallelLayout, apply_training_layout, build_mesh
 
 RANKS_EDGE = "ranks"
-"""Versioned edge (a multi-rank node -> itself) carrying its replica 0's rendezvous address."""
+"""Versioned edge (the learner -> itself) carrying its replica 0's rendezvous address."""
+CRITIC_RANKS_EDGE = "critic_ranks"
+"""The same for the critic (edge names are global to a graph)."""
 
 
 def _free_port() -> int:
@@ -55,9 +60,10 @@ def _device_info(device: str) -> dict:
 
 
 async def join(ctx, layout: ParallelLayout, timeout_s: float = 600.0,
-               collective_timeout_s: float = 3600.0) -> "TrainRanks":
+               collective_timeout_s: float = 3600.0, edge: str = RANKS_EDGE) -> "TrainRanks":
     """Make this replica rank `ctx.replica` of a process group of all the node's replicas (in
-    every replica's setup, concurrently) and build the training mesh."""
+    every replica's setup, concurrently) and build the training mesh. `edge`: the versioned edge
+    (node -> itself) that carries replica 0's rendezvous address."""
     import ray
 
     world, rank, me = layout.world_size, ctx.replica, ctx.full_name
@@ -72,15 +78,15 @@ async def join(ctx, layout: ParallelLayout, timeout_s: float = 600.0,
     if rank == 0:
         host, port = ray.util.get_node_ip_address(), _free_port()
         store = await asyncio.to_thread(store_at, host, port, True)
-        await ctx.publish(RANKS_EDGE, {"host": host, "port": port}, version=0)
+        await ctx.publish(edge, {"host": host, "port": port}, version=0)
     else:
         try:
-            await asyncio.wait_for(ctx.wait_version(RANKS_EDGE, 0), timeout_s)
+            await asyncio.wait_for(ctx.wait_version(edge, 0), timeout_s)
         except asyncio.TimeoutError:
-            raise RuntimeError(f"{me}: no rendezvous address from {ctx.name}[0] on edge '{RANKS_EDGE}' "
-                               f"within {timeout_s:g} s (is g.versioned('{RANKS_EDGE}', src='{ctx.name}', "
+            raise RuntimeError(f"{me}: no rendezvous address from {ctx.name}[0] on edge '{edge}' "
+                               f"within {timeout_s:g} s (is g.versioned('{edge}', src='{ctx.name}', "
                                f"dst=['{ctx.name}']) declared?)") from None
-        _, addr = await ctx.latest(RANKS_EDGE)
+        _, addr = await ctx.latest(edge)
         host, port = addr["host"], addr["port"]
         store = await asyncio.to_thread(store_at, host, port, False)
 
@@ -173,6 +179,16 @@ class TrainRanks:
         t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=self._flag_device())
         dist.all_reduce(t, group=self.dp_group)
         return dict(zip(keys, t.tolist()))
+
+    def gather_over_dp(self, rows: torch.Tensor) -> torch.Tensor:
+        """The dp ranks' `rows` (equal shapes: dp_share pads them) concatenated in dp order, on
+        every rank: with contiguous dp_share()s that is the whole batch, padding at the end."""
+        if self.dp_size == 1:
+            return rows
+        device = self._flag_device()
+        parts = [torch.empty_like(rows, device=device) for _ in range(self.dp_size)]
+        dist.all_gather(parts, rows.to(device).contiguous(), group=self.dp_group)
+        return torch.cat(parts).to(rows.device)
 
     def dp_share(self, idx: torch.Tensor, pad_index: int) -> torch.Tensor:
         """This dp rank's contiguous share of the minibatch indices `idx`, padded with `pad_index`
@@ -273,6 +289,52 @@ class TrainRanks:
                               tuple(v.shape) == tuple(params[int(i)].shape) else v for k, v in st.items()}
                      for i, st in optim_state["state"].items()}
             optimizer.load_state_dict({"param_groups": optim_state["param_groups"], "state": state})
+
+
+class RankCommands:
+    """Mixin of a node whose replicas may be the ranks of one job (`self.ranks`: a TrainRanks, or
+    None for one rank): rank 0 runs every operation that communicates through `_all`, which
+    broadcasts it to the others, and they run `_follow` instead of the node's loop. One command at a
+    time (a lock on rank 0), so the ranks issue the same collectives in the same order even when
+    a checkpoint's gather (prepare_checkpoint) arrives while rank 0's loop is busy."""
+
+    ranks: "TrainRanks | None" = None
+    _stopped = False
+
+    async def _handle(self, op: str, args: dict):
+        raise NotImplementedError
+
+    async def _all(self, op: str, **args):
+        """Run `op` on every rank (one rank: just _handle)."""
+        if self.ranks is None:
+            return await self._handle(op, args)
+        if self._stopped:
+            raise RuntimeError(f"{self.ctx.full_name}: the other ranks have stopped; cannot run '{op}'")
+        async with self._lock():
+            await asyncio.to_thread(self.ranks.broadcast, (op, args))
+            return await self._handle(op, args)
+
+    def _lock(self) -> asyncio.Lock:
+        if getattr(self, "_command_lock", None) is None:
+            self._command_lock = asyncio.Lock()
+        return self._command_lock
+
+    async def _follow(self) -> None:
+        """Ranks > 0: run rank 0's commands until it says stop."""
+        while True:
+            op, args = await asyncio.to_thread(self.ranks.broadcast)
+            if op == "stop":
+                return
+            async with self.ctx.state_lock:
+                await self._handle(op, args)
+
+    async def _stop_followers(self) -> None:
+        """Rank 0 at a normal end: the other ranks' _follow returns (no command runs after this)."""
+        if self.ranks is None or self._stopped:
+            return
+        async with self._lock():
+            await asyncio.to_thread(self.ranks.broadcast, ("stop", {}))
+            self._stopped = True
 
 
 def _local_piece(full: torch.Tensor, like) -> torch.Tensor:

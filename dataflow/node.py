@@ -52,6 +52,11 @@ class Node:
         """Restore what state_dict() returned; called after setup(), before run()."""
         pass
 
+    async def prepare_checkpoint(self) -> None:
+        """Runs under `ctx.state_lock` just before state_dict(), on every replica being saved: a
+        node whose replicas are the ranks of one job gathers its sharded state here (a collective
+        that rank 0 starts, dataflow/multirank.py), since state_dict() must not communicate."""
+
     async def on_restart(self, replica: str) -> None:
         """Replica `replica` (of another node) died and was restarted: the items it held are lost.
         The prompt source re-issues the prompts not yet trained on here."""

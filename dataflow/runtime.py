@@ -181,8 +181,9 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
                                  trace=options.trace_path is not None, run_dir=str(run_dir.resolve()),
                                  trace_kernels=options.trace_kernels, save_interval=graph.save_interval,
                                  drop_bad_items=graph.drop_bad_items, max_restarts=graph.max_restarts)
-            # Ray restarts a dead actor in place (same handle, same bundle); the run-ending node never.
-            restarts = 0 if spec.ends_run else graph.max_restarts
+            # Ray restarts a dead actor in place (same handle, same bundle); never the run-ending node
+            # or a rank of a multi-rank job (NodeSpec.restartable).
+            restarts = graph.max_restarts if spec.restartable else 0
             hosts[replica_name] = actor_cls.options(name=None, max_restarts=restarts,
                                                     **placement.actor_options(slot, pgs)).remote(host_spec)
 
@@ -255,7 +256,7 @@ def _restartable(graph: Graph, name: str, result: Any, monitor: "_Monitor") -> b
     """The process of a replica that may be restarted died (Ray restarts its actor in place)."""
     from ray.exceptions import RayActorError
 
-    return (isinstance(result, RayActorError) and not graph.nodes[name.split("[")[0]].ends_run
+    return (isinstance(result, RayActorError) and graph.nodes[name.split("[")[0]].restartable
             and monitor.restarts.get(name, 0) < graph.max_restarts)
 
 

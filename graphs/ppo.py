@@ -34,7 +34,7 @@ from nodes.reward import Reward, RewardConfig
 from nodes.reward_model import RewardModel, RewardModelConfig
 from nodes.tasks import make_task
 from nodes.weight_sync import SYNC_EDGE
-from dataflow.multirank import RANKS_EDGE
+from dataflow.multirank import CRITIC_RANKS_EDGE, RANKS_EDGE
 
 
 @dataclass(kw_only=True)
@@ -118,7 +118,8 @@ def wire_policy(cfg) -> int:
 
 def gpu_layout(g: Graph, cfg, trainers: tuple[str, ...]) -> dict[str, dict]:
     """Declare the GPU pools that cfg.placement asks for; returns g.node() keyword arguments
-    (pool, gpus, replicas) per node. `trainers`: the learner-side nodes (one actor each)."""
+    (pool, gpus, replicas) per node. `trainers`: the learner-side nodes (the learner and critic
+    are dp x tp actors each, the others one)."""
     n, share = cfg.num_gpus, cfg.reward_model_gpu_share
     if share and cfg.reward_kind != "model":
         raise ConfigError("reward_model_gpu_share is set, but reward_kind is 'function' (a program on CPU); "
@@ -135,8 +136,8 @@ def gpu_layout(g: Graph, cfg, trainers: tuple[str, ...]) -> dict[str, dict]:
     if cfg.placement == "colocated":
         g.pool("gpus", gpus=n)
         gens = cfg.generator_replicas or n
-        # The most equal shares one GPU has to hold (the learner is learner.dp x learner.tp actors).
-        per_gpu = math.ceil((gens + len(trainers) + _learner_ranks(cfg) - 1) / n)
+        # The most equal shares one GPU has to hold (the learner and critic are dp x tp actors each).
+        per_gpu = math.ceil((gens + _trainer_actors(cfg, trainers)) / n)
         layout = {name: {"pool": "gpus", "gpus": (1 - share) / per_gpu} for name in ("generator", *trainers)}
         train_pool = "gpus"
     else:
@@ -144,7 +145,7 @@ def gpu_layout(g: Graph, cfg, trainers: tuple[str, ...]) -> dict[str, dict]:
         g.pool("train", gpus=1)
         gens = cfg.generator_replicas or n - 1
         layout = {"generator": {"pool": "rollout", "gpus": 1 / math.ceil(gens / (n - 1))}}
-        actors = len(trainers) + _learner_ranks(cfg) - 1
+        actors = _trainer_actors(cfg, trainers)
         layout.update({name: {"pool": "train", "gpus": (1 - share) / actors} for name in trainers})
         train_pool = "train"
     layout["generator"]["replicas"] = gens
@@ -178,6 +179,16 @@ def _learner_ranks(cfg) -> int:
     return cfg.learner.dp * cfg.learner.tp
 
 
+def _critic_ranks(cfg) -> int:
+    return cfg.critic.dp * cfg.critic.tp
+
+
+def _trainer_actors(cfg, trainers: tuple[str, ...]) -> int:
+    """Actors of the learner-side nodes: one each, the learner's and critic's dp x tp ranks."""
+    ranks = {"learner": _learner_ranks(cfg), "critic": _critic_ranks(cfg)}
+    return sum(ranks.get(name, 1) for name in trainers)
+
+
 def add_learner(g: Graph, cfg, on_gpus: dict[str, dict]) -> None:
     """The learner: learner.dp x learner.tp replicas, the ranks of one FSDP2 x TP job
     (dataflow/multirank.py), which meet through the versioned edge RANKS_EDGE (learner -> itself)."""
@@ -198,7 +209,10 @@ def build(cfg: PPOGraphConfig) -> Graph:
               keep_checkpoints=cfg.keep_checkpoints, max_restarts=cfg.max_restarts, drop_bad_items=cfg.drop_bad_items)
     on_gpus = gpu_layout(g, cfg, trainers=("reference", "critic", "learner"))
     rollouts = add_rollout_nodes(g, cfg, on_gpus)
-    g.node("critic", Critic, cfg.critic, cpus=0.5, **on_gpus.get("critic", {}))
+    critic_ranks = _critic_ranks(cfg)  # dp x tp replicas, the ranks of one job, as the learner's
+    g.node("critic", Critic, cfg.critic, cpus=0.5, replicas=critic_ranks, **on_gpus.get("critic", {}))
+    if critic_ranks > 1:
+        g.versioned(CRITIC_RANKS_EDGE, src="critic", dst=["critic"])
     add_learner(g, cfg, on_gpus)
     g.channel(rollouts, "critic.with_ref", capacity=cfg.channel_capacity, name="with_ref")
     g.channel("critic.advantaged", "learner.rollouts", capacity=cfg.channel_capacity, name="rollouts")

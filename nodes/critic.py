@@ -8,6 +8,12 @@ Value prefetch: values are computed per arriving micro-batch, while the generato
 producing the rest of the step's samples, so the learner never waits for a value pass. Every
 `train_samples` samples the critic trains on them (clipped value loss, AdamW, gradient clipping),
 between micro-batches; advantages of later samples use the updated critic.
+
+dp x tp ranks (critic.dp, critic.tp; the graph runs dp x tp replicas): the value model is laid out
+as the learner's (TP then FSDP2, dataflow/multirank.py); rank 0 reads the input and sends every
+value pass and training pass to all ranks, each dp rank computing its share of the rows. A rank's
+process cannot rejoin a running process group, so a dead rank ends the run (resume from the last
+checkpoint) instead of restarting alone, and snapshots are off.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from dataflow import Node, checkpoint
+from dataflow.errors import UserError
+from dataflow.multirank import CRITIC_RANKS_EDGE, RankCommands
 from nodes import policy
 from nodes.models import ValueModel, pad_batch, unpad_tokens
 from nodes.precision import Precision, autocast, compute_dtype, micro_slices, prepare_trained
@@ -53,14 +61,22 @@ class CriticConfig:
     checkpoint (0 = off: it comes back as of the last checkpoint). Costs one write of the value
     model plus its AdamW state (3x the weights) per pass. -1 = auto: every pass while that state
     is under 256 MB (the built-in models), else off (said once in the log: set it to opt in)."""
+    dp: int = 1
+    """Data-parallel ranks (FSDP2 over them), as learner.dp; the graph runs dp x tp replicas."""
+    tp: int = 1
+    """Tensor-parallel ranks, as learner.tp."""
+    rendezvous_timeout_s: float = 600.0
 
 
-def critic_update(model, optimizer, samples: list[dict], pad_id: int, c: CriticConfig, rng: random.Random) -> dict:
+def critic_update(model, optimizer, samples: list[dict], pad_id: int, c: CriticConfig, rng: random.Random,
+                  ranks=None) -> dict:
     """`c.epochs` passes of clipped value regression on `samples`' returns; returns mean stats.
 
     Each minibatch runs in slices of c.micro_batch_size samples, each slice's loss weighted by its
     share of the minibatch's valid tokens (the loss is a token mean), so the accumulated gradient
-    equals the unsplit minibatch's."""
+    equals the unsplit minibatch's. `ranks` (dataflow/multirank.TrainRanks; every rank calls with
+    the same samples and rng state): each dp rank runs its share of every minibatch the same way,
+    as in the learner's ppo_update, so the update equals one rank's."""
     losses, clipfracs = [], []
     device = next(model.parameters()).device
     amp = compute_dtype(c.precision, device)
@@ -71,53 +87,140 @@ def critic_update(model, optimizer, samples: list[dict], pad_id: int, c: CriticC
         for start in range(0, len(order), c.minibatch_size):
             mb = [samples[i] for i in order[start:start + c.minibatch_size]]
             batch = pad_batch(mb, pad_id, token_keys=("values", "returns"), device=device)
-            mb_tokens = max(batch["response_mask"].sum().item(), 1.0)
+            mask = batch["response_mask"]
+            mb_tokens = max(mask.sum().item(), 1.0)
+            rows = torch.arange(len(mb), device=device)
+            if ranks is not None:  # row len(mb): a mask-0 copy of row 0 that pads short dp shares
+                batch = {k: torch.cat([v, v[:1]]) if torch.is_tensor(v) else v for k, v in batch.items()}
+                mask = torch.cat([mask, torch.zeros_like(mask[:1])])
+                rows = ranks.dp_share(rows, pad_index=len(mb))
             optimizer.zero_grad(set_to_none=True)
-            loss_sum, clipfrac_sum = 0.0, 0.0
-            for sl in micro_slices(len(mb), c.micro_batch_size):
-                weight = batch["response_mask"][sl].sum().item() / mb_tokens  # a double: no fp32 rounding
+            sums = {"loss": 0.0, "clipfrac": 0.0}
+            for sl in micro_slices(len(rows), c.micro_batch_size):
+                idx = rows[sl]
+                weight = mask[idx].sum().item() / mb_tokens  # a double: no fp32 rounding
                 with autocast(amp, device):
-                    values = model(batch["input_ids"][sl], batch["attention_mask"][sl])
-                loss, stats = value_loss(values.float(), batch["values"][sl], batch["returns"][sl],
-                                         batch["response_mask"][sl], c.value_clip)
+                    values = model(batch["input_ids"][idx], batch["attention_mask"][idx])
+                loss, stats = value_loss(values, batch["values"][idx], batch["returns"][idx], mask[idx], c.value_clip)
                 (loss * weight).backward()
-                loss_sum += loss.item() * weight
-                clipfrac_sum += stats["clipfrac"] * weight
+                sums["loss"] += loss.item() * weight
+                sums["clipfrac"] += stats["clipfrac"] * weight
                 del values, loss
-            torch.nn.utils.clip_grad_norm_(model.parameters(), c.max_grad_norm)
+            if ranks is None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), c.max_grad_norm)
+            else:  # the global norm over the mesh; the dp shares' weighted stats add up
+                ranks.clip_grad_norm_(model.parameters(), c.max_grad_norm)
+                sums = ranks.sum_over_dp(sums)
             optimizer.step()
-            losses.append(loss_sum)
-            clipfracs.append(clipfrac_sum)
+            losses.append(sums["loss"])
+            clipfracs.append(sums["clipfrac"])
     model.eval()
     return {"critic/value_loss": sum(losses) / len(losses), "critic/clipfrac": sum(clipfracs) / len(clipfracs)}
 
 
-class Critic(Node):
+def advantages_for(model, items: list[dict], pad_id: int, c: CriticConfig, device, ranks=None) -> dict:
+    """Values of the items' samples, then GAE advantages and returns, written into each sample
+    ("values", "advantages", "returns": per response token); returns mean stats. `ranks`: each
+    dp rank computes its share of the rows, gathered over dp (every rank ends with all of them)."""
+    samples = [s for item in items for s in item["samples"]]
+    batch = pad_batch(samples, pad_id, token_keys=("token_rewards",), device=device)
+    rows = torch.arange(len(samples), device=batch["input_ids"].device)
+    if ranks is not None:  # padded with row 0, dropped after the gather
+        rows = ranks.dp_share(rows, pad_index=0)
+    values = torch.zeros((len(rows), batch["input_ids"].shape[1]), device=rows.device)
+    amp = compute_dtype(c.precision, device)
+    with torch.no_grad(), autocast(amp, device):
+        for sl in micro_slices(len(rows), c.micro_batch_size):
+            values[sl] = model(batch["input_ids"][rows[sl]], batch["attention_mask"][rows[sl]]).float()
+    if ranks is not None:
+        values = ranks.gather_over_dp(values)[:len(samples)]
+    mask = batch["response_mask"]
+    values = values * mask
+    advantages, returns = gae_advantages(batch["token_rewards"], values, mask, c.gamma, c.lam)
+    for key, tensor in (("values", values), ("advantages", advantages), ("returns", returns)):
+        for s, row in zip(samples, unpad_tokens(tensor, mask)):
+            s[key] = row
+    return {"critic/values": masked_mean(values, mask).item(), "critic/returns": masked_mean(returns, mask).item()}
+
+
+class Critic(RankCommands, Node):
     Config = CriticConfig
     inputs = ("with_ref",)
     outputs = ("advantaged",)
+    publishes = (CRITIC_RANKS_EDGE,)
+    subscribes = (CRITIC_RANKS_EDGE,)
+    inputs_on_replica_0 = True  # dp x tp ranks: rank 0 reads, all compute (one rank: the same)
 
     async def setup(self):
         c = self.config
+        if c.dp * c.tp > 1:
+            from dataflow.layout import ParallelLayout
+            from dataflow.multirank import join
+
+            self.ranks = await join(self.ctx, ParallelLayout(dp=c.dp, tp=c.tp), c.rendezvous_timeout_s,
+                                    edge=CRITIC_RANKS_EDGE)
+            c.snapshot_interval = 0  # a dead rank ends the run (module docstring): nothing would load one
+        elif self.ctx.num_replicas > 1:
+            raise UserError(f"node '{self.ctx.name}' has {self.ctx.num_replicas} replicas but critic.dp x "
+                            f"critic.tp = 1; declare it with replicas=dp*tp")
         base, self.tokenizer = policy.load(c.policy)
         self.model = ValueModel.from_policy(base, gradient_checkpointing=c.gradient_checkpointing)
         prepare_trained(self.model, self.ctx.device, c.precision)  # fp32 masters (nodes/precision.py)
         self.model.eval()
+        if self.ranks is not None:  # TP over "tp", then FSDP2 over "dp" (dataflow/layout.py)
+            try:
+                self.ranks.shard(self.model)
+            except ValueError as e:
+                raise UserError(f"critic.dp={c.dp} critic.tp={c.tp}: {e}") from None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr)
         self.rng = random.Random(c.seed)
         self.pending: list[tuple[int, dict]] = []  # (prompt id, sample) not yet trained on
         self.progress = 0  # training passes done (a restart loads the snapshot or checkpoint with more)
+        self._saved = None          # dp x tp: (model, optimizer) gathered for state_dict()
+        self._pending_state = None  # dp x tp: a loaded (model, optimizer), spread over the ranks in run()
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "rng": self.rng.getstate(), "pending": self.pending, "progress": self.progress}
+        state = {"rng": self.rng.getstate(), "pending": self.pending, "progress": self.progress}
+        if self.ranks is None:
+            return {**state, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        if not self.ranks.lead:  # rank 0 saves the whole state (one rank's format: any layout resumes)
+            return {"progress": self.progress}
+        (model, optimizer), self._saved = self._saved, None
+        return {**state, "model": model, "optimizer": optimizer}
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.progress = state.get("progress", 0)
+        if self.ranks is not None and not self.ranks.lead:
+            return
+        if self.ranks is None:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:  # spread over the ranks at the start of run() (a collective)
+            self._pending_state = (state["model"], state["optimizer"])
         self.rng.setstate(state["rng"])
         self.pending = [tuple(p) for p in state["pending"]]
-        self.progress = state.get("progress", 0)
+
+    async def prepare_checkpoint(self) -> None:
+        if self.ranks is not None and self.ranks.lead:
+            self._saved = await self._all("gather")
+
+    async def _handle(self, op: str, args: dict):
+        """One command; on every rank when dp x tp > 1 (dataflow/multirank.RankCommands)."""
+        c = self.config
+        if op == "values":
+            return await asyncio.to_thread(advantages_for, self.model, args["items"], self.tokenizer.pad_token_id,
+                                           c, self.ctx.device, self.ranks)
+        if op == "train":
+            self.rng.setstate(args["rng"])  # every rank shuffles the minibatches alike
+            return await asyncio.to_thread(critic_update, self.model, self.optimizer, args["samples"],
+                                           self.tokenizer.pad_token_id, c, self.rng, self.ranks)
+        if op == "gather":                  # whole state on rank 0
+            return await asyncio.to_thread(self.ranks.full_state, self.model, self.optimizer)
+        if op == "load":                    # rank 0's loaded state onto every rank
+            model, optimizer = self._pending_state or (None, None)
+            self._pending_state = None
+            return await asyncio.to_thread(self.ranks.load_full_state, self.model, self.optimizer, model, optimizer)
+        raise ValueError(f"unknown critic command {op!r}")
 
     async def _snapshot(self) -> None:
         """After a training pass (under the state lock): every snapshot_interval passes, the state
@@ -135,30 +238,21 @@ class Critic(Node):
                 await asyncio.to_thread(checkpoint.write_snapshot, self.ctx.run_dir, self.ctx.full_name,
                                         self.state_dict())
 
-    def _advantages(self, items: list[dict]) -> dict:
-        c = self.config
-        samples = [s for item in items for s in item["samples"]]
-        batch = pad_batch(samples, self.tokenizer.pad_token_id, token_keys=("token_rewards",), device=self.ctx.device)
-        values = torch.zeros_like(batch["response_mask"])
-        amp = compute_dtype(c.precision, self.ctx.device)
-        with torch.no_grad(), autocast(amp, self.ctx.device):
-            for sl in micro_slices(len(samples), c.micro_batch_size):
-                values[sl] = self.model(batch["input_ids"][sl], batch["attention_mask"][sl]).float()
-        values = values * batch["response_mask"]
-        advantages, returns = gae_advantages(batch["token_rewards"], values, batch["response_mask"], c.gamma, c.lam)
-        mask = batch["response_mask"]
-        for key, tensor in (("values", values), ("advantages", advantages), ("returns", returns)):
-            for s, row in zip(samples, unpad_tokens(tensor, mask)):
-                s[key] = row
-        return {"critic/values": masked_mean(values, mask).item(), "critic/returns": masked_mean(returns, mask).item()}
-
     async def run(self):
+        if self.ranks is not None and not self.ranks.lead:
+            return await self._follow()
+        await self._lead()
+        await self._stop_followers()  # (after a failure the run ends and the ranks with it)
+
+    async def _lead(self):
         c = self.config
+        if self._pending_state is not None:  # dp x tp, resumed: every rank takes its shards
+            await self._all("load")
         inp, out = self.ctx.inputs["with_ref"], self.ctx.outputs["advantaged"]
         async for batch in inp.batches(c.items_per_call, 0.01):
             items = [m.data for m in batch]
             with self.ctx.span("value forward", items=len(items)):
-                await asyncio.to_thread(self._advantages, items)
+                await self._all("values", items=items)
             for msg, item in zip(batch, items):
                 await out.send(item, **msg.meta)
             self.pending += [(item["id"], s) for item in items for s in item["samples"]]
@@ -169,7 +263,6 @@ class Critic(Node):
                 async with self.ctx.state_lock:
                     self.pending = []
                     with self.ctx.span("critic train", samples=len(train)):
-                        stats = await asyncio.to_thread(critic_update, self.model, self.optimizer, train,
-                                                        self.tokenizer.pad_token_id, c, self.rng)
+                        stats = await self._all("train", samples=train, rng=self.rng.getstate())
                     await self._snapshot()
                 self.ctx.metrics(stats)

@@ -29,7 +29,7 @@ import torch
 from dataflow import Node
 from dataflow.channel import EndOfChannel
 from dataflow.errors import UserError
-from dataflow.multirank import RANKS_EDGE
+from dataflow.multirank import RANKS_EDGE, RankCommands
 from nodes import policy
 from nodes.models import pad_batch, save_policy, sequence_logprobs
 from nodes.precision import Precision, autocast, compute_dtype, micro_slices, prepare_trained
@@ -218,13 +218,13 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
             "updates/skipped": skipped, "updates/skipped_last": skipped_last, "updates/skip_reason": reason}
 
 
-class Learner(Node):
+class Learner(RankCommands, Node):
     Config = LearnerConfig
     inputs = ("rollouts",)
     publishes = ("policy", SYNC_EDGE, RANKS_EDGE)
     subscribes = (RANKS_EDGE,)
     # dp x tp ranks: rank 0 alone reads the rollouts, reports, checkpoints and publishes; it
-    # broadcasts each step's samples and every collective to the others (_all / _follow).
+    # broadcasts each step's samples and every collective to the others (RankCommands).
     inputs_on_replica_0 = True
 
     async def setup(self):
@@ -239,7 +239,7 @@ class Learner(Node):
             raise UserError(f"node '{self.ctx.name}' has {self.ctx.num_replicas} replicas but learner.dp x "
                             f"learner.tp = 1; declare it with replicas=dp*tp")
         self._pending_state = None  # dp x tp: a loaded (model, optimizer) state, spread in run()
-        self._saved = None          # dp x tp: (step, model, optimizer) gathered for state_dict()
+        self._saved = None          # dp x tp: (model, optimizer) gathered for state_dict()
         self.model, self.tokenizer = policy.load(c.policy)
         # fp32 master weights even from a bf16 checkpoint (precision.prepare_trained).
         prepare_trained(self.model, self.ctx.device, c.precision).eval()
@@ -264,14 +264,10 @@ class Learner(Node):
             return {"step": self.version, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                     "kl": self.kl_ctl.state_dict(), "rng": self.rng.getstate()}
         # dp x tp: rank 0 saves the whole state (the one-rank format, so any layout can resume
-        # from it), gathered by every rank before the learner asked for the checkpoint; a
-        # state_dict() call must not communicate (the engine calls each replica on its own).
+        # from it), gathered by every rank in prepare_checkpoint.
         if not self.ranks.lead:
             return {"step": self.version}
-        if self._saved is None or self._saved[0] != self.version:
-            raise RuntimeError(f"a learner of dp={self.config.dp} x tp={self.config.tp} ranks saves its state only "
-                               f"at its own checkpoints (every save_interval steps), not at step {self.version}")
-        _, model, optimizer = self._saved
+        (model, optimizer), self._saved = self._saved, None
         return {"step": self.version, "model": model, "optimizer": optimizer, "kl": self.kl_ctl.state_dict(),
                 "rng": self.rng.getstate()}
 
@@ -289,21 +285,11 @@ class Learner(Node):
         self.rng.setstate(state["rng"])
         self.version = state["step"]
 
-    async def _all(self, op: str, **args):
-        """Run `op` on every rank: rank 0 broadcasts it, then each rank runs _handle (so every
-        collective is issued in the same order on all ranks). One rank: just _handle."""
-        if self.ranks is not None:
-            await asyncio.to_thread(self.ranks.broadcast, (op, args))
-        return await self._handle(op, args)
-
-    async def _follow(self) -> None:
-        """Ranks > 0: run rank 0's commands until it says stop."""
-        while True:
-            op, args = await asyncio.to_thread(self.ranks.broadcast)
-            if op == "stop":
-                return
-            async with self.ctx.state_lock:
-                await self._handle(op, args)
+    async def prepare_checkpoint(self) -> None:
+        """dp x tp: the whole state onto rank 0 (a collective: at a save_interval checkpoint or
+        on Ctrl-C, whenever rank 0's loop is between commands)."""
+        if self.ranks is not None and self.ranks.lead:
+            self._saved = await self._all("gather", optimizer=True)
 
     async def _handle(self, op: str, args: dict):
         c = self.config
@@ -383,8 +369,8 @@ class Learner(Node):
             path = Path(self.ctx.run_dir) / "final"
             save_policy(model, self.tokenizer, str(path))
             self.ctx.artifact("final weights", str(path))
-        if self.ranks is not None and ended:
-            await asyncio.to_thread(self.ranks.broadcast, ("stop", {}))
+        if ended:
+            await self._stop_followers()
 
     async def _lead(self):
         c = self.config
@@ -439,8 +425,6 @@ class Learner(Node):
             # Checkpoint before the new weights go out: in synchronous mode nothing of the next
             # batch exists yet, so every node's state is the state after this step.
             if self.ctx.checkpoint_due(self.version):
-                if self.ranks is not None:  # gathered now: state_dict() must not communicate
-                    self._saved = (self.version, *await self._all("gather", optimizer=True))
                 await self.ctx.checkpoint(self.version)
             if not go_on:
                 return

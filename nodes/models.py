@@ -165,7 +165,8 @@ class ValueModel(nn.Module):
         position_ids = _position_ids(attention_mask)
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                                position_ids=position_ids, use_cache=False).last_hidden_state
-        v = self.value_head(hidden).squeeze(-1).float()
+        v = self.value_head(hidden).squeeze(-1)
+        v = v if v.dtype == torch.float64 else v.float()  # fp32 out of bf16 autocast; a float64 test model stays exact
         return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
 
 

@@ -192,8 +192,9 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         loss      = 0.5 * mean_t max((v - R)^2, (v_clipped - R)^2)
 
     Source: OpenAI baselines ppo2 / cleanrl ppo.py (`clip_vloss`); as in TRL's PPOTrainer.
-    Returns (loss, stats) with stats: clipfrac (fraction of tokens where the clipped term is
-    larger, i.e. where clipping removes the gradient).
+    Returns (loss, stats) with stats: clipfrac (fraction of tokens where v is outside the clip
+    range and the clipped term is larger, i.e. where clipping removes the gradient; inside the
+    range both terms are equal up to rounding, which must not count).
     """
     mask = mask.to(values.dtype)
     old_values, returns = old_values.detach(), returns.detach()
@@ -202,7 +203,8 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     v_losses_clipped = (v_clipped - returns) ** 2
     loss = 0.5 * masked_mean(torch.max(v_losses, v_losses_clipped), mask)
     with torch.no_grad():
-        clipfrac = masked_mean((v_losses_clipped > v_losses).to(mask.dtype), mask).item()
+        clipped = ((values - old_values).abs() > clip_eps) & (v_losses_clipped > v_losses)
+        clipfrac = masked_mean(clipped.to(mask.dtype), mask).item()
     return loss, {"clipfrac": clipfrac}
 
 

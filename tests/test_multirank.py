@@ -1,6 +1,7 @@
-"""The learner as dp x tp ranks (dataflow/multirank.py): one PPO update in 2 and 4 gloo processes
-equals the one-rank update; graph runs with learner dp=2 / tp=2 deliver the learner's full
-weights to the generators (object store and HybridEngine push).
+"""The learner and critic as dp x tp ranks (dataflow/multirank.py): one PPO update and one critic
+value pass + update in 2 and 4 gloo processes equal the one-rank ones; graph runs with learner
+dp=2 / tp=2 deliver the learner's full weights to the generators (object store and HybridEngine
+push), and multi-rank learner and critic checkpoint on Ctrl-C in the one-rank format.
 
 Function level: processes are forked (the parent already imported torch and transformers) and
 train in float64, so the only differences from one rank are summation orders.
@@ -80,12 +81,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, layout, port, tmp, tok, samples):
+def _join_gloo(rank, layout, port) -> TrainRanks:
+    """This forked process as rank `rank` of a gloo group and the training mesh."""
     torch.set_num_threads(1)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=layout.world_size)
     ranks = TrainRanks(layout, build_mesh(layout), rank, "gloo", "cpu")
+    return ranks
+
+
+def _worker(rank, layout, port, tmp, tok, samples):
+    ranks = _join_gloo(rank, layout, port)
     model = ranks.shard(build_policy(MODEL, tok).double())
     opt, stats = _update(model, samples, tok.pad_token_id, ranks)
     weights, optim = ranks.full_state(model, opt)
@@ -136,6 +143,70 @@ def test_multirank_update_equals_one_rank(reference, tmp_path, dp, tp):
     assert all(r["optim_equal"] for r in records)
 
 
+# ---- the critic: value pass and training on the same mesh -------------------------------------
+def _critic_samples(samples):
+    out = []
+    for i, s in enumerate(samples):
+        n = len(s["response_ids"])
+        out.append(dict(s, token_rewards=[0.0] * (n - 1) + [s["score"]], values=[0.05 * i] * n,
+                        returns=[s["score"] - 0.01 * t for t in range(n)]))
+    return out
+
+
+def _fresh_critic(tok):
+    from nodes.models import ValueModel
+
+    return ValueModel.from_policy(build_policy(MODEL, tok)).double()
+
+
+def _critic_run(tok, samples, ranks=None):
+    """A value pass over every sample (2 per item), then one critic_update; float64 trunk."""
+    from nodes.critic import CriticConfig, advantages_for, critic_update
+
+    model = _fresh_critic(tok)
+    if ranks is not None:
+        ranks.shard(model)
+    cfg = CriticConfig(epochs=2, minibatch_size=6, micro_batch_size=2, max_grad_norm=0.05, lr=1e-2)
+    samples = _critic_samples(samples)
+    items = [{"samples": [dict(s) for s in samples[i:i + 2]]} for i in range(0, len(samples), 2)]
+    advantages_for(model, items, tok.pad_token_id, cfg, "cpu", ranks)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    stats = critic_update(model, opt, samples, tok.pad_token_id, cfg, random.Random(0), ranks)
+    return model, opt, [s["advantages"] for item in items for s in item["samples"]], stats
+
+
+def _critic_worker(rank, layout, port, tmp, tok, samples):
+    ranks = _join_gloo(rank, layout, port)
+    model, opt, advantages, stats = _critic_run(tok, samples, ranks)
+    weights, _ = ranks.full_state(model, opt)
+    with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump({"weights": weights, "advantages": advantages, "stats": stats}, f)
+    dist.destroy_process_group()
+
+
+def test_critic_as_2x2_ranks_equals_one_rank(reference, tmp_path):
+    """Values computed in dp shares and gathered, and two epochs of clipped value regression with
+    short padded dp shares, micro-batches and an active global clip: the same as one rank."""
+    tok, samples, _, _ = reference
+    want_model, _, want_adv, want_stats = _critic_run(tok, samples)
+    layout = ParallelLayout(dp=2, tp=2)
+    mp.start_processes(_critic_worker, args=(layout, _free_port(), str(tmp_path), tok, samples),
+                       nprocs=layout.world_size, start_method="fork")
+    records = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(layout.world_size)]
+    want = want_model.state_dict()
+    got = records[0]["weights"]
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.allclose(got[k], want[k], rtol=0, atol=1e-10), (k, (got[k] - want[k]).abs().max())
+    initial = _fresh_critic(tok).state_dict()
+    assert max((want[k] - initial[k]).abs().max().item() for k in want) > 1e-3   # training moved it
+    for r in records:
+        # values go through float32 (the value pass's output buffer), on one rank as on four
+        assert all(a == pytest.approx(b, abs=1e-6) for x, y in zip(r["advantages"], want_adv) for a, b in zip(x, y))
+        for k in ("critic/value_loss", "critic/clipfrac"):
+            assert r["stats"][k] == pytest.approx(want_stats[k], rel=1e-9, abs=1e-12), k
+
+
 # ---- graph runs: the learner as 2 and 4 Ray actors ----------------------------------------------
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,9 +229,10 @@ def run_grpo(tmp_path, *overrides: str, max_steps: int):
     return summary, [json.loads(line) for line in Path(summary.metrics_path).read_text().splitlines()]
 
 
-def check_generators_hold_learner_weights(records, versions):
+def check_generators_hold_learner_weights(records, versions=None):
     """Every version a generator switched to has the checksum of the whole weights the learner
-    (rank 0, after gathering them) logged for it; only rank 0 reports steps."""
+    (rank 0, after gathering them) logged for it; only rank 0 reports steps. `versions`: the
+    ones the learner pushed (None: 0, 1, ... without a gap)."""
     steps = [r for r in records if "step" in r]
     assert [r["step"] for r in steps] == list(range(1, len(steps) + 1))
     assert {r["node"] for r in steps} == {"learner[0]"}
@@ -169,6 +241,7 @@ def check_generators_hold_learner_weights(records, versions):
         if "weights/checksum" in r:
             sums.setdefault(r["node"], {})[r["weights/version"]] = r["weights/checksum"]
     learner = sums.pop("learner[0]")
+    versions = versions or list(range(len(learner)))
     assert sorted(learner) == versions
     assert len(set(learner.values())) == len(versions), "the weights should change at every version"
     assert sums, "the generator should have switched weights"
@@ -176,12 +249,6 @@ def check_generators_hold_learner_weights(records, versions):
         assert got, gen
         for version, checksum in got.items():
             assert checksum == pytest.approx(learner[version], rel=1e-12, abs=0), (gen, version)
-
-
-def test_grpo_graph_learner_dp2_object_store(ray_instance, tmp_path):
-    summary, records = run_grpo(tmp_path, "learner.dp=2", max_steps=3)
-    check_generators_hold_learner_weights(records, [0, 1, 2])
-    assert (tmp_path / "final" / "config.json").exists()        # gathered, saved by rank 0
 
 
 def test_grpo_graph_learner_tp2_collective_push_checkpoint_then_resume_as_2x2(ray_instance, tmp_path):
@@ -219,6 +286,7 @@ def test_grpo_graph_learner_tp2_collective_push_checkpoint_then_resume_as_2x2(ra
     assert sums and gens and gens[-1]["weights/checksum"] == pytest.approx(sums[-1]["weights/checksum"], rel=1e-12)
     # The resumed ranks pushed exactly the checkpointed weights (loading spread them over 2 x 2).
     assert sums[-1]["weights/checksum"] == pytest.approx(step2, rel=1e-12)
+    assert (tmp_path / "a" / "final" / "config.json").exists()      # gathered, saved by rank 0
     shutil.rmtree(tmp_path / "a", ignore_errors=True)
 
 
@@ -238,3 +306,47 @@ def test_only_rank_0_reads_the_rollouts():
     assert _wiring(graph, "reference", hosts)["outputs"]["with_ref"]["consumers"] == ["learner[0]"]
     assert [r for r, _ in _wiring(graph, "learner[0]", hosts)["publishes"]["ranks"]] == \
         ["learner[0]", "learner[1]", "learner[2]", "learner[3]"]
+
+
+def test_ppo_graph_with_2_rank_learner_and_critic_checkpoints_on_ctrl_c_in_the_one_rank_format(
+        ray_instance, tmp_path):
+    """learner.dp=2 and critic.dp=2 in the PPO graph: the generator holds the learner's gathered
+    weights at every version (object store); on Ctrl-C each node gathers its whole state onto
+    rank 0 (Node.prepare_checkpoint, dataflow/multirank.RankCommands; the save_interval
+    checkpoints take the same path) in the one-rank format: a plain model loads it, as a one-rank
+    critic does when it resumes (a one-rank learner resuming as 2 x 2: the tp2 test above)."""
+    import asyncio
+
+    from dataflow import checkpoint
+    from dataflow.runtime import RunOptions, load_graph, run_graph
+    from nodes.models import ValueModel
+
+    settings = ["prompts_per_step=4", "channel_capacity=8", "learner.minibatch_size=4", "critic.minibatch_size=4",
+                "max_staleness=0", "save_interval=1000", "weight_checksums=true"]
+    run_dir = tmp_path / "run"
+    steps = lambda: [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()  # noqa: E731
+                     if '"step"' in x] if (run_dir / "metrics.jsonl").exists() else []
+
+    async def interrupted():
+        graph, config = load_graph(str(ROOT / "graphs/ppo.py"), [*settings, "learner.dp=2", "critic.dp=2"])
+        assert graph.nodes["critic"].replicas == 2 and not graph.nodes["critic"].restartable
+        task = asyncio.ensure_future(run_graph(graph, RunOptions(max_steps=100, out_dir=str(run_dir), quiet=True),
+                                               config))
+        while not task.done() and len(steps()) < 2:
+            await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(interrupted())
+    last = checkpoint.latest(run_dir)
+    manifest = checkpoint.read_manifest(last)
+    assert manifest["reason"] == "interrupt" and manifest["step"] >= 2 and manifest["stale"] == {}, manifest
+    assert (last / "critic[1]").is_dir() and (last / "learner[1]").is_dir()
+    critic = checkpoint.read_state(last / "critic[0]")["node"]
+    assert critic["progress"] >= 2 and critic["optimizer"]["state"]
+    plain = ValueModel.from_policy(build_policy(ModelConfig(), build_tokenizer()))
+    plain.load_state_dict(critic["model"])                                  # whole tensors, plain names
+    assert critic["optimizer"]["state"][0]["exp_avg"].shape == next(plain.parameters()).shape
+    assert checkpoint.read_state(last / "learner[0]")["node"]["step"] == manifest["step"]
+    check_generators_hold_learner_weights([json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()])

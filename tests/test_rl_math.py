@@ -217,7 +217,7 @@ def test_value_loss_matches_loop():
             v, o, r = values[b, t].item(), old[b, t].item(), returns[b, t].item()
             vc = o + min(max(v - o, -0.2), 0.2)
             num += max((v - r) ** 2, (vc - r) ** 2)
-            clipped += (vc - r) ** 2 > (v - r) ** 2
+            clipped += abs(v - o) > 0.2 and (vc - r) ** 2 > (v - r) ** 2
             den += 1
     assert loss.item() == pytest.approx(0.5 * num / den, abs=1e-12)
     assert stats["clipfrac"] == pytest.approx(clipped / den)
