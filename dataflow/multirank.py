@@ -164,13 +164,6 @@ class TrainRanks:
     def _flag_device(self):
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
 
-    def all_true(self, flag: bool) -> bool:
-        """True on every rank iff `flag` is True on every rank (so all ranks take the same branch
-        around a collective, e.g. backward under FSDP)."""
-        t = torch.tensor([1.0 if flag else 0.0], device=self._flag_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return bool(t.item() > 0)
-
     def sum_over_dp(self, values: dict[str, float]) -> dict[str, float]:
         """Per-key sums over the dp ranks (tp ranks of one dp group hold equal values)."""
         if self.dp_size == 1:

@@ -89,23 +89,24 @@ def critic_update(model, optimizer, samples: list[dict], pad_id: int, c: CriticC
             batch = pad_batch(mb, pad_id, token_keys=("values", "returns"), device=device)
             mask = batch["response_mask"]
             mb_tokens = max(mask.sum().item(), 1.0)
-            rows = torch.arange(len(mb), device=device)
+            rows = torch.arange(len(mb))
             if ranks is not None:  # row len(mb): a mask-0 copy of row 0 that pads short dp shares
                 batch = {k: torch.cat([v, v[:1]]) if torch.is_tensor(v) else v for k, v in batch.items()}
                 mask = torch.cat([mask, torch.zeros_like(mask[:1])])
                 rows = ranks.dp_share(rows, pad_index=len(mb))
             optimizer.zero_grad(set_to_none=True)
-            sums = {"loss": 0.0, "clipfrac": 0.0}
+            row_tokens = mask.sum(1).tolist()
+            acc = torch.zeros(2, dtype=torch.float64, device=device)  # read once per minibatch (as ppo_update)
             for sl in micro_slices(len(rows), c.micro_batch_size):
                 idx = rows[sl]
-                weight = mask[idx].sum().item() / mb_tokens  # a double: no fp32 rounding
+                weight = sum(row_tokens[i] for i in idx.tolist()) / mb_tokens  # a double: no fp32 rounding
                 with autocast(amp, device):
                     values = model(batch["input_ids"][idx], batch["attention_mask"][idx])
                 loss, stats = value_loss(values, batch["values"][idx], batch["returns"][idx], mask[idx], c.value_clip)
                 (loss * weight).backward()
-                sums["loss"] += loss.item() * weight
-                sums["clipfrac"] += stats["clipfrac"] * weight
+                acc += torch.stack([loss.detach().double(), stats["clipfrac"].double()]) * weight
                 del values, loss
+            sums = dict(zip(("loss", "clipfrac"), acc.tolist()))
             if ranks is None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), c.max_grad_norm)
             else:  # the global norm over the mesh; the dp shares' weighted stats add up

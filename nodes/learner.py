@@ -151,6 +151,11 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
                     temperature=c.temperature, with_entropy=False)
     else:
         old_logprobs = full["logprobs"]
+    # Valid tokens per row, read once: the slice weights below are Python floats from these, and
+    # the per-slice stats stay on the device until the minibatch ends, so the GPU is waited for
+    # once per optimizer step, not once per micro-batch (the CPU keeps queueing kernels ahead).
+    row_tokens = mask.sum(1).tolist()
+    stat_keys = ("loss", "policy", "kl", "entropy", "approx_kl", "clipfrac", "is_weight")
     stats: dict[str, list[float]] = {}
     skipped, skipped_last, total, reason = 0, 0, 0, ""
     model.train()
@@ -158,19 +163,19 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
         order = list(range(len(samples)))
         rng.shuffle(order)
         for start in range(0, len(order), c.minibatch_size):
-            mb_idx = torch.tensor(order[start:start + c.minibatch_size], device=device)
-            mb_tokens = max(mask[mb_idx].sum().item(), 1.0)
+            mb_rows = torch.tensor(order[start:start + c.minibatch_size])
+            mb_tokens = max(sum(row_tokens[i] for i in mb_rows.tolist()), 1.0)
             if ranks is not None:  # this dp rank's share (the tp ranks of a dp group: the same)
-                mb_idx = ranks.dp_share(mb_idx, pad_index=len(samples))
+                mb_rows = ranks.dp_share(mb_rows, pad_index=len(samples))
+            mb_idx = mb_rows.to(device)
             optimizer.zero_grad(set_to_none=True)
             total += 1
-            sums = dict.fromkeys(("loss", "policy", "kl", "entropy", "approx_kl", "clipfrac", "is_weight"), 0.0)
-            finite = True
+            acc = torch.zeros(len(stat_keys), dtype=torch.float64, device=device)
             for sl in micro_slices(len(mb_idx), c.micro_batch_size):
                 idx = mb_idx[sl]
                 # This slice's share of the minibatch's valid tokens (0 when all of them are failed);
                 # a Python float (double), so the weighting adds no float32 rounding.
-                weight = mask[idx].sum().item() / mb_tokens
+                weight = sum(row_tokens[i] for i in mb_rows[sl].tolist()) / mb_tokens
                 with autocast(amp, device):
                     logprobs, entropy = sequence_logprobs(model, full["input_ids"][idx], full["attention_mask"][idx],
                                                           mask[idx], temperature=c.temperature,
@@ -182,21 +187,17 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
                 kl = masked_mean(kl_penalty(logprobs, full["ref_logprobs"][idx], c.kl.estimator), mask[idx])
                 ent = masked_mean(entropy, mask[idx])
                 loss = (pg_loss + kl_coef * kl - c.entropy_coef * ent) * weight
-                w = weight
-                for k, v in (("loss", loss.item()), ("policy", pg_loss.item() * w), ("kl", kl.item() * w),
-                             ("entropy", ent.item() * w), ("approx_kl", pg_stats["approx_kl"] * w),
-                             ("clipfrac", pg_stats["clipfrac"] * w), ("is_weight", pg_stats["is_weight_mean"] * w)):
-                    sums[k] += v
-                ok = finite and math.isfinite(sums["loss"])
-                if ranks is not None:  # all ranks back or none: backward is a collective under FSDP
-                    ok = ranks.all_true(ok)
-                if ok:
-                    loss.backward()
-                else:  # a non-finite slice: no more backward; the whole optimizer step is skipped
-                    finite = False
+                terms = (pg_loss, kl, ent, pg_stats["approx_kl"], pg_stats["clipfrac"], pg_stats["is_weight_mean"])
+                acc[0] += loss.detach().double()
+                acc[1:] += torch.stack([t.detach().double() for t in terms]) * weight
+                # Always backward (on every rank alike: a collective under FSDP); a non-finite
+                # loss makes the gradient non-finite, and the step is skipped below.
+                loss.backward()
                 del logprobs, entropy, loss
+            sums = dict(zip(stat_keys, acc.tolist()))   # the one wait for the GPU of this minibatch
             if ranks is not None:  # the minibatch's stats: the dp shares' weighted parts add up
                 sums = ranks.sum_over_dp(sums)
+            finite = math.isfinite(sums["loss"])          # equal on every rank
             grad_norm = torch.tensor(float("nan"))
             if finite:
                 clip = torch.nn.utils.clip_grad_norm_ if ranks is None else ranks.clip_grad_norm_

@@ -153,9 +153,10 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
 
     logprobs carry the gradient; old_logprobs, behaviour_logprobs and advantages are detached.
     advantages: [B, T] per token, or [B] per sequence (GRPO), broadcast over the tokens.
-    Returns (loss, stats) with stats (floats, detached): approx_kl (k3 estimator of
-    KL(old || new): mean of (ratio - 1) - log ratio), clipfrac (fraction of tokens with
-    |ratio - 1| > clip_eps), ratio_mean, is_weight_mean.
+    Returns (loss, stats) with stats (detached 0-d tensors on the loss's device, so a training
+    loop reads them once per optimizer step instead of syncing with the GPU per call; float()
+    reads one): approx_kl (k3 estimator of KL(old || new): mean of (ratio - 1) - log ratio),
+    clipfrac (fraction of tokens with |ratio - 1| > clip_eps), ratio_mean, is_weight_mean.
     """
     mask = mask.to(logprobs.dtype)
     if advantages.dim() == 1:
@@ -176,10 +177,10 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
     loss = masked_mean(token_losses, mask)
     with torch.no_grad():
         stats = {
-            "approx_kl": masked_mean((ratio - 1.0) - log_ratio, mask).item(),
-            "clipfrac": masked_mean(((ratio - 1.0).abs() > clip_eps).to(mask.dtype), mask).item(),
-            "ratio_mean": masked_mean(ratio, mask).item(),
-            "is_weight_mean": masked_mean(is_weight, mask).item(),
+            "approx_kl": masked_mean((ratio - 1.0) - log_ratio, mask),
+            "clipfrac": masked_mean(((ratio - 1.0).abs() > clip_eps).to(mask.dtype), mask),
+            "ratio_mean": masked_mean(ratio, mask),
+            "is_weight_mean": masked_mean(is_weight, mask),
         }
     return loss, stats
 
@@ -192,9 +193,10 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         loss      = 0.5 * mean_t max((v - R)^2, (v_clipped - R)^2)
 
     Source: OpenAI baselines ppo2 / cleanrl ppo.py (`clip_vloss`); as in TRL's PPOTrainer.
-    Returns (loss, stats) with stats: clipfrac (fraction of tokens where v is outside the clip
-    range and the clipped term is larger, i.e. where clipping removes the gradient; inside the
-    range both terms are equal up to rounding, which must not count).
+    Returns (loss, stats) with stats (a detached 0-d tensor, as ppo_policy_loss's): clipfrac
+    (fraction of tokens where v is outside the clip range and the clipped term is larger, i.e.
+    where clipping removes the gradient; inside the range both terms are equal up to rounding,
+    which must not count).
     """
     mask = mask.to(values.dtype)
     old_values, returns = old_values.detach(), returns.detach()
@@ -204,7 +206,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     loss = 0.5 * masked_mean(torch.max(v_losses, v_losses_clipped), mask)
     with torch.no_grad():
         clipped = ((values - old_values).abs() > clip_eps) & (v_losses_clipped > v_losses)
-        clipfrac = masked_mean(clipped.to(mask.dtype), mask).item()
+        clipfrac = masked_mean(clipped.to(mask.dtype), mask)
     return loss, {"clipfrac": clipfrac}
 
 
