@@ -25,3 +25,28 @@ def ray_instance(request):
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}})
     yield
     ray.shutdown()
+
+
+def run_then_interrupt(graph_file: str, overrides: list[str], run_dir: Path, after_steps: int,
+                       resume: str | None = None) -> None:
+    """Run a graph until metrics.jsonl holds `after_steps` steps, then cancel the driver task as
+    Ctrl-C / SIGTERM do in the CLI (the runtime saves an interrupt checkpoint)."""
+    import asyncio
+
+    from dataflow.runtime import RunOptions, load_graph, run_graph
+
+    def steps() -> int:
+        metrics = run_dir / "metrics.jsonl"
+        return sum('"step"' in line for line in metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    async def interrupted():
+        graph, config = load_graph(str(ROOT / graph_file), overrides)
+        task = asyncio.ensure_future(run_graph(graph, RunOptions(max_steps=100, out_dir=str(run_dir), quiet=True,
+                                                                 resume=resume), config))
+        while not task.done() and steps() < after_steps:
+            await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(interrupted())

@@ -22,6 +22,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from dataflow import checkpoint  # noqa: E402
 from dataflow.runtime import RunOptions, load_graph, run_graph  # noqa: E402
+from tests.conftest import run_then_interrupt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -284,17 +285,7 @@ def test_resume_continues_the_run_and_metrics_have_no_gap(ray_instance, tmp_path
     assert checkpoint.read_state(resumed / "checkpoints" / "step_6" / "prompts")["node"] == {"position": 96}
 
     # Ctrl-C / SIGTERM (the CLI cancels the driver task): a checkpoint of the learner's last step.
-    async def interrupted():
-        graph, config = load_graph(str(ROOT / "graphs/ppo.py"), list(SYNC))
-        task = asyncio.ensure_future(run_graph(graph, RunOptions(max_steps=100, out_dir=str(resumed), quiet=True,
-                                                                 resume=str(resumed)), config))
-        while not task.done() and len(steps_of(resumed)) < 8:
-            await asyncio.sleep(0.2)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(interrupted())
+    run_then_interrupt("graphs/ppo.py", list(SYNC), resumed, after_steps=8, resume=str(resumed))
     last = checkpoint.latest(resumed)
     manifest = checkpoint.read_manifest(last)
     assert manifest["reason"] == "interrupt" and manifest["step"] >= 8, manifest

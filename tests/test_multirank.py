@@ -315,30 +315,16 @@ def test_ppo_graph_with_2_rank_learner_and_critic_checkpoints_on_ctrl_c_in_the_o
     rank 0 (Node.prepare_checkpoint, dataflow/multirank.RankCommands; the save_interval
     checkpoints take the same path) in the one-rank format: a plain model loads it, as a one-rank
     critic does when it resumes (a one-rank learner resuming as 2 x 2: the tp2 test above)."""
-    import asyncio
-
     from dataflow import checkpoint
-    from dataflow.runtime import RunOptions, load_graph, run_graph
+    from dataflow.runtime import load_graph
     from nodes.models import ValueModel
+    from tests.conftest import run_then_interrupt
 
     settings = ["prompts_per_step=4", "channel_capacity=8", "learner.minibatch_size=4", "critic.minibatch_size=4",
                 "max_staleness=0", "save_interval=1000", "weight_checksums=true"]
     run_dir = tmp_path / "run"
-    steps = lambda: [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()  # noqa: E731
-                     if '"step"' in x] if (run_dir / "metrics.jsonl").exists() else []
-
-    async def interrupted():
-        graph, config = load_graph(str(ROOT / "graphs/ppo.py"), [*settings, "learner.dp=2", "critic.dp=2"])
-        assert graph.nodes["critic"].replicas == 2 and not graph.nodes["critic"].restartable
-        task = asyncio.ensure_future(run_graph(graph, RunOptions(max_steps=100, out_dir=str(run_dir), quiet=True),
-                                               config))
-        while not task.done() and len(steps()) < 2:
-            await asyncio.sleep(0.2)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(interrupted())
+    assert not load_graph(str(ROOT / "graphs/ppo.py"), ["critic.dp=2"])[0].nodes["critic"].restartable
+    run_then_interrupt("graphs/ppo.py", [*settings, "learner.dp=2", "critic.dp=2"], run_dir, after_steps=2)
     last = checkpoint.latest(run_dir)
     manifest = checkpoint.read_manifest(last)
     assert manifest["reason"] == "interrupt" and manifest["step"] >= 2 and manifest["stale"] == {}, manifest
