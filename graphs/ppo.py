@@ -59,7 +59,7 @@ class PPOGraphConfig:
     object store. collective: the HybridEngine push (gloo; NCCL when each end has a GPU of its
     own; llama/qwen2 policies), the `policy` edge then carries only the version. cuda_ipc: learner
     and every generator on ONE physical GPU (placement=colocated, num_gpus=1): the learner writes
-    its weights, cast to learner.weight_sync.ipc_dtype (default bfloat16), into GPU buffers it
+    its weights, cast to the generators' dtype (learner.weight_sync.dtype), into GPU buffers it
     shares by CUDA IPC and each generator copies them on the GPU; no CPU round trip, costs two
     model-sized buffers on the learner and one per generator. Fails on CPU or across GPUs."""
     weight_checksums: bool = False
@@ -107,6 +107,9 @@ def wire_policy(cfg) -> int:
     cfg.learner.target_reward = cfg.target_reward
     for sync in (cfg.learner.weight_sync, cfg.generator.weight_sync):
         sync.transport, sync.checksums = cfg.weight_transport, sync.checksums or cfg.weight_checksums
+    if cfg.learner.weight_sync.dtype == "auto":  # weights travel in the generators' dtype
+        gen = cfg.generator.dtype
+        cfg.learner.weight_sync.dtype = gen if gen != "auto" else "float32" if cfg.placement == "cpu" else "bfloat16"
     if cfg.policy.path:  # the reward node decodes responses with the policy's own tokenizer
         cfg.reward.tokenizer_path = cfg.policy.path
     if cfg.max_new_tokens:

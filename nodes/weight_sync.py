@@ -1,8 +1,9 @@
 """Learner -> generator weights, over one of two transports behind one small interface.
 
-    weight_transport="object_store"  the learner `ray.put`s a CPU copy of its state dict on the
-                                     versioned edge `policy`; a generator fetches it at its next
-                                     generate call and load_state_dict()s it.
+    weight_transport="object_store"  the learner `ray.put`s a CPU copy of its state dict, cast to
+                                     `dtype` (the generators' dtype: bfloat16 on GPUs, half the bytes
+                                     of fp32 masters), on the versioned edge `policy`; a generator
+                                     fetches it at its next generate call and load_state_dict()s it.
     weight_transport="collective"    the HybridEngine push (dataflow/hybrid_engine.py): the learner
                                      hosts a PushGroup (gloo; NCCL when every end has a CUDA device
                                      of its own) and broadcasts its weights with a WeightPusher to a
@@ -10,7 +11,7 @@
                                      carries the version (value None: nothing rides the object store).
     weight_transport="cuda_ipc"      learner and generators in different processes on ONE physical GPU
                                      (placement=colocated, num_gpus=1): the learner copies its state
-                                     dict, cast to `ipc_dtype`, into one of two flat GPU buffers
+                                     dict, cast to `dtype`, into one of two flat GPU buffers
                                      (alternating by version parity, each with an int64 seqlock header)
                                      that it shared once by CUDA IPC; `policy` carries only the handles
                                      and the layout. A generator opens them, copies the version into a
@@ -19,7 +20,7 @@
                                      dropped, a newer version is on its way), and copies staging into
                                      its parameters at its next switch. GPU memory: 2 buffers on the
                                      learner, 1 staging buffer per generator, each the model's size in
-                                     ipc_dtype. A generator on another GPU, or a CPU node, fails (no fallback).
+                                     `dtype`. A generator on another GPU, or a CPU node, fails (no fallback).
 
     Learner:    sync = LearnerWeightSync(ctx, config.weight_sync); await sync.setup(model)
                 await sync.publish(model, version)      # returns once every generator holds it
@@ -75,9 +76,10 @@ class WeightSyncConfig:
     (gloo/NCCL broadcast from the learner; llama / qwen2 models). cuda_ipc: learner and every
     generator on one physical GPU share the weights through CUDA IPC buffers (no copy through the
     CPU; see the module docstring)."""
-    ipc_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """cuda_ipc (the learner's setting counts): the dtype the learner's weights are cast to in the
-    shared buffers; match the generators' dtype (generator.dtype auto = bfloat16 on CUDA)."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """object_store and cuda_ipc (the learner's setting counts): the dtype the learner's weights
+    travel in; match the generators' dtype, which the graph files fill in (graphs/ppo.py). auto:
+    object_store sends the learner's own dtype, cuda_ipc bfloat16. collective asks the generators."""
     backend: Literal["auto", "gloo"] = "auto"
     """collective: auto = NCCL when every end has a CUDA device of its own, else gloo."""
     timeout_s: float = 120.0
@@ -242,7 +244,9 @@ class LearnerWeightSync:
             if self.lead:
                 await asyncio.to_thread(self._ipc_setup, model)
             return
-        if self.config.transport != "collective":
+        if self.config.transport != "collective":  # object_store: cast on the GPU, copy half the bytes
+            travel = _travel_dtype(self.config, None)
+            self.dtype = getattr(torch, travel) if travel else None
             return
         from dataflow.hybrid_engine import ParallelLayout, PushGroup, WeightPusher, WeightPushError
         from dataflow.weight_adapters import family_of
@@ -298,9 +302,9 @@ class LearnerWeightSync:
         self.ctx.log(f"weight push: {backend} to {', '.join(names[1:])}, {self.dtype}")
 
     def _ipc_setup(self, model: torch.nn.Module) -> None:
-        """Two flat buffers in ipc_dtype for the whole state dict (+ an int64 seqlock header each),
+        """Two flat buffers in the travel dtype for the whole state dict (+ an int64 seqlock header each),
         allocated and shared once; kept referenced here for the learner's lifetime."""
-        self.dtype = getattr(torch, self.config.ipc_dtype)
+        self.dtype = getattr(torch, _travel_dtype(self.config, "bfloat16"))
         index = _device_index()
         device = _ipc_device(index)
         shapes, _ = ipc_state_split(model.state_dict())    # a DTensor's shape is the whole tensor's
@@ -314,7 +318,7 @@ class LearnerWeightSync:
                     "uuid": _gpu_uuid(index), "device": device}
         size = buffers[0].numel() * buffers[0].element_size()
         self.ctx.log(f"weight sync: CUDA IPC on GPU {self.ipc['uuid']} ({device}), 2 buffers of "
-                     f"{size / 2**20:.1f} MiB in {self.config.ipc_dtype}, {len(layout)} tensors")
+                     f"{size / 2**20:.1f} MiB in {self.dtype}, {len(layout)} tensors")
 
     def _ipc_write(self, state: dict[str, torch.Tensor], version: int) -> dict:
         """Seqlock write of `state` into the buffer of `version`'s parity; returns the edge payload."""
@@ -330,7 +334,7 @@ class LearnerWeightSync:
             header.fill_(version)
             _sync(device)
         return {"cuda_ipc": ipc["handles"][slot], "slot": slot, "layout": ipc["layout"],
-                "gpu_uuid": ipc["uuid"], "dtype": self.config.ipc_dtype, "extra": extra,
+                "gpu_uuid": ipc["uuid"], "dtype": str(self.dtype).removeprefix("torch."), "extra": extra,
                 "learner": self.ctx.full_name}
 
     async def publish(self, model: torch.nn.Module, version: int) -> None:
@@ -347,9 +351,10 @@ class LearnerWeightSync:
                 await self.ctx.publish(self.edge, payload, version=version)
         elif self.pusher is None:
             if self.ranks is None:
-                state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+                state = {k: _travel_copy(v, self.dtype) for k, v in model.state_dict().items()}
             else:              # the whole weights, gathered on rank 0
                 state, _ = await asyncio.to_thread(self.ranks.full_state, model)
+                state = {k: _travel_copy(v, self.dtype) for k, v in state.items()}
             if self.lead:
                 await self.ctx.publish(self.edge, state, version=version)
         else:
@@ -361,6 +366,18 @@ class LearnerWeightSync:
             checksum = await asyncio.to_thread(weights_checksum, model, self.dtype)
             if self.lead:
                 self.ctx.metrics({"weights/version": version, "weights/checksum": checksum})
+
+
+def _travel_dtype(config: WeightSyncConfig, auto: str | None) -> str | None:
+    return auto if config.dtype == "auto" else config.dtype
+
+
+def _travel_copy(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A CPU copy of `t` for the object store, floating point cast to `dtype` first (on its device)."""
+    t = t.detach()
+    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+        t = t.to(dtype)
+    return t.to("cpu", copy=True)
 
 
 def _tcp_store(host: str, port: int, is_master: bool, timeout: timedelta):

@@ -135,6 +135,22 @@ def test_collective_sync_in_one_process():
 
 
 # ---- cuda_ipc on CPU: the error, the flat buffer, the seqlock, both ends with CPU stand-ins ------
+def test_object_store_weights_travel_in_the_generators_dtype():
+    """The graph fills in the dtype the weights travel in from the generators' (auto: bfloat16 on
+    GPUs, fp32 on CPU), and the learner casts floating-point tensors to it before the copy to the
+    object store (half the bytes of fp32 masters); integer buffers travel as they are."""
+    cfg = lambda *o: load_graph(str(ROOT / "graphs/ppo.py"), list(o))[1].learner.weight_sync  # noqa: E731
+    assert cfg().dtype == "float32"
+    assert cfg("placement=colocated", "num_gpus=1").dtype == "bfloat16"
+    assert cfg("placement=colocated", "num_gpus=1", "generator.dtype=float16").dtype == "float16"
+    assert cfg("learner.weight_sync.dtype=float32", "placement=colocated", "num_gpus=1").dtype == "float32"
+    weights = torch.randn(3, 4)
+    sent = weight_sync._travel_copy(weights, torch.bfloat16)
+    assert sent.dtype == torch.bfloat16 and torch.equal(sent, weights.to(torch.bfloat16))
+    assert weight_sync._travel_copy(torch.arange(3), torch.bfloat16).dtype == torch.int64
+    assert weight_sync._travel_copy(weights, None).dtype == torch.float32
+
+
 def test_cuda_ipc_on_cpu_fails_naming_the_setting():
     async def scenario():
         edges, cfg = Edges(), WeightSyncConfig(transport="cuda_ipc")
@@ -199,7 +215,7 @@ def test_seqlock_copy_keeps_only_whole_versions():
 def test_cuda_ipc_both_ends_with_cpu_stand_ins(monkeypatch):
     """The cuda_ipc logic with the CUDA parts stood in on CPU (buffers on CPU, a handle = a registry
     key): versions alternate between two buffers, a generator stages at receipt and switches only in
-    serving(), serves the learner's weights cast to ipc_dtype (equal checksums), drops a version the
+    serving(), serves the learner's weights cast to weight_sync.dtype (equal checksums), drops a version the
     learner overwrote before the copy (and then times out waiting for it), and a generator on another
     GPU fails naming the setting."""
     shared: dict[int, torch.Tensor] = {}
