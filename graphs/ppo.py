@@ -136,6 +136,12 @@ def gpu_layout(g: Graph, cfg, trainers: tuple[str, ...]) -> dict[str, dict]:
     if n < 1 or (cfg.placement == "split" and n < 2):
         raise ConfigError(f"placement={cfg.placement} needs num_gpus >= {1 if cfg.placement == 'colocated' else 2}"
                           f" (got {n}); split puts the generators and the learner side on different GPUs")
+    for node, ranks in (("learner", _learner_ranks(cfg)), ("critic", _critic_ranks(cfg))):
+        pool_gpus = n if cfg.placement == "colocated" else 1   # split: the train pool is one GPU
+        if node in trainers and ranks > pool_gpus:
+            raise ConfigError(f"{node}.dp x {node}.tp = {ranks} ranks need a GPU each (NCCL puts one rank on a "
+                              f"GPU), but placement={cfg.placement} gives the {node} {pool_gpus}: use "
+                              f"placement=colocated with num_gpus >= {ranks} (or placement=cpu, gloo)")
     if cfg.placement == "colocated":
         g.pool("gpus", gpus=n)
         gens = cfg.generator_replicas or n

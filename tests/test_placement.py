@@ -256,6 +256,16 @@ def test_gpu_settings_mistakes_are_config_errors():
         build("ppo", placement="colocated", reward_model_gpu_share=0.2)
     with pytest.raises(ConfigError, match="needs placement=colocated or split"):
         build("ppo", reward_kind="model", reward_model_gpu_share=0.2)
+    import graphs.ppo
+
+    cfg = type(graphs.ppo.config)(placement="colocated", num_gpus=2)
+    cfg.critic.dp = 4   # four NCCL ranks on two GPUs: refused before anything starts
+    with pytest.raises(ConfigError, match=r"critic.dp x critic.tp = 4 ranks need a GPU each .* num_gpus >= 4"):
+        graphs.ppo.build(cfg)
+    cfg = type(graphs.ppo.config)(placement="split", num_gpus=4)
+    cfg.learner.tp = 2
+    with pytest.raises(ConfigError, match=r"learner.dp x learner.tp = 2 ranks .* placement=split gives the learner 1"):
+        graphs.ppo.build(cfg)
 
 
 def test_cpu_placement_is_unchanged():
