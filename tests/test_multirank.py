@@ -336,3 +336,44 @@ def test_ppo_graph_with_2_rank_learner_and_critic_checkpoints_on_ctrl_c_in_the_o
     assert critic["optimizer"]["state"][0]["exp_avg"].shape == next(plain.parameters()).shape
     assert checkpoint.read_state(last / "learner[0]")["node"]["step"] == manifest["step"]
     check_generators_hold_learner_weights([json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()])
+
+
+def test_a_killed_critic_rank_stops_the_run_instead_of_restarting_alone(ray_instance, tmp_path):
+    """kill -9 of critic[1] (of critic.dp=2): a new process could not rejoin the running process
+    group, so it is not restarted; the run stops naming that rank, within seconds."""
+    import asyncio
+    import signal
+    import threading
+    import time
+
+    from dataflow.errors import NodeFailed
+    from dataflow.runtime import RunOptions, load_graph, run_graph
+
+    graph, config = load_graph(str(ROOT / "graphs/ppo.py"), [
+        "prompts_per_step=4", "channel_capacity=8", "learner.minibatch_size=4", "critic.minibatch_size=4",
+        "critic.dp=2", "max_restarts=5"])
+    run_dir, outcome = tmp_path / "run", {}
+
+    def driver():
+        try:
+            asyncio.run(run_graph(graph, RunOptions(max_steps=1000, out_dir=str(run_dir), quiet=True), config))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            outcome["error"], outcome["t"] = e, time.monotonic()
+
+    thread = threading.Thread(target=driver, daemon=True)
+    thread.start()
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and '"step"' in metrics.read_text()):
+        assert thread.is_alive() and time.monotonic() < deadline, outcome
+        time.sleep(0.2)
+    pids = json.loads((run_dir / "processes.json").read_text())
+    t_kill = time.monotonic()
+    os.kill(pids["critic[1]"], signal.SIGKILL)
+    thread.join(60)
+    assert not thread.is_alive()
+    error = outcome["error"]
+    assert isinstance(error, NodeFailed) and error.node == "critic[1]", repr(error)
+    assert "its process died" in error.summary
+    assert outcome["t"] - t_kill < 20, outcome["t"] - t_kill
+    assert not [line for line in metrics.read_text().splitlines() if '"restarted"' in line]
