@@ -88,14 +88,15 @@ def critic_update(model, optimizer, samples: list[dict], pad_id: int, c: CriticC
             mb = [samples[i] for i in order[start:start + c.minibatch_size]]
             batch = pad_batch(mb, pad_id, token_keys=("values", "returns"), device=device)
             mask = batch["response_mask"]
-            mb_tokens = max(mask.sum().item(), 1.0)
+            row_tokens = mask.sum(1).tolist()   # read once: slice weights are Python floats from these
+            mb_tokens = max(sum(row_tokens), 1.0)
             rows = torch.arange(len(mb))
             if ranks is not None:  # row len(mb): a mask-0 copy of row 0 that pads short dp shares
                 batch = {k: torch.cat([v, v[:1]]) if torch.is_tensor(v) else v for k, v in batch.items()}
                 mask = torch.cat([mask, torch.zeros_like(mask[:1])])
+                row_tokens.append(0.0)
                 rows = ranks.dp_share(rows, pad_index=len(mb))
             optimizer.zero_grad(set_to_none=True)
-            row_tokens = mask.sum(1).tolist()
             acc = torch.zeros(2, dtype=torch.float64, device=device)  # read once per minibatch (as ppo_update)
             for sl in micro_slices(len(rows), c.micro_batch_size):
                 idx = rows[sl]

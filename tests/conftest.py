@@ -50,3 +50,38 @@ def run_then_interrupt(graph_file: str, overrides: list[str], run_dir: Path, aft
             await task
 
     asyncio.run(interrupted())
+
+
+def run_in_thread(graph, config, options) -> tuple:
+    """(thread, outcome): run_graph in a driver thread, so a test can watch the run directory and
+    kill node processes meanwhile. outcome gets "summary" or "error", and "t" (time.monotonic()
+    when the run ended)."""
+    import asyncio
+    import threading
+    import time
+
+    from dataflow.runtime import run_graph
+
+    outcome: dict = {}
+
+    def driver():
+        try:
+            outcome["summary"] = asyncio.run(run_graph(graph, options, config))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            outcome["error"] = e
+        outcome["t"] = time.monotonic()
+
+    thread = threading.Thread(target=driver, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def wait_until(condition, timeout_s: float, what: str, thread, outcome: dict) -> None:
+    """Poll `condition` while the run_in_thread run is alive; fail naming `what` otherwise."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert thread.is_alive(), f"the run ended while waiting for {what}: {outcome.get('error')!r}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.1)

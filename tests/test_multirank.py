@@ -341,32 +341,20 @@ def test_ppo_graph_with_2_rank_learner_and_critic_checkpoints_on_ctrl_c_in_the_o
 def test_a_killed_critic_rank_stops_the_run_instead_of_restarting_alone(ray_instance, tmp_path):
     """kill -9 of critic[1] (of critic.dp=2): a new process could not rejoin the running process
     group, so it is not restarted; the run stops naming that rank, within seconds."""
-    import asyncio
     import signal
-    import threading
     import time
 
     from dataflow.errors import NodeFailed
-    from dataflow.runtime import RunOptions, load_graph, run_graph
+    from dataflow.runtime import RunOptions, load_graph
+    from tests.conftest import run_in_thread, wait_until
 
     graph, config = load_graph(str(ROOT / "graphs/ppo.py"), [
         "prompts_per_step=4", "channel_capacity=8", "learner.minibatch_size=4", "critic.minibatch_size=4",
         "critic.dp=2", "max_restarts=5"])
-    run_dir, outcome = tmp_path / "run", {}
-
-    def driver():
-        try:
-            asyncio.run(run_graph(graph, RunOptions(max_steps=1000, out_dir=str(run_dir), quiet=True), config))
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            outcome["error"], outcome["t"] = e, time.monotonic()
-
-    thread = threading.Thread(target=driver, daemon=True)
-    thread.start()
+    run_dir = tmp_path / "run"
+    thread, outcome = run_in_thread(graph, config, RunOptions(max_steps=1000, out_dir=str(run_dir), quiet=True))
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and '"step"' in metrics.read_text()):
-        assert thread.is_alive() and time.monotonic() < deadline, outcome
-        time.sleep(0.2)
+    wait_until(lambda: metrics.exists() and '"step"' in metrics.read_text(), 300, "step 1", thread, outcome)
     pids = json.loads((run_dir / "processes.json").read_text())
     t_kill = time.monotonic()
     os.kill(pids["critic[1]"], signal.SIGKILL)

@@ -14,7 +14,6 @@ import json
 import os
 import random
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from nodes.models import ModelConfig, build_policy, sample_responses  # noqa: E4
 from nodes.policy import PolicySpec  # noqa: E402
 from nodes.reference import add_logprobs  # noqa: E402
 from nodes.tasks import build_tokenizer, make_task  # noqa: E402
+from tests.conftest import run_in_thread, wait_until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ModelConfig(n_layer=1, n_embd=32, n_head=2, intermediate_size=64)
@@ -203,14 +203,6 @@ def _progress(state_dir: Path) -> int:
         return -1
 
 
-def _wait_until(condition, timeout_s: float, what: str, thread: threading.Thread, outcome: dict):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert thread.is_alive(), f"the run ended while waiting for {what}: {outcome.get('error')!r}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
-        time.sleep(0.1)
-
-
 def test_a_killed_generator_is_restarted_and_a_killed_learner_stops_the_run(ray_instance, tmp_path):
     """kill -9 of the generator's process: it is restarted (counted in metrics, an instant event in
     the trace) and every prompt is still trained on exactly once. Then kill -9 of the learner's:
@@ -221,33 +213,24 @@ def test_a_killed_generator_is_restarted_and_a_killed_learner_stops_the_run(ray_
         "policy.model.n_embd=64", "policy.model.intermediate_size=128", "save_interval=2",
         "learner.record_prompt_ids=true"])
     run_dir, trace = tmp_path / "run", tmp_path / "trace.json"
-    outcome: dict = {}
-
-    def driver():
-        try:
-            asyncio.run(run_graph(graph, RunOptions(max_steps=1000, out_dir=str(run_dir), quiet=True,
-                                                    trace_path=str(trace)), config))
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            outcome["error"], outcome["t"] = e, time.monotonic()
-
-    thread = threading.Thread(target=driver, daemon=True)
-    thread.start()
+    thread, outcome = run_in_thread(graph, config, RunOptions(max_steps=1000, out_dir=str(run_dir), quiet=True,
+                                                              trace_path=str(trace)))
     steps = lambda: [r for r in _records(run_dir) if "step" in r]  # noqa: E731
-    _wait_until(lambda: len(steps()) >= 2, 300, "step 2", thread, outcome)
+    wait_until(lambda: len(steps()) >= 2, 300, "step 2", thread, outcome)
     pids = json.loads((run_dir / "processes.json").read_text())
     os.kill(pids["generator"], signal.SIGKILL)
     killed_at = len(steps())
-    _wait_until(lambda: len(steps()) >= killed_at + 4, 300, "4 steps after the restart", thread, outcome)
+    wait_until(lambda: len(steps()) >= killed_at + 4, 300, "4 steps after the restart", thread, outcome)
     assert json.loads((run_dir / "processes.json").read_text())["generator"] != pids["generator"]
 
     # kill -9 of the critic once it has trained since the last checkpoint: it comes back with that
     # training (its snapshot, critic.snapshot_interval=1), not as of the checkpoint.
     snapshot = run_dir / "snapshots" / "critic"
-    _wait_until(lambda: _progress(snapshot) > _progress(checkpoint.latest(run_dir) / "critic"), 120,
+    wait_until(lambda: _progress(snapshot) > _progress(checkpoint.latest(run_dir) / "critic"), 120,
                 "a critic snapshot newer than the last checkpoint", thread, outcome)
     os.kill(pids["critic"], signal.SIGKILL)
     killed_at = len(steps())
-    _wait_until(lambda: len(steps()) >= killed_at + 2, 300, "2 steps after the critic's restart", thread, outcome)
+    wait_until(lambda: len(steps()) >= killed_at + 2, 300, "2 steps after the critic's restart", thread, outcome)
 
     t_kill = time.monotonic()
     os.kill(pids["learner"], signal.SIGKILL)
@@ -292,18 +275,10 @@ def test_prompts_are_reissued_after_a_jsonl_dataset_is_exhausted(ray_instance, t
         "learner.minibatch_size=16", "critic.minibatch_size=16", "generator.prompts_per_call=1",
         "policy.model.n_layer=1", "policy.model.n_embd=64", "policy.model.intermediate_size=128",
         "learner.record_prompt_ids=true"])
-    run_dir, outcome = tmp_path / "run", {}
-
-    def driver():
-        try:
-            outcome["summary"] = asyncio.run(run_graph(graph, RunOptions(out_dir=str(run_dir), quiet=True), config))
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            outcome["error"] = e
-
-    thread = threading.Thread(target=driver, daemon=True)
-    thread.start()
+    run_dir = tmp_path / "run"
+    thread, outcome = run_in_thread(graph, config, RunOptions(out_dir=str(run_dir), quiet=True))
     steps = lambda: [r for r in _records(run_dir) if "step" in r]  # noqa: E731
-    _wait_until(lambda: len(steps()) >= 1, 300, "step 1", thread, outcome)
+    wait_until(lambda: len(steps()) >= 1, 300, "step 1", thread, outcome)
     os.kill(json.loads((run_dir / "processes.json").read_text())["generator"], signal.SIGKILL)
     thread.join(300)
     assert not thread.is_alive() and "error" not in outcome, outcome.get("error")
