@@ -406,6 +406,17 @@ def learner_bench(args, shape: dict, paths: dict, out: Path) -> list[dict]:
                 opt.zero_grad(set_to_none=True)
             rows.append(row)
             log(f"{row['variant']}: {row['status']} {row.get('s_per_step', float('nan')):.3f} s")
+    if device == "cuda":  # where one update's GPU time goes, by op (written next to results.json)
+        from torch.profiler import ProfilerActivity, profile
+
+        mbs = args.learner_micro_batches[0]
+        cfg = LearnerConfig(minibatch_size=n, micro_batch_size=mbs, lr=1e-6)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            ppo_update(model, opt, samples, 0.01, tok.pad_token_id, cfg, random.Random(0), False)
+            torch.cuda.synchronize()
+        text = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60)
+        (out / "learner_profile.txt").write_text(f"ppo_update, micro-batch {mbs}, {n} samples\n{text}\n")
+        log(f"learner profile (micro-batch {mbs}):\n{text[:6000]}")
     for mbs in args.learner_micro_batches:
         row = {"variant": f"reference mb={mbs}", "status": "ok"}
         try:
