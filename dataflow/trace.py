@@ -525,7 +525,8 @@ class TraceCollector:
             if len(ivs) > 4096:  # keep memory flat on long runs
                 ivs[:] = merge_intervals(ivs)
         if drained.get("gpu_util"):
-            # Every process on a GPU reads the same NVML samples: one copy per timestamp.
+            # Every process on a GPU reads the same NVML samples: one copy per timestamp here, and
+            # one stream per GPU at output (trace_report.one_sample_stream: timestamps can differ).
             samples = self._gpu_util.setdefault(drained["gpu"], {})
             for t0, t1, pct, nvml_ts in drained["gpu_util"]:
                 samples.setdefault(nvml_ts, (process_name, t0, t1, pct))
@@ -556,9 +557,11 @@ class TraceCollector:
                 g["kernels"] = {"window": kernels[1], "busy_us": union_length(*kernels)}
             samples = self._gpu_util.get(label)
             if samples:
-                g["util_samples"] = tr.coarsen_samples(sorted(
-                    [t0 - self._offsets.get(name, 0), t1 - self._offsets.get(name, 0), pct]
-                    for name, t0, t1, pct in samples.values()))
+                streams: dict[str, list] = {}
+                for name, t0, t1, pct in samples.values():
+                    off = self._offsets.get(name, 0)
+                    streams.setdefault(name, []).append([t0 - off, t1 - off, pct])
+                g["util_samples"] = tr.coarsen_samples(tr.one_sample_stream(list(streams.values())))
         dropped = sum(p["dropped"] for p in self._procs.values())
         return {"processes": procs, "gpus": gpus, "dropped": dropped}, merged
 

@@ -15,6 +15,7 @@ and per GPU: {"busy_us": |union of busy intervals within window|, "window": [t0,
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import math
@@ -68,6 +69,30 @@ def sampled_idle(samples, window) -> float:
     w0, w1 = window
     busy = sum(p / 100 * max(0, min(b, w1) - max(a, w0)) for a, b, p in samples)
     return max(0.0, 1.0 - busy / max(1, w1 - w0))
+
+
+def one_sample_stream(streams: list[list]) -> list:
+    """Utilization samples [[t0, t1, percent], ...] of one GPU, read by several processes (each its
+    own NVML handle), as one stream: the widest process's samples, plus another's only where they
+    cover time that none kept so far covers (by more than half). The processes' copies of one driver
+    sample do not share a timestamp exactly and sit up to a clock offset apart, so matching them by
+    time would double the busy time; a later process still fills the time before the first started."""
+    streams = sorted((sorted(s) for s in streams if s), key=lambda s: -(s[-1][1] - s[0][0]))
+    kept, covered = [], []   # covered: merged [t0, t1] of the kept samples
+    for stream in streams:
+        starts = [a for a, _ in covered]
+        new = []
+        for t0, t1, pct in stream:
+            i = max(0, bisect.bisect_right(starts, t0) - 1)
+            overlap = 0
+            while i < len(covered) and covered[i][0] < t1:
+                overlap += max(0, min(t1, covered[i][1]) - max(t0, covered[i][0]))
+                i += 1
+            if overlap <= 0.5 * (t1 - t0):
+                new.append([t0, t1, pct])
+        kept += new
+        covered = merge_intervals(covered + [[a, b] for a, b, _ in new])
+    return sorted(kept)
 
 
 def coarsen_samples(samples, limit: int = 20_000) -> list:
@@ -300,15 +325,22 @@ def summarize(aggregates: dict, top: int = 8) -> dict:
         span_idle = max(0.0, 1.0 - g["busy_us"] / length)
         idle, source = span_idle, "cuda events"
         samples = g.get("util_samples")
+        nvml_same_window = None
         if g.get("kernels"):  # kernel records (--trace-kernels): exact
             k = g["kernels"]
             idle, source = max(0.0, 1.0 - k["busy_us"] / max(1, k["window"][1] - k["window"][0])), "kernels"
+            if samples:  # what a run without --trace-kernels reports (NVML), over the kernels' window
+                covered = sampled_window(samples, tuple(k["window"]))
+                if covered[1] - covered[0] >= 0.5 * (k["window"][1] - k["window"][0]):
+                    nvml_same_window = sampled_idle(samples, covered)
         elif samples:  # kernel time sampled by NVML, when its samples cover most of the window
             covered = sampled_window(samples, g["window"])
             if covered[1] - covered[0] >= 0.5 * length:
                 idle, source = sampled_idle(samples, covered), "nvml"
         devices[label] = {"idle": idle, "span_idle": span_idle, "source": source, "window_s": length / 1e6,
                           "nodes": on, "causes": _merged_causes(nodes, on)}
+        if nvml_same_window is not None:
+            devices[label]["nvml_idle_kernel_window"] = nvml_same_window
     for name, n in nodes.items():
         if n["gpu"] is None:  # CPU run: the node's own compute is the device
             devices[f"cpu {name}"] = {"idle": 1.0 - n["busy"], "window_s": n["window_s"], "nodes": [name],
@@ -364,7 +396,9 @@ def format_report(summary: dict) -> str:
             how = {"kernels": "kernel records (--trace-kernels)",
                    "nvml": "NVML utilization samples (overstates launch-bound work; --trace-kernels is exact)",
                    }.get(d["source"], "CUDA events around spans (NVML unavailable: launch gaps count as busy)")
-            lines.append(f"    {label}: idle from {how}; span events say {_pct(d['span_idle'])}")
+            also = (f", NVML over the same window {_pct(d['nvml_idle_kernel_window'])}"
+                    if "nvml_idle_kernel_window" in d else "")
+            lines.append(f"    {label}: idle from {how}; span events say {_pct(d['span_idle'])}{also}")
     if summary["idle_causes"]:
         lines.append("  top idle causes:")
         for i, c in enumerate(summary["idle_causes"], start=1):

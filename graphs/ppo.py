@@ -54,8 +54,9 @@ class PPOGraphConfig:
     """Longest response (0 = what the built-in task needs; set it for your own data)."""
     max_staleness: int = 1
     """Policy versions the generators may run ahead of the learner (0 = synchronous)."""
-    weight_transport: Literal["object_store", "collective", "cuda_ipc"] = "object_store"
-    """How the learner's weights reach the generators. object_store: a state dict through Ray's
+    weight_transport: Literal["auto", "object_store", "collective", "cuda_ipc"] = "auto"
+    """How the learner's weights reach the generators. auto: cuda_ipc for placement=colocated with
+    num_gpus=1 (measured fastest there, bench/RESULTS.md), else object_store. object_store: a state dict through Ray's
     object store. collective: the HybridEngine push (gloo; NCCL when each end has a GPU of its
     own; llama/qwen2 policies), the `policy` edge then carries only the version. cuda_ipc: learner
     and every generator on ONE physical GPU (placement=colocated, num_gpus=1): the learner writes
@@ -105,6 +106,9 @@ def wire_policy(cfg) -> int:
     cfg.prompts.max_staleness = cfg.learner.max_staleness = cfg.max_staleness
     cfg.learner.temperature = cfg.generator.temperature
     cfg.learner.target_reward = cfg.target_reward
+    if cfg.weight_transport == "auto":  # written back, so config.json records what ran
+        one_gpu = cfg.placement == "colocated" and cfg.num_gpus == 1
+        cfg.weight_transport = "cuda_ipc" if one_gpu else "object_store"
     for sync in (cfg.learner.weight_sync, cfg.generator.weight_sync):
         sync.transport, sync.checksums = cfg.weight_transport, sync.checksums or cfg.weight_checksums
     if cfg.learner.weight_sync.dtype == "auto":  # weights travel in the generators' dtype

@@ -98,15 +98,17 @@ def critic_update(model, optimizer, samples: list[dict], pad_id: int, c: CriticC
                 rows = ranks.dp_share(rows, pad_index=len(mb))
             optimizer.zero_grad(set_to_none=True)
             acc = torch.zeros(2, dtype=torch.float64, device=device)  # read once per minibatch (as ppo_update)
-            for sl in micro_slices(len(rows), c.micro_batch_size):
-                idx = rows[sl]
-                weight = sum(row_tokens[i] for i in idx.tolist()) / mb_tokens  # a double: no fp32 rounding
-                with autocast(amp, device):
+            # per minibatch: weights cast to bf16 once (as ppo_update)
+            with autocast(amp, device, cache_weights=ranks is None):
+                for sl in micro_slices(len(rows), c.micro_batch_size):
+                    idx = rows[sl]
+                    weight = sum(row_tokens[i] for i in idx.tolist()) / mb_tokens  # a double: no fp32 rounding
                     values = model(batch["input_ids"][idx], batch["attention_mask"][idx])
-                loss, stats = value_loss(values, batch["values"][idx], batch["returns"][idx], mask[idx], c.value_clip)
-                (loss * weight).backward()
-                acc += torch.stack([loss.detach().double(), stats["clipfrac"].double()]) * weight
-                del values, loss
+                    loss, stats = value_loss(values, batch["values"][idx], batch["returns"][idx], mask[idx],
+                                             c.value_clip)
+                    (loss * weight).backward()
+                    acc += torch.stack([loss.detach().double(), stats["clipfrac"].double()]) * weight
+                    del values, loss
             sums = dict(zip(("loss", "clipfrac"), acc.tolist()))
             if ranks is None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), c.max_grad_norm)

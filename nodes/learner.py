@@ -171,29 +171,35 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
             optimizer.zero_grad(set_to_none=True)
             total += 1
             acc = torch.zeros(len(stat_keys), dtype=torch.float64, device=device)
-            for sl in micro_slices(len(mb_idx), c.micro_batch_size):
-                idx = mb_idx[sl]
-                # This slice's share of the minibatch's valid tokens (0 when all of them are failed);
-                # a Python float (double), so the weighting adds no float32 rounding.
-                weight = sum(row_tokens[i] for i in mb_rows[sl].tolist()) / mb_tokens
-                with autocast(amp, device):
+            # One autocast context per minibatch, not per micro-batch: autocast caches the bf16 copy
+            # of each fp32 weight until the context ends, so the weights are cast once per optimizer
+            # step (on W1, 16 micro-batches recast them 16 times). It ends before optimizer.step,
+            # which changes the weights. The loss math stays fp32/float64 under it (autocast lowers
+            # only matmul-like ops), and backward runs on autograd's own thread. Sharded (ranks):
+            # no cache, see nodes/precision.autocast.
+            with autocast(amp, device, cache_weights=ranks is None):
+                for sl in micro_slices(len(mb_idx), c.micro_batch_size):
+                    idx = mb_idx[sl]
+                    # This slice's share of the minibatch's valid tokens (0 when all of them are failed);
+                    # a Python float (double), so the weighting adds no float32 rounding.
+                    weight = sum(row_tokens[i] for i in mb_rows[sl].tolist()) / mb_tokens
                     logprobs, entropy = sequence_logprobs(model, full["input_ids"][idx], full["attention_mask"][idx],
                                                           mask[idx], temperature=c.temperature,
                                                           entropy_grad=c.entropy_coef != 0)
-                pg_loss, pg_stats = ppo_policy_loss(
-                    logprobs, old_logprobs[idx], advantages[idx], mask[idx], c.clip_eps,
-                    behaviour_logprobs=full["logprobs"][idx] if stale else None,
-                    is_truncation=c.is_truncation if stale else None)
-                kl = masked_mean(kl_penalty(logprobs, full["ref_logprobs"][idx], c.kl.estimator), mask[idx])
-                ent = masked_mean(entropy, mask[idx])
-                loss = (pg_loss + kl_coef * kl - c.entropy_coef * ent) * weight
-                terms = (pg_loss, kl, ent, pg_stats["approx_kl"], pg_stats["clipfrac"], pg_stats["is_weight_mean"])
-                acc[0] += loss.detach().double()
-                acc[1:] += torch.stack([t.detach().double() for t in terms]) * weight
-                # Always backward (on every rank alike: a collective under FSDP); a non-finite
-                # loss makes the gradient non-finite, and the step is skipped below.
-                loss.backward()
-                del logprobs, entropy, loss
+                    pg_loss, pg_stats = ppo_policy_loss(
+                        logprobs, old_logprobs[idx], advantages[idx], mask[idx], c.clip_eps,
+                        behaviour_logprobs=full["logprobs"][idx] if stale else None,
+                        is_truncation=c.is_truncation if stale else None)
+                    kl = masked_mean(kl_penalty(logprobs, full["ref_logprobs"][idx], c.kl.estimator), mask[idx])
+                    ent = masked_mean(entropy, mask[idx])
+                    loss = (pg_loss + kl_coef * kl - c.entropy_coef * ent) * weight
+                    terms = (pg_loss, kl, ent, pg_stats["approx_kl"], pg_stats["clipfrac"], pg_stats["is_weight_mean"])
+                    acc[0] += loss.detach().double()
+                    acc[1:] += torch.stack([t.detach().double() for t in terms]) * weight
+                    # Always backward (on every rank alike: a collective under FSDP); a non-finite
+                    # loss makes the gradient non-finite, and the step is skipped below.
+                    loss.backward()
+                    del logprobs, entropy, loss
             sums = dict(zip(stat_keys, acc.tolist()))   # the one wait for the GPU of this minibatch
             if ranks is not None:  # the minibatch's stats: the dp shares' weighted parts add up
                 sums = ranks.sum_over_dp(sums)

@@ -29,11 +29,15 @@ def compute_dtype(precision: str, device) -> torch.dtype:
     return torch.float32
 
 
-def autocast(dtype: torch.dtype, device):
-    """bf16 autocast on `device` when dtype is bf16; a no-op context otherwise."""
+def autocast(dtype: torch.dtype, device, cache_weights: bool = True):
+    """bf16 autocast on `device` when dtype is bf16; a no-op context otherwise.
+
+    cache_weights: keep each fp32 weight's bf16 copy until the context ends (torch's cache), so
+    one context around several micro-batches casts the weights once. Off for FSDP-sharded models:
+    the cache would hold a full unsharded bf16 copy of every weight for the whole context."""
     if dtype == torch.float32 or dtype == torch.float64:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype, cache_enabled=cache_weights)
 
 
 def prepare_trained(model: torch.nn.Module, device, precision: str) -> torch.nn.Module:

@@ -268,6 +268,23 @@ def test_gpu_settings_mistakes_are_config_errors():
         graphs.ppo.build(cfg)
 
 
+@pytest.mark.parametrize("graph", ["ppo", "grpo"])
+def test_weight_transport_auto_picks_cuda_ipc_only_for_one_shared_gpu(graph):
+    import graphs.grpo
+    import graphs.ppo
+
+    module = graphs.ppo if graph == "ppo" else graphs.grpo
+    for settings, chosen in [({}, "object_store"), ({"placement": "colocated", "num_gpus": 1}, "cuda_ipc"),
+                             ({"placement": "colocated", "num_gpus": 2}, "object_store"),
+                             ({"placement": "split", "num_gpus": 2}, "object_store"),
+                             ({"placement": "colocated", "num_gpus": 1, "weight_transport": "object_store"},
+                              "object_store")]:
+        cfg = type(module.config)(**settings)
+        module.build(cfg)
+        assert (cfg.weight_transport, cfg.learner.weight_sync.transport, cfg.generator.weight_sync.transport) \
+            == (chosen,) * 3, settings
+
+
 def test_cpu_placement_is_unchanged():
     g = build("ppo")
     assert not g.pools and all(n.gpus == 0 and n.pool is None for n in g.nodes.values())

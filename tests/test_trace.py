@@ -498,6 +498,30 @@ def test_gpu_idle_from_nvml_samples_when_they_cover_the_window(tmp_path):
     assert [u["busy"] for _, u in gpu_util] == [50, 20]
 
 
+def test_nvml_samples_read_by_several_processes_count_once_even_with_different_timestamps():
+    """Seen on the H200: three processes on one GPU got the same driver samples under different
+    NVML timestamps, ~100 us apart on the driver clock; keyed by timestamp they were summed, and
+    NVML said 16.8% idle where the kernel records said 47.0%."""
+    s = 1_000_000
+    # learner: samples over 2-10 s, (2, 6] 50% busy, (6, 10] 20%. generator: the same ones 100 us
+    # later with other timestamps, and (0, 2] 10% from before the learner started. The generator's
+    # stream covers more, so it is kept and the learner's copies are dropped: busy 0.2 + 2 + 0.8 s
+    # (less the 100 us gap) of 10 s, idle 70%; summed, idle would be 40%.
+    learner = [(2 * s, 6 * s, 50, 11), (6 * s, 10 * s, 20, 12)]
+    generator = [(0, 2 * s, 10, 20), (2 * s + 100, 6 * s + 100, 50, 21), (6 * s + 100, 10 * s, 20, 22)]
+    c = TraceCollector(enabled=False)
+    c.add("learner", fake_gpu_drain("learner", (0, 10 * s), 8 * s, [[0, 8 * s]], {}, learner))
+    c.add("generator", fake_gpu_drain("generator", (0, 10 * s), 1 * s, [[0, 1 * s]], {}, generator))
+    gpu = c.summary()["devices"]["GPU host:0"]
+    assert gpu["source"] == "nvml" and gpu["idle"] == pytest.approx(0.70, abs=1e-5)
+    one = trace_report.one_sample_stream([[list(u[:3]) for u in learner], [list(u[:3]) for u in generator]])
+    assert one == [list(u[:3]) for u in generator]
+    # A process that covers time nobody else does adds its samples there, and only there.
+    late = [[10 * s, 12 * s, 40], [6 * s, 10 * s, 99]]
+    assert trace_report.one_sample_stream([[list(u[:3]) for u in generator], late]) \
+        == [list(u[:3]) for u in generator] + [[10 * s, 12 * s, 40]]
+
+
 def test_kernel_records_take_precedence_over_nvml_and_spans(tmp_path):
     s = 1_000_000
     util = [(0, 10 * s, 50, 1)]
