@@ -54,9 +54,12 @@ class GeneratorConfig:
     temperature: float = 1.0
     top_k: int = 0
     """Sample from the k most likely tokens (0 = all)."""
-    prompts_per_call: int = 32
+    prompts_per_call: int = 0
     """Prompts decoded at once: the static decoder has prompts_per_call x group_size slots,
-    refilled as prompts arrive; the HF loop takes up to this many per call."""
+    refilled as prompts arrive; the HF loop takes up to this many per call. 0 = auto: 256 slots'
+    worth on CUDA (256 // group_size prompts: 32 for GRPO's groups of 8, 256 for PPO), 32 prompts
+    on CPU. A decode step costs about the same for 32 slots as for 256 on a GPU: W1 PPO ran 2.4x
+    faster with 256 than with 32 (bench/RESULTS.md). Lower it if the KV cache does not fit."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and KV cache dtype (auto: bfloat16 on CUDA, float32 on CPU). The learner's weights
     are cast into it as they arrive."""
@@ -78,6 +81,15 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def prompts_per_call(c: GeneratorConfig, device) -> int:
+    """c.prompts_per_call, or for 0 (auto) 256 decoder slots' worth on CUDA, 32 prompts elsewhere."""
+    if c.prompts_per_call < 0:
+        raise UserError(f"generator.prompts_per_call={c.prompts_per_call}: use 0 (auto) or a positive count")
+    if c.prompts_per_call:
+        return c.prompts_per_call
+    return max(1, 256 // c.group_size) if torch.device(device).type == "cuda" else 32
+
+
 class Generator(Node):
     Config = GeneratorConfig
     inputs = ("prompts",)
@@ -86,6 +98,7 @@ class Generator(Node):
 
     async def setup(self):
         c = self.config
+        self.prompts_per_call = prompts_per_call(c, self.ctx.device)
         self.model, self.tokenizer = policy.load(c.policy)
         # Cast before the weight sync's setup: it tells the learner the dtype to push in.
         self.model.to(self.ctx.device, dtype=resolve_dtype(c.dtype, self.ctx.device)).eval()
@@ -100,7 +113,7 @@ class Generator(Node):
         max_pos = self.model.config.max_position_embeddings
         self.max_prompt = c.max_prompt_tokens or min(max(max_pos - c.max_new_tokens, 256), 1024)
         self.decoder = StaticDecoder(
-            self.model, c.prompts_per_call * c.group_size, self.max_prompt + c.max_new_tokens,
+            self.model, self.prompts_per_call * c.group_size, self.max_prompt + c.max_new_tokens,
             eos_id=self.tokenizer.eos_token_id, max_new_tokens=c.max_new_tokens,
             min_new_tokens=c.min_new_tokens, temperature=c.temperature, top_k=c.top_k,
             seed=c.seed, cuda_graphs=c.cuda_graphs)
@@ -141,7 +154,7 @@ class Generator(Node):
             ready.clear()
             if not waiting and not ended:
                 try:
-                    for msg in await prompts.recv_batch(c.prompts_per_call, 0.02):
+                    for msg in await prompts.recv_batch(self.prompts_per_call, 0.02):
                         waiting.append((msg, self._tokenize(msg)))
                 except EndOfChannel:
                     ended = True
@@ -193,7 +206,7 @@ class Generator(Node):
     async def _run_batched(self):
         c = self.config
         prompts, out = self.ctx.inputs["prompts"], self.ctx.outputs["samples"]
-        async for batch in prompts.batches(c.prompts_per_call, 0.02):
+        async for batch in prompts.batches(self.prompts_per_call, 0.02):
             ids = [self._tokenize(m) for m in batch]
             repeated = [p for p in ids for _ in range(c.group_size)]
             rng = torch.Generator().manual_seed(c.seed * 2**32 + batch[0].data["id"])

@@ -188,3 +188,16 @@ def test_unsupported_models_are_named(tok):
     assert "gpt2" in decoding.unsupported_reason(gpt2)
     with pytest.raises(ValueError, match="unsupported model"):
         decoding.StaticDecoder(gpt2, 2, 16, eos_id=0, max_new_tokens=4)
+
+
+def test_prompts_per_call_auto_fills_256_slots_on_cuda_and_32_prompts_on_cpu():
+    from dataflow.errors import UserError
+    from nodes.generator import GeneratorConfig, prompts_per_call
+
+    assert prompts_per_call(GeneratorConfig(group_size=8), "cuda") == 32      # GRPO: 32 x 8 slots
+    assert prompts_per_call(GeneratorConfig(group_size=1), "cuda:0") == 256   # PPO: 256 x 1
+    assert prompts_per_call(GeneratorConfig(group_size=512), "cuda") == 1
+    assert prompts_per_call(GeneratorConfig(group_size=1), "cpu") == 32
+    assert prompts_per_call(GeneratorConfig(group_size=8, prompts_per_call=5), "cuda") == 5
+    with pytest.raises(UserError, match="generator.prompts_per_call=-1"):
+        prompts_per_call(GeneratorConfig(prompts_per_call=-1), "cpu")
