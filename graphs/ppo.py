@@ -73,12 +73,19 @@ class PPOGraphConfig:
     """Where the model nodes run. cpu: no GPU. colocated: one pool of num_gpus GPUs that the
     generators (one per GPU), reference, critic and learner share, in equal shares, as evenly as
     they go. split: the generators get GPUs 0..num_gpus-2 (one whole GPU each), the learner side
-    (reference, critic, learner: equal shares) the last GPU. Each share caps that node's GPU memory."""
+    (reference, critic, learner: equal shares) the last GPU. Each share caps that node's GPU memory;
+    gpu_shares sets them per node."""
     num_gpus: int = 1
     """GPUs for placement=colocated or split (the cluster must have them; checked at start)."""
     reward_model_gpu_share: float = 0.0
     """With reward_kind=model and a GPU placement: the reward model's share of one GPU of the
     learner's pool (the other shares there shrink to make room). 0 = the reward model on CPU."""
+    gpu_shares: dict[str, float] = field(default_factory=dict)
+    """A fraction of one GPU for named model nodes (generator, reference, critic, learner), each
+    replica, e.g. '{"learner": 0.5}'. Where all of a pool's nodes share one GPU (colocated with
+    num_gpus=1, split's learner GPU), the nodes not named split what is left equally; on several
+    colocated GPUs they keep their equal shares and the plan checks that everything fits. A share
+    caps the node's GPU memory too: give the learner more when a larger micro-batch needs it."""
     max_steps: int = 200
     """Stop after this many learner steps (--max-steps overrides)."""
     target_reward: float = 0.0
@@ -164,7 +171,37 @@ def gpu_layout(g: Graph, cfg, trainers: tuple[str, ...]) -> dict[str, dict]:
     layout["generator"]["replicas"] = gens
     if share:
         layout["reward"] = {"pool": train_pool, "gpus": share}
+    if cfg.gpu_shares:
+        one_gpu_pools = {"gpus"} if cfg.placement == "colocated" and n == 1 else {"train"}
+        actors = {"generator": gens, "learner": _learner_ranks(cfg), "critic": _critic_ranks(cfg)}
+        apply_gpu_shares(layout, cfg.gpu_shares, one_gpu_pools, actors)
     return layout
+
+
+def apply_gpu_shares(layout: dict[str, dict], shares: dict[str, float], one_gpu_pools: set[str],
+                     actors: dict[str, int]) -> None:
+    """Set the named nodes' per-replica GPU fraction in `layout` (gpu_layout's); in a pool whose
+    nodes all share one GPU, the unnamed ones (but a reward model's fixed share) split the rest."""
+    known = [n for n in layout if n != "reward"]
+    for name, value in shares.items():
+        if name not in known:
+            raise ConfigError(f"gpu_shares: '{name}' is not a model node on a GPU here; "
+                              f"name one of {', '.join(known)}")
+        if not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ConfigError(f"gpu_shares: {name}={value!r}; a share is a fraction of one GPU in (0, 1]")
+        layout[name]["gpus"] = float(value)
+    for pool in one_gpu_pools:
+        members = [n for n, spec in layout.items() if spec.get("pool") == pool]
+        used = sum(layout[n]["gpus"] * actors.get(n, 1) for n in members if n in shares or n == "reward")
+        rest = [n for n in members if n not in shares and n != "reward"]
+        left = 1.0 - used
+        if left < -1e-9 or (rest and left <= 1e-9):
+            named = ", ".join(f"{n} {layout[n]['gpus']:g} x {actors.get(n, 1)}" for n in members
+                              if n in shares or n == "reward")
+            raise ConfigError(f"gpu_shares: {named} take {used:g} of one GPU, leaving "
+                              f"{max(left, 0):g} for {', '.join(rest) or 'nothing'}; lower them")
+        for n in rest:
+            layout[n]["gpus"] = left / sum(actors.get(m, 1) for m in rest)
 
 
 def add_rollout_nodes(g: Graph, cfg, on_gpus: dict[str, dict]) -> str:

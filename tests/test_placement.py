@@ -268,6 +268,34 @@ def test_gpu_settings_mistakes_are_config_errors():
         graphs.ppo.build(cfg)
 
 
+def test_gpu_shares_give_named_nodes_their_fraction_and_the_rest_split_what_is_left():
+    # One shared GPU (W1 PPO: the learner at micro-batch 32 needs ~49 GB, more than a quarter).
+    p = plan(build("ppo", placement="colocated", num_gpus=1, gpu_shares={"learner": 0.4}), cluster=[1])
+    assert gpu_usage(p)["gpus"] == [{"generator": 0.2, "reference": 0.2, "critic": 0.2, "learner": 0.4}]
+    # split: the learner's GPU; a reward model's fixed share stays as set.
+    p = plan(build("grpo", placement="split", num_gpus=2, gpu_shares={"learner": 0.6}, reward_kind="model",
+                   reward_model_gpu_share=0.1), cluster=[2])
+    assert gpu_usage(p)["train"] == [{"reference": 0.3, "learner": 0.6, "reward": 0.1}]
+    # Read from the command line as JSON, like any dict setting.
+    import graphs.ppo
+    from dataflow.config import apply_overrides
+
+    cfg = apply_overrides(graphs.ppo.config, ['gpu_shares={"learner": 0.5, "generator": 0.2}', "placement=colocated"])
+    assert plan(graphs.ppo.build(cfg), cluster=[1]).slots["critic"].gpus == pytest.approx(0.15)
+
+
+def test_gpu_shares_mistakes_are_config_errors():
+    with pytest.raises(ConfigError, match=r"gpu_shares: 'learnr' is not a model node .* learner"):
+        build("ppo", placement="colocated", gpu_shares={"learnr": 0.5})
+    with pytest.raises(ConfigError, match=r"gpu_shares: learner=1.5; a share is a fraction of one GPU in \(0, 1\]"):
+        build("ppo", placement="colocated", gpu_shares={"learner": 1.5})
+    with pytest.raises(ConfigError, match=r"gpu_shares: critic 0.3 x 1, learner 0.7 x 1 take 1 of one GPU, "
+                                          r"leaving 0 for generator, reference; lower them"):
+        build("ppo", placement="colocated", gpu_shares={"learner": 0.7, "critic": 0.3})
+    with pytest.raises(ConfigError, match="'reward' is not a model node"):
+        build("grpo", placement="split", num_gpus=2, gpu_shares={"reward": 0.5})
+
+
 @pytest.mark.parametrize("graph", ["ppo", "grpo"])
 def test_weight_transport_auto_picks_cuda_ipc_only_for_one_shared_gpu(graph):
     import graphs.grpo
