@@ -471,8 +471,9 @@ def main() -> int:
     p.add_argument("--trl-micro-batch", type=int, default=16, help="TRL per_device_train_batch_size")
     p.add_argument("--trl-grad-ckpt", action="store_true", help="TRL with gradient checkpointing (its default)")
     p.add_argument("--tiny", action="store_true", help="a small shape on CPU: checks the whole script end to end")
-    p.add_argument("--micro-batch", type=int, default=32, help="learner/critic micro_batch_size (--learner-bench: "
-                   "32 is 1.27x faster than 16 at W1, 46 GB peak)")
+    p.add_argument("--micro-batch", type=int, default=0,
+                   help="learner/critic micro_batch_size; 0 = 16 on one GPU, 32 on two (--learner-bench: 32 is "
+                        "1.27x faster than 16 at W1 but peaks at 46 GB, over the learner's equal share of one H200)")
     p.add_argument("--ref-micro-batch", type=int, default=32, help="reference micro_batch_size")
     p.add_argument("--set", action="append", default=[], help="extra --set for every dataflow variant")
     p.add_argument("--learner-bench", action="store_true",
@@ -485,6 +486,7 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=570.0,
                    help="stop starting variants past this many seconds (the GPU machine's call limit is 600)")
     args = p.parse_args()
+    args.micro_batch = args.micro_batch or (16 if args.gpus == 1 else 32)
 
     shape = SHAPES["tiny" if args.tiny else "w1"]
     out = Path(args.out)
