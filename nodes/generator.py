@@ -58,7 +58,7 @@ class GeneratorConfig:
     """Prompts decoded at once: the static decoder has prompts_per_call x group_size slots,
     refilled as prompts arrive; the HF loop takes up to this many per call. 0 = auto: 256 slots'
     worth on CUDA (256 // group_size prompts: 32 for GRPO's groups of 8, 256 for PPO), 32 prompts
-    on CPU. A decode step costs about the same for 32 slots as for 256 on a GPU: W1 PPO ran 2.4x
+    on CPU. On a GPU a decode step costs little more for 256 slots than for 32: W1 PPO ran 2.4x
     faster with 256 than with 32 (bench/RESULTS.md). Lower it if the KV cache does not fit."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and KV cache dtype (auto: bfloat16 on CUDA, float32 on CPU). The learner's weights
