@@ -112,6 +112,7 @@ class NodeHost:
         self.ctx = NodeContext(
             name=self.spec.node, replica=self.spec.replica, num_replicas=self.spec.num_replicas,
             device=self.device, max_steps=self.spec.max_steps, inputs=inputs, outputs=outputs,
+            gpu_share=min(self.spec.gpus, 1.0) if self.device == "cuda" else 0.0,
             tracer=self.tracer, run_dir=self.spec.run_dir, _host=self,
             save_interval=self.spec.save_interval, state_lock=self.state_lock)
         self.node = self.spec.kind(self.spec.config, self.ctx)

@@ -71,6 +71,8 @@ class NodeContext:
     num_replicas: int
     device: str
     max_steps: int | None
+    gpu_share: float = 0.0
+    """This replica's share of its GPU (0 = none; its CUDA memory is capped at it below 1)."""
     run_dir: str = "."
     inputs: dict = field(default_factory=dict)   # port -> channel.ReceiveEnd
     outputs: dict = field(default_factory=dict)  # port -> channel.SendEnd

@@ -59,7 +59,8 @@ class GeneratorConfig:
     refilled as prompts arrive; the HF loop takes up to this many per call. 0 = auto: 256 slots'
     worth on CUDA (256 // group_size prompts: 32 for GRPO's groups of 8, 256 for PPO), 32 prompts
     on CPU. On a GPU a decode step costs little more for 256 slots than for 32: W1 PPO ran 2.4x
-    faster with 256 than with 32 (bench/RESULTS.md). Lower it if the KV cache does not fit."""
+    faster with 256 than with 32 (bench/RESULTS.md). Auto takes fewer slots when their KV cache
+    would fill more than half of the GPU memory this replica has left (logged)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and KV cache dtype (auto: bfloat16 on CUDA, float32 on CPU). The learner's weights
     are cast into it as they arrive."""
@@ -81,13 +82,32 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def prompts_per_call(c: GeneratorConfig, device) -> int:
-    """c.prompts_per_call, or for 0 (auto) 256 decoder slots' worth on CUDA, 32 prompts elsewhere."""
+AUTO_SLOTS = 256
+
+
+def prompts_per_call(c: GeneratorConfig, device, slot_bytes: int = 0, room_bytes: int = 0) -> int:
+    """c.prompts_per_call, or for 0 (auto) AUTO_SLOTS decoder slots' worth on CUDA, 32 prompts
+    elsewhere. Given a slot's KV-cache bytes and the bytes this replica may still allocate, auto
+    also keeps the cache within half of that room (activations, the sampler and CUDA graphs need
+    the rest), down to one prompt's group."""
     if c.prompts_per_call < 0:
         raise UserError(f"generator.prompts_per_call={c.prompts_per_call}: use 0 (auto) or a positive count")
     if c.prompts_per_call:
         return c.prompts_per_call
-    return max(1, 256 // c.group_size) if torch.device(device).type == "cuda" else 32
+    if torch.device(device).type != "cuda":
+        return 32
+    slots = AUTO_SLOTS if not (slot_bytes and room_bytes) else min(AUTO_SLOTS, room_bytes // 2 // slot_bytes)
+    return max(1, slots // c.group_size)
+
+
+def kv_bytes_per_slot(model, max_len: int) -> int:
+    """Bytes of one decoder slot's K and V cache over every layer (nodes/decoding.StaticDecoder)."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    elem = next(model.parameters()).element_size()
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * max_len * elem
 
 
 class Generator(Node):
@@ -98,7 +118,7 @@ class Generator(Node):
 
     async def setup(self):
         c = self.config
-        self.prompts_per_call = prompts_per_call(c, self.ctx.device)
+        self.prompts_per_call = prompts_per_call(c, self.ctx.device)  # the HF loop's; the decoder's below
         self.model, self.tokenizer = policy.load(c.policy)
         # Cast before the weight sync's setup: it tells the learner the dtype to push in.
         self.model.to(self.ctx.device, dtype=resolve_dtype(c.dtype, self.ctx.device)).eval()
@@ -112,6 +132,15 @@ class Generator(Node):
             return
         max_pos = self.model.config.max_position_embeddings
         self.max_prompt = c.max_prompt_tokens or min(max(max_pos - c.max_new_tokens, 256), 1024)
+        if c.prompts_per_call == 0 and self.ctx.device == "cuda":
+            slot = kv_bytes_per_slot(self.model, self.max_prompt + c.max_new_tokens)
+            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            room = self.ctx.gpu_share * total - torch.cuda.memory_allocated()
+            self.prompts_per_call = prompts_per_call(c, self.ctx.device, slot, max(int(room), 1))
+            if self.prompts_per_call * c.group_size < AUTO_SLOTS:
+                self.ctx.log(f"generator: {self.prompts_per_call * c.group_size} decoder slots (auto), not "
+                             f"{AUTO_SLOTS}: a slot's KV cache is {slot / 2**20:.0f} MiB and this replica has "
+                             f"{room / 2**30:.1f} GiB left; set generator.prompts_per_call to choose")
         self.decoder = StaticDecoder(
             self.model, self.prompts_per_call * c.group_size, self.max_prompt + c.max_new_tokens,
             eos_id=self.tokenizer.eos_token_id, max_new_tokens=c.max_new_tokens,

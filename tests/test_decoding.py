@@ -201,3 +201,18 @@ def test_prompts_per_call_auto_fills_256_slots_on_cuda_and_32_prompts_on_cpu():
     assert prompts_per_call(GeneratorConfig(group_size=8, prompts_per_call=5), "cuda") == 5
     with pytest.raises(UserError, match="generator.prompts_per_call=-1"):
         prompts_per_call(GeneratorConfig(prompts_per_call=-1), "cpu")
+    # With the KV cache's size known: half the room left, in whole groups, at least one group.
+    grpo = GeneratorConfig(group_size=8)
+    assert prompts_per_call(grpo, "cuda", slot_bytes=2**20, room_bytes=2**30) == 32     # 512 slots fit: 256
+    assert prompts_per_call(grpo, "cuda", slot_bytes=2**20, room_bytes=200 * 2**20) == 12  # 100 slots
+    assert prompts_per_call(grpo, "cuda", slot_bytes=2**30, room_bytes=2**30) == 1
+    assert prompts_per_call(GeneratorConfig(group_size=8, prompts_per_call=64), "cuda", 2**30, 2**30) == 64
+
+
+def test_kv_bytes_per_slot_is_what_the_static_decoder_allocates(tok, policy):
+    from nodes.generator import kv_bytes_per_slot
+
+    dec = decoding.StaticDecoder(policy, num_slots=3, max_len=40, eos_id=tok.eos_token_id, max_new_tokens=8)
+    dec.refresh()
+    cache = sum(t.numel() * t.element_size() for t in dec.k_cache + dec.v_cache)
+    assert kv_bytes_per_slot(policy, 40) * 3 == cache
