@@ -85,3 +85,23 @@ def wait_until(condition, timeout_s: float, what: str, thread, outcome: dict) ->
         assert thread.is_alive(), f"the run ended while waiting for {what}: {outcome.get('error')!r}"
         assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
         time.sleep(0.1)
+
+
+def kill_stops_the_run(pid: int, node: str, thread, outcome: dict, within_s: float):
+    """kill -9 `pid` (node replica `node`) of a run_in_thread run, which must then stop within
+    `within_s` with a NodeFailed naming `node` and its dead process; returns that error."""
+    import os
+    import signal
+    import time
+
+    from dataflow.errors import NodeFailed
+
+    t_kill = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    thread.join(60)
+    assert not thread.is_alive()
+    error = outcome["error"]
+    assert isinstance(error, NodeFailed) and error.node == node, repr(error)
+    assert "its process died" in error.summary
+    assert outcome["t"] - t_kill < within_s, outcome["t"] - t_kill
+    return error
