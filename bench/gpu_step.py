@@ -349,6 +349,66 @@ def trl_variant(args, shape: dict, paths: dict, out: Path, timeout_s: float) -> 
     return row
 
 
+def logprob_kernel_bench(micro_batches: list[int], cols: int, vocab: int) -> list[dict]:
+    """Side by side, per learner micro-batch of W1's logits ([mb, 257, vocab] bf16): token log-probs
+    with a detached entropy metric, forward + backward, as the learner runs them. plain: the float32
+    upcast of the whole logits, logsumexp-gather and softmax-entropy (what nodes/models ran before
+    rl_math.token_logprobs); fused eager; fused compiled (the CUDA default). Median ms of 5, peak GB."""
+    import torch
+
+    from nodes.rl_math import token_logprobs
+
+    def plain(logits, tokens):
+        z = logits.float()
+        lse = torch.logsumexp(z, -1)
+        lp = z.gather(-1, tokens[..., None]).squeeze(-1) - lse
+        with torch.no_grad():
+            ent = lse - (torch.softmax(z, -1) * z).sum(-1)
+        return lp, ent
+
+    variants = {"plain fp32": plain,
+                "fused eager": lambda l, t: token_logprobs(l, t, entropy_grad=False, compile=False),
+                "fused compiled": lambda l, t: token_logprobs(l, t, entropy_grad=False, compile=True)}
+    rows = []
+    for mbs in micro_batches:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        base = torch.randn(mbs, cols, vocab, device="cuda", generator=g).to(torch.bfloat16)
+        tokens = torch.randint(0, vocab, (mbs, cols), device="cuda", generator=g)
+        weights = torch.randn(mbs, cols, device="cuda", generator=g)
+        results = {}
+        for name, fn in variants.items():
+            row = {"variant": f"logprob kernel mb={mbs} {name}", "status": "ok"}
+            try:
+                times = []
+                for i in range(6):
+                    logits = base.clone().requires_grad_()
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    start = torch.cuda.memory_allocated()
+                    t = time.perf_counter()
+                    lp, ent = fn(logits, tokens)
+                    (lp * weights).sum().backward()
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t)
+                results[name] = (lp.detach(), ent, logits.grad)
+                row.update(s_per_step=statistics.median(times[1:]),
+                           peak_mem_gb=(torch.cuda.max_memory_allocated() - start) / 2**30)
+                del logits, lp, ent
+            except Exception as e:
+                row["status"] = f"error {type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            log(f"{row['variant']}: {row['status']} {1e3 * row.get('s_per_step', float('nan')):.1f} ms")
+        if "plain fp32" in results:  # the fused kernels' numbers against the plain ones
+            ref = results.pop("plain fp32")
+            for name, got in results.items():
+                diffs = [float((a.float() - b.float()).abs().max()) for a, b in zip(got, ref)]
+                log(f"logprob kernel mb={mbs} {name} vs plain: max abs diff logprob {diffs[0]:.2e} "
+                    f"entropy {diffs[1]:.2e} grad {diffs[2]:.2e}")
+        del base, results
+        torch.cuda.empty_cache()
+    return rows
+
+
 def learner_bench(args, shape: dict, paths: dict, out: Path) -> list[dict]:
     """The learner side alone, in this process, on the W1 model: one ppo_update (one optimizer
     step over all 256 samples) and one reference pass per micro-batch size, on synthetic samples
@@ -390,6 +450,8 @@ def learner_bench(args, shape: dict, paths: dict, out: Path) -> list[dict]:
             times.append(time.perf_counter() - t)
         return statistics.median(times[1:])
 
+    if device == "cuda":
+        rows += logprob_kernel_bench(args.learner_micro_batches, R + 1, shape["vocab"])
     for mbs in args.learner_micro_batches:
         for stale in (False, True):
             row = {"variant": f"learner mb={mbs}{' stale' if stale else ''}", "status": "ok"}

@@ -140,17 +140,27 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
         full = {k: torch.cat([v, v[:1]]) if torch.is_tensor(v) else v for k, v in full.items()}
         mask = torch.cat([mask, torch.zeros_like(mask[:1])])
     advantages = masked_whiten(full["advantage_tokens"], mask) if c.whiten_advantages else full["advantage_tokens"]
-    # Proximal ("old") log-probs: when every sample came from the current weights, the behaviour
-    # log-probs are them (up to float noise) and the extra forward pass is skipped.
+    # Every epoch's sample order, drawn up front (the same rng draws as shuffling per epoch).
+    orders = []
+    for _ in range(c.ppo_epochs):
+        orders.append(list(range(len(samples))))
+        rng.shuffle(orders[-1])
+    # Proximal ("old") log-probs: the current weights' (decoupled PPO). When every sample came from
+    # the current weights, the behaviour log-probs are them (up to float noise). Otherwise the first
+    # minibatch of the first epoch needs no extra pass either: nothing has changed the weights
+    # before it, so its own forward pass gives them (taken there, detached). Only the other rows
+    # get a no-grad forward here; with one minibatch and one epoch (W1), none does.
+    old_logprobs, first_rows = full["logprobs"], set()
     if stale:
         old_logprobs = torch.zeros_like(full["logprobs"])
+        first_rows = set(orders[0][:c.minibatch_size])
+        rest = torch.tensor([i for i in range(len(samples)) if i not in first_rows], dtype=torch.long)
         with torch.no_grad(), autocast(amp, device):
-            for sl in micro_slices(len(samples), c.micro_batch_size):
-                old_logprobs[sl], _ = sequence_logprobs(
-                    model, full["input_ids"][sl], full["attention_mask"][sl], mask[sl],
-                    temperature=c.temperature, with_entropy=False)
-    else:
-        old_logprobs = full["logprobs"]
+            for sl in micro_slices(len(rest), c.micro_batch_size):
+                rows = rest[sl].to(device)
+                logprobs, _ = sequence_logprobs(model, full["input_ids"][rows], full["attention_mask"][rows],
+                                                mask[rows], temperature=c.temperature, with_entropy=False)
+                old_logprobs[rows] = logprobs.to(old_logprobs.dtype)
     # Valid tokens per row, read once: the slice weights below are Python floats from these, and
     # the per-slice stats stay on the device until the minibatch ends, so the GPU is waited for
     # once per optimizer step, not once per micro-batch (the CPU keeps queueing kernels ahead).
@@ -159,9 +169,7 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
     stats: dict[str, list[float]] = {}
     skipped, skipped_last, total, reason = 0, 0, 0, ""
     model.train()
-    for _ in range(c.ppo_epochs):
-        order = list(range(len(samples)))
-        rng.shuffle(order)
+    for epoch, order in enumerate(orders):
         for start in range(0, len(order), c.minibatch_size):
             mb_rows = torch.tensor(order[start:start + c.minibatch_size])
             mb_tokens = max(sum(row_tokens[i] for i in mb_rows.tolist()), 1.0)
@@ -186,6 +194,8 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
                     logprobs, entropy = sequence_logprobs(model, full["input_ids"][idx], full["attention_mask"][idx],
                                                           mask[idx], temperature=c.temperature,
                                                           entropy_grad=c.entropy_coef != 0)
+                    if stale and epoch == 0 and start == 0:   # see first_rows above
+                        old_logprobs[idx] = logprobs.detach().to(old_logprobs.dtype)
                     pg_loss, pg_stats = ppo_policy_loss(
                         logprobs, old_logprobs[idx], advantages[idx], mask[idx], c.clip_eps,
                         behaviour_logprobs=full["logprobs"][idx] if stale else None,

@@ -14,7 +14,6 @@ padding surrounds it (sampling with a KV cache and a fresh forward agree to ~1e-
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import os
@@ -25,7 +24,7 @@ from torch import nn
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
-from nodes.rl_math import entropy_from_logits, logprobs_from_logits
+from nodes.rl_math import logprobs_from_logits, token_logprobs
 from nodes.tasks import load_tokenizer
 
 
@@ -313,8 +312,7 @@ def unpad_tokens(x: torch.Tensor, response_mask: torch.Tensor) -> list[list[floa
 def sequence_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       response_mask: torch.Tensor, temperature: float = 1.0,
                       with_entropy: bool = True,
-                      entropy_grad: bool = True,
-                      chunk_elems: int = 1 << 28) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs [B, T], entropy [B, T] or None) of the tokens in input_ids, token-aligned.
 
     logprobs[:, t] = log softmax(logits[:, t - 1] / temperature)[input_ids[:, t]] and entropy[:, t]
@@ -322,10 +320,10 @@ def sequence_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     (wrap in torch.no_grad() for old/ref log-probs). Only the logits from the first response
     column on are computed (logits_to_keep).
 
-    Memory (a 152k vocab makes logits the largest tensor of a step): half-precision logits are
-    upcast to fp32 for the softmax; float64 models stay float64. Without autograd the upcast is
-    done a few rows at a time (<= chunk_elems values at once: 1 GiB of fp32). entropy_grad=False computes the entropy
-    as a detached metric, so backward keeps no softmax tensor for it (the learner does this when
+    Memory and time (a 152k vocab makes the logits the largest tensor of a step): the softmax math
+    is nodes/rl_math.token_logprobs, float32 a few rows at a time from half-precision logits
+    (float64 models stay float64), no float32 copy of the logits kept for backward.
+    entropy_grad=False computes the entropy as a detached metric (the learner does this when
     entropy_coef is 0).
     """
     num_tokens = input_ids.shape[1]
@@ -335,32 +333,18 @@ def sequence_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     start = num_tokens - keep + 1                      # first column whose log-prob is computed
     out = model(input_ids=input_ids, attention_mask=attention_mask,
                 position_ids=_position_ids(attention_mask), use_cache=False, logits_to_keep=keep)
-    raw = out.logits[:, :-1]                           # predicts columns start .. T-1
+    logits = out.logits                                # column j predicts column start + j
     del out
-    dtype = torch.float32 if raw.dtype in (torch.float16, torch.bfloat16) else raw.dtype
-    targets = input_ids[:, start:]
-    mask = response_mask[:, start:].to(dtype)
-    logprobs = torch.zeros(input_ids.shape, dtype=dtype, device=raw.device)
-    entropy = torch.zeros_like(logprobs) if with_entropy else None
-
-    def upcast(x):
-        x = x.to(dtype)
-        return x / temperature if temperature != 1.0 else x
-
-    if torch.is_grad_enabled():
-        logits = upcast(raw)
-        del raw
-        logprobs[:, start:] = logprobs_from_logits(logits, targets) * mask
-        if with_entropy:
-            with contextlib.nullcontext() if entropy_grad else torch.no_grad():
-                entropy[:, start:] = entropy_from_logits(logits) * mask
-        return logprobs, entropy
-    per_row = max(1, raw.shape[1] * raw.shape[2])
-    rows = max(1, chunk_elems // per_row)
-    for i in range(0, raw.shape[0], rows):
-        logits = upcast(raw[i:i + rows])
-        logprobs[i:i + rows, start:] = logprobs_from_logits(logits, targets[i:i + rows]) * mask[i:i + rows]
-        if with_entropy:
-            entropy[i:i + rows, start:] = entropy_from_logits(logits) * mask[i:i + rows]
-        del logits
+    # The last column predicts past the end: give it token 0 and drop its result (not slicing the
+    # logits keeps them one contiguous [B * keep, V] block for the chunked kernel).
+    targets = torch.cat([input_ids[:, start:], torch.zeros_like(input_ids[:, :1])], dim=1)
+    token_lp, token_ent = token_logprobs(logits, targets, temperature, with_entropy=with_entropy,
+                                         entropy_grad=entropy_grad)
+    mask = response_mask[:, start:].to(token_lp.dtype)
+    logprobs = torch.zeros(input_ids.shape, dtype=token_lp.dtype, device=token_lp.device)
+    logprobs[:, start:] = token_lp[:, :-1] * mask
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros_like(logprobs)
+        entropy[:, start:] = token_ent[:, :-1] * mask
     return logprobs, entropy

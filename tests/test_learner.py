@@ -3,6 +3,7 @@ samples masked out, the loss going down on a fixed batch, GRPO/PPO advantages wi
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -178,10 +179,10 @@ def test_precision_settings():
     assert micro_slices(7, 0) == [slice(0, 7)]
 
 
-def test_sequence_logprobs_lean_paths_match_the_plain_one(setup):
-    # Row chunks without autograd (1 row at a time here) and a detached entropy give the same
-    # numbers as the autograd path; only the entropy's gradient is gone.
-    from nodes.models import pad_batch, sequence_logprobs
+def test_sequence_logprobs_match_a_plain_log_softmax_of_the_whole_forward(setup):
+    # logits_to_keep, the chunked kernel and a detached entropy give the textbook numbers:
+    # log_softmax(logits[t - 1] / T)[token t] on response tokens, 0 elsewhere.
+    from nodes.models import _position_ids, pad_batch, sequence_logprobs
 
     tok, model, samples = setup
     m = fresh(model).double()
@@ -189,8 +190,39 @@ def test_sequence_logprobs_lean_paths_match_the_plain_one(setup):
     args = (m, b["input_ids"], b["attention_mask"], b["response_mask"])
     lp, ent = sequence_logprobs(*args, temperature=0.7)
     with torch.no_grad():
-        lp_c, ent_c = sequence_logprobs(*args, temperature=0.7, chunk_elems=1)
+        lp_n, ent_n = sequence_logprobs(*args, temperature=0.7)
     lp_d, ent_d = sequence_logprobs(*args, temperature=0.7, entropy_grad=False)
     assert lp.dtype == torch.float64 and lp.requires_grad and ent.requires_grad
-    assert torch.allclose(lp, lp_c, rtol=0, atol=1e-12) and torch.allclose(ent, ent_c, rtol=0, atol=1e-12)
+    logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+               position_ids=_position_ids(b["attention_mask"])).logits.detach()
+    logp_all = torch.log_softmax(logits[:, :-1] / 0.7, dim=-1)
+    mask = b["response_mask"][:, 1:].double()
+    expect_lp = logp_all.gather(-1, b["input_ids"][:, 1:, None]).squeeze(-1) * mask
+    expect_ent = -(logp_all.exp() * logp_all).sum(-1) * mask
+    assert torch.allclose(lp[:, 1:], expect_lp, rtol=0, atol=1e-10) and not lp[:, 0].any()
+    assert torch.allclose(ent[:, 1:], expect_ent, rtol=0, atol=1e-10)
+    assert torch.equal(lp, lp_n) and torch.equal(ent, ent_n)
     assert torch.equal(lp, lp_d) and torch.equal(ent, ent_d) and not ent_d.requires_grad
+
+
+@pytest.mark.parametrize("minibatch_size", [16, 6])
+def test_stale_update_takes_the_first_minibatchs_proximal_logprobs_from_its_own_forward(setup, minibatch_size):
+    # Decoupled PPO: the proximal ("old") log-probs are the weights' before the update. The first
+    # minibatch's forward pass runs on exactly those weights, so only the other rows get an extra
+    # no-grad pass. Behaviour log-probs 0.1 below the model's make every token's importance weight
+    # exp(old - behaviour) = exp(0.1) -- for the rows of both kinds, if their old log-probs are right.
+    tok, model, samples = setup
+    m = fresh(model).double()
+    samples = with_advantages([dict(s) for s in samples], LearnerConfig())
+    items = [{"samples": samples}]
+    add_logprobs(m, tok.pad_token_id, items, "logprobs")          # the model's own, float64
+    for s in samples:
+        s["logprobs"] = [v - 0.1 for v in s["logprobs"]]
+    no_grad_rows = []
+    m.register_forward_hook(lambda mod, args, kwargs, out: None if torch.is_grad_enabled()
+                            else no_grad_rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    cfg = LearnerConfig(minibatch_size=minibatch_size, ppo_epochs=1, micro_batch_size=4, is_truncation=2.0)
+    stats = ppo_update(m, torch.optim.SGD(m.parameters(), lr=0.1), samples, 0.0, tok.pad_token_id, cfg,
+                       random.Random(0), stale=True)
+    assert sum(no_grad_rows) == len(samples) - minibatch_size
+    assert stats["losses/is_weight"] == pytest.approx(math.exp(0.1), rel=1e-6)   # float32 log-probs

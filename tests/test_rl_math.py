@@ -223,13 +223,61 @@ def test_value_loss_matches_loop():
     assert stats["clipfrac"] == pytest.approx(clipped / den)
 
 
+def reference_logprobs_entropy(logits, tokens, temperature):
+    """float64 autograd through the textbook formulas: log_softmax, gather, -sum p log p."""
+    logp_all = torch.log_softmax(logits.double() / temperature, dim=-1)
+    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_elems", [1 << 20, 3 * 11])    # one chunk; 3 rows per chunk (15 rows: 5)
+def test_token_logprobs_values_and_gradients_match_float64_autograd(temperature, chunk_elems):
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(3, 5, 11, generator=gen, dtype=torch.float64) * 3).requires_grad_()
+    tokens = torch.randint(0, 11, (3, 5), generator=gen)
+    w_lp, w_ent = torch.randn(3, 5, generator=gen, dtype=torch.float64), torch.randn(3, 5, generator=gen,
+                                                                                      dtype=torch.float64)
+    logp, ent = rl_math.token_logprobs(logits, tokens, temperature, chunk_elems=chunk_elems)
+    ((logp * w_lp).sum() + (ent * w_ent).sum()).backward()
+    grad = logits.grad.clone()
+    logits.grad = None
+    ref_logp, ref_ent = reference_logprobs_entropy(logits, tokens, temperature)
+    ((ref_logp * w_lp).sum() + (ref_ent * w_ent).sum()).backward()
+    assert torch.allclose(logp, ref_logp, rtol=0, atol=1e-12)
+    assert torch.allclose(ent, ref_ent, rtol=0, atol=1e-12)
+    assert torch.allclose(grad, logits.grad, rtol=0, atol=1e-12)
+
+
+def test_token_logprobs_entropy_as_a_metric_and_bf16_logits():
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(4, 6, 50, generator=gen) * 2).to(torch.bfloat16).requires_grad_()
+    tokens = torch.randint(0, 50, (4, 6), generator=gen)
+    # entropy_grad=False: the entropy carries no gradient, the log-probs' gradient is unchanged
+    logp, ent = rl_math.token_logprobs(logits, tokens, entropy_grad=False, chunk_elems=100)
+    assert logp.dtype == ent.dtype == torch.float32 and not ent.requires_grad
+    logp.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+    ref_logits = logits.detach().double().requires_grad_()
+    ref_logp, ref_ent = reference_logprobs_entropy(ref_logits, tokens, 1.0)
+    ref_logp.sum().backward()
+    # float32 math on the bf16 values: equal to float64 up to float32 rounding; the gradient is
+    # rounded to bf16 (8 bits of mantissa) on the way out
+    assert torch.allclose(logp.double(), ref_logp, atol=1e-5)
+    assert torch.allclose(ent.double(), ref_ent, atol=1e-5)
+    assert torch.allclose(logits.grad.double(), ref_logits.grad, atol=1e-2, rtol=1e-2)
+    lp_only, none = rl_math.token_logprobs(logits.detach(), tokens, with_entropy=False)
+    assert none is None and torch.equal(lp_only, logp.detach())
+
+
 def test_kl_penalty_entropy_logprobs():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 5, 7, generator=gen, dtype=torch.float64) * 4
     logits[0, 0, 0] = 1000.0                          # stability: no inf/NaN
     tokens = torch.randint(0, 7, (3, 5), generator=gen)
     logp = rl_math.logprobs_from_logits(logits, tokens)
-    ent = rl_math.entropy_from_logits(logits)
+    fused_logp, ent = rl_math.token_logprobs(logits, tokens, chunk_elems=14)   # 2 rows per chunk
+    assert torch.allclose(fused_logp, logp, rtol=0, atol=1e-12)
     for b in range(3):
         for t in range(5):
             row = logits[b, t].tolist()
