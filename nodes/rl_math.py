@@ -264,31 +264,31 @@ def _chunk_grad(logits: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, e
     grad = p * -grad_logprob[:, None]
     if grad_entropy is not None:
         grad = grad - p * (z - (lse - entropy)[:, None]) * grad_entropy[:, None]
-    grad = grad.scatter_add(-1, tokens[:, None], grad_logprob[:, None])
+    # + grad_logprob at the token's column; a where, not a scatter, so a compiled kernel fuses it
+    is_token = torch.arange(logits.shape[-1], device=logits.device) == tokens[:, None]
+    grad = torch.where(is_token, grad + grad_logprob[:, None], grad)
     return (grad * inv_temp if inv_temp != 1.0 else grad).to(logits.dtype)
 
 
-_compiled_chunk_fns: dict[str, object] = {}
+_compiled_fns: dict[str, object] = {}
 
 
-def _chunk_fn(name: str, fn, on_cuda: bool, compile: bool | None):
-    """`fn` as it runs: torch.compile'd on CUDA (one fused kernel per chunk instead of ~8 passes over
-    a float32 copy), eager elsewhere or once a compile failed (eager is correct, just slower)."""
-    if not (on_cuda if compile is None else compile) or _compiled_chunk_fns.get(name, 0) is None:
-        return fn
-    if name not in _compiled_chunk_fns:
-        _compiled_chunk_fns[name] = torch.compile(fn, dynamic=True)
-    compiled = _compiled_chunk_fns[name]
-
-    def run(*args):
+def _compiled(name: str, fn, example: tuple, on_cuda: bool, compile: bool | None):
+    """torch.compile'd `fn` (one fused kernel over all rows, no float32 temporaries), or None to
+    run it eagerly in chunks: off CUDA by default, or when compiling failed (e.g. no compiler
+    toolchain; said once). The first use compiles on `example`, a two-row slice of the real input,
+    so a failure shows before any real work (dynamic shapes: the real sizes reuse the kernel)."""
+    if not (on_cuda if compile is None else compile):
+        return None
+    if name not in _compiled_fns:
         try:
-            return compiled(*args)
-        except Exception as e:  # e.g. no compiler toolchain
+            _compiled_fns[name] = torch.compile(fn, dynamic=True)
+            _compiled_fns[name](*example)
+        except Exception as e:
             print(f"token_logprobs: torch.compile failed ({type(e).__name__}: {str(e)[:200]}); "
-                  f"running eagerly", flush=True)
-            _compiled_chunk_fns[name] = None
-            return fn(*args)
-    return run
+                  f"running eagerly in chunks", flush=True)
+            _compiled_fns[name] = None
+    return _compiled_fns[name]
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -302,12 +302,14 @@ class _TokenLogprobs(torch.autograd.Function):
         logprob = torch.empty(n, dtype=out_dtype, device=logits.device)
         entropy = torch.empty(n, dtype=out_dtype, device=logits.device) if with_entropy else None
         lse = torch.empty(n, dtype=out_dtype, device=logits.device)
-        stats = _chunk_fn(f"stats{int(with_entropy)}", _chunk_stats, logits.is_cuda, compile)
-        for i in range(0, n, chunk_rows):
-            lp, ent, m = stats(flat[i:i + chunk_rows], flat_tokens[i:i + chunk_rows], inv_temp, with_entropy)
-            logprob[i:i + chunk_rows], lse[i:i + chunk_rows] = lp, m
+        stats = _compiled(f"stats{int(with_entropy)}", _chunk_stats,
+                          (flat[:2], flat_tokens[:2], inv_temp, with_entropy), logits.is_cuda, compile)
+        rows = n if stats is not None else chunk_rows
+        for i in range(0, n, rows):
+            lp, ent, m = (stats or _chunk_stats)(flat[i:i + rows], flat_tokens[i:i + rows], inv_temp, with_entropy)
+            logprob[i:i + rows], lse[i:i + rows] = lp, m
             if with_entropy:
-                entropy[i:i + chunk_rows] = ent
+                entropy[i:i + rows] = ent
         ctx.inv_temp, ctx.chunk_rows, ctx.compile = inv_temp, chunk_rows, compile
         ctx.entropy_grad = with_entropy and entropy_grad
         ctx.save_for_backward(logits, tokens, lse, entropy if ctx.entropy_grad else None)
@@ -328,13 +330,16 @@ class _TokenLogprobs(torch.autograd.Function):
             grad_entropy = entropy = None
         else:
             grad_entropy = grad_entropy.reshape(-1).to(lse.dtype)
+
+        def part(i, j):  # rows i..j-1 of every per-row argument
+            return (flat[i:j], flat_tokens[i:j], lse[i:j], None if entropy is None else entropy[i:j],
+                    grad_logprob[i:j], None if grad_entropy is None else grad_entropy[i:j], ctx.inv_temp)
+        grad_fn = _compiled(f"grad{int(grad_entropy is not None)}", _chunk_grad, part(0, 2), logits.is_cuda,
+                            ctx.compile)
+        rows = flat.shape[0] if grad_fn is not None else ctx.chunk_rows
         grad = torch.empty_like(flat)
-        chunk_grad = _chunk_fn(f"grad{int(grad_entropy is not None)}", _chunk_grad, logits.is_cuda, ctx.compile)
-        r = ctx.chunk_rows
-        for i in range(0, flat.shape[0], r):
-            grad[i:i + r] = chunk_grad(flat[i:i + r], flat_tokens[i:i + r], lse[i:i + r],
-                                       None if entropy is None else entropy[i:i + r], grad_logprob[i:i + r],
-                                       None if grad_entropy is None else grad_entropy[i:i + r], ctx.inv_temp)
+        for i in range(0, flat.shape[0], rows):
+            grad[i:i + rows] = (grad_fn or _chunk_grad)(*part(i, i + rows))
         return grad.view(logits.shape), None, None, None, None, None, None
 
 
@@ -346,9 +351,9 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     The log-probs of logprobs_from_logits and the entropy -sum p log p (float32 math for half-precision
     logits), without their float32 copy of the whole [..., V] logits: a few rows at a time
     (<= chunk_elems values) are upcast, and backward recomputes each chunk's softmax from the saved
-    half-precision logits and the per-row logsumexp. On a 152k vocab that copy and its passes were
-    ~25% of a training step's GPU time. entropy_grad=False: the entropy is a metric (no gradient).
-    compile: torch.compile each chunk's math (None = on CUDA). logits [..., V], tokens [...]."""
+    half-precision logits and the per-row logsumexp. compile (None = on CUDA): torch.compile the
+    math into one kernel over all rows instead (no float32 temporaries, so no chunks).
+    entropy_grad=False: the entropy is a metric (no gradient). logits [..., V], tokens [...]."""
     chunk_rows = max(1, chunk_elems // logits.shape[-1])
     return _TokenLogprobs.apply(logits, tokens, 1.0 / temperature, with_entropy, entropy_grad, chunk_rows, compile)
 
