@@ -37,10 +37,12 @@ Reported per variant (the first --warmup steps excluded):
                critic's (no LM head), T = tokens per step = 256 x (128 + 256); plus causal attention
                4·layers·d·S²/2 per sequence forward (x3 for training). Recomputation (old
                log-probs of stale samples, padding) is not counted: MFU is of useful work.
---learner-bench (first, in this process, no Ray): ppo_update alone (one optimizer step over 256
-synthetic W1-length samples, fresh and stale = with the old-log-prob pass) and the reference
-pass, per micro-batch size (--learner-micro-batches 8,16,32): s, tokens/s, MFU, peak GB, so the
-learner side's own speed and memory show apart from generation; --algos "" skips the graphs.
+--learner-bench (first, in this process, no Ray): the token log-prob kernel (plain float32 vs
+rl_math.token_logprobs eager and compiled), then ppo_update alone (one optimizer step over 256
+synthetic W1-length samples) and the reference pass, per micro-batch size
+(--learner-micro-batches 8,16,32), with eager and with compiled decoder layers
+(precision.compile_layers): s, tokens/s, MFU, peak GB, so the learner side's own speed and memory
+show apart from generation; --algos "" skips the graphs.
 Writes OUT/results.json (rewritten after every variant, so a cut-off call keeps what finished),
 OUT/<variant>/{run.log, metrics.jsonl, trace.json.gz}, OUT/trl/{run.log, result.json}.
 """
@@ -418,7 +420,7 @@ def learner_bench(args, shape: dict, paths: dict, out: Path) -> list[dict]:
 
     from nodes import policy
     from nodes.learner import LearnerConfig, ppo_update
-    from nodes.precision import prepare_frozen, prepare_trained
+    from nodes.precision import compile_layers, compute_dtype, prepare_frozen, prepare_trained
     from nodes.reference import add_logprobs
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -452,24 +454,25 @@ def learner_bench(args, shape: dict, paths: dict, out: Path) -> list[dict]:
 
     if device == "cuda":
         rows += logprob_kernel_bench(args.learner_micro_batches, R + 1, shape["vocab"])
-    for mbs in args.learner_micro_batches:
-        for stale in (False, True):
-            row = {"variant": f"learner mb={mbs}{' stale' if stale else ''}", "status": "ok"}
-            try:
-                if device == "cuda":
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats()
-                cfg = LearnerConfig(minibatch_size=n, micro_batch_size=mbs, lr=1e-6)
-                s = timed(lambda: ppo_update(model, opt, samples, 0.01, tok.pad_token_id, cfg, random.Random(0), stale))
-                row.update(s_per_step=s, response_tokens_per_s=n * R / s,
-                           mfu=(train_flop + (train_flop / 3 if stale else 0)) / s / H200_BF16_PEAK)
-                if device == "cuda":
-                    row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
-            except Exception as e:  # e.g. out of memory at a large micro-batch: report, go on
-                row["status"] = f"error {type(e).__name__}: {str(e)[:200]}"
-                opt.zero_grad(set_to_none=True)
-            rows.append(row)
-            log(f"{row['variant']}: {row['status']} {row.get('s_per_step', float('nan')):.3f} s")
+    # stale=False: W1's one minibatch takes its proximal log-probs from its own forward either way
+    for mbs, compiled in [(m, c) for c in (False, True) for m in args.learner_micro_batches]:
+        if compiled and not getattr(model, "_bench_compiled", False):  # the graph's default on CUDA
+            model._bench_compiled = compile_layers(model, True, device, compute_dtype("auto", device), True)
+        row = {"variant": f"learner mb={mbs}{' compiled' if compiled else ''}", "status": "ok"}
+        try:
+            if device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            cfg = LearnerConfig(minibatch_size=n, micro_batch_size=mbs, lr=1e-6)
+            s = timed(lambda: ppo_update(model, opt, samples, 0.01, tok.pad_token_id, cfg, random.Random(0), False))
+            row.update(s_per_step=s, response_tokens_per_s=n * R / s, mfu=train_flop / s / H200_BF16_PEAK)
+            if device == "cuda":
+                row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        except Exception as e:  # e.g. out of memory at a large micro-batch: report, go on
+            row["status"] = f"error {type(e).__name__}: {str(e)[:200]}"
+            opt.zero_grad(set_to_none=True)
+        rows.append(row)
+        log(f"{row['variant']}: {row['status']} {row.get('s_per_step', float('nan')):.3f} s")
     if device == "cuda":  # where one update's GPU time goes, by op (written next to results.json)
         from torch.profiler import ProfilerActivity, profile
 
@@ -481,8 +484,10 @@ def learner_bench(args, shape: dict, paths: dict, out: Path) -> list[dict]:
         text = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60)
         (out / "learner_profile.txt").write_text(f"ppo_update, micro-batch {mbs}, {n} samples\n{text}\n")
         log(f"learner profile (micro-batch {mbs}):\n{text[:6000]}")
-    for mbs in args.learner_micro_batches:
-        row = {"variant": f"reference mb={mbs}", "status": "ok"}
+    for mbs, compiled in [(m, c) for c in (False, True) for m in args.learner_micro_batches]:
+        if compiled and not getattr(ref, "_bench_compiled", False):
+            ref._bench_compiled = compile_layers(ref, True, device, torch.float32, False)
+        row = {"variant": f"reference mb={mbs}{' compiled' if compiled else ''}", "status": "ok"}
         try:
             if device == "cuda":
                 torch.cuda.empty_cache()

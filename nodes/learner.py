@@ -32,7 +32,7 @@ from dataflow.errors import UserError
 from dataflow.multirank import RANKS_EDGE, RankCommands
 from nodes import policy
 from nodes.models import pad_batch, save_policy, sequence_logprobs
-from nodes.precision import Precision, autocast, compute_dtype, micro_slices, prepare_trained
+from nodes.precision import Precision, autocast, compile_layers, compute_dtype, micro_slices, prepare_trained
 from nodes.weight_sync import SYNC_EDGE, LearnerWeightSync, WeightSyncConfig
 from nodes.rl_math import (AdaptiveKLController, FixedKLController, grpo_advantages, kl_penalty,
                            masked_mean, masked_whiten, ppo_policy_loss)
@@ -70,6 +70,8 @@ class LearnerConfig:
     Bounds memory: the logits of a sample are (prompt + response) x vocab floats (W1: 0.16 GB)."""
     precision: Precision = "auto"
     """auto: bf16 autocast over fp32 master weights on CUDA, fp32 on CPU; or bf16 / fp32 (nodes/precision.py)."""
+    compile: bool | None = None
+    """torch.compile each decoder layer (None = on CUDA, one process; nodes/precision.compile_layers)."""
     clip_eps: float = 0.2
     is_truncation: float = 2.0
     """Cap of the importance weight pi_old / pi_behaviour for stale samples (decoupled PPO)."""
@@ -265,6 +267,9 @@ class Learner(RankCommands, Node):
                 self.ranks.shard(self.model)
             except ValueError as e:
                 raise UserError(f"learner.dp={c.dp} learner.tp={c.tp}: {e}") from None
+        else:  # sharded ranks stay eager (compiling FSDP2/TP layers is untried here)
+            compile_layers(self.model, c.compile, self.ctx.device, compute_dtype(c.precision, self.ctx.device),
+                           train=True)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr)
         self.kl_ctl = (AdaptiveKLController(c.kl.coef, c.kl.target, c.kl.horizon) if c.kl.kind == "adaptive"
                        else FixedKLController(c.kl.coef))

@@ -55,3 +55,37 @@ def micro_slices(n: int, micro_batch_size: int) -> list[slice]:
     """Consecutive slices of range(n) of at most micro_batch_size (0 = one slice of all n)."""
     size = micro_batch_size if micro_batch_size > 0 else max(n, 1)
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def compile_layers(model: torch.nn.Module, compile: bool | None, device, amp: torch.dtype,
+                   train: bool) -> bool:
+    """torch.compile each decoder layer of `model` in place (compile None = on CUDA); True if it did.
+
+    Why per layer: the layers' elementwise glue (RMSNorm's float32 upcast, rotary, SwiGLU, the
+    residual adds, their backward) is many small kernels per layer under autocast; compiled, they
+    fuse, while the matmuls stay cuBLAS. Identical layers share one compiled graph (torchtitan
+    compiles FSDP2 blocks the same way). The first compile runs here, on a two-row dummy batch
+    under the autocast the node runs in (`amp`; float32: none) and a backward when `train`, so a missing toolchain falls back to
+    eager at setup, with one line, not in the middle of a step."""
+    if not (torch.device(device).type == "cuda" if compile is None else compile):
+        return False
+    layers = next((m for name, m in model.named_modules()
+                   if name.endswith("layers") and isinstance(m, torch.nn.ModuleList)), None)
+    if layers is None:
+        return False
+    for layer in layers:
+        layer.compile()
+    try:
+        ids = torch.ones(2, 8, dtype=torch.long, device=device)
+        with torch.enable_grad() if train else torch.no_grad(), autocast(amp, device):
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+        if train:
+            logits.float().sum().backward()
+            model.zero_grad(set_to_none=True)
+        return True
+    except Exception as e:  # e.g. no C++ compiler / triton: eager is correct, just slower
+        print(f"compile_layers: torch.compile failed ({type(e).__name__}: {str(e)[:200]}); running the "
+              f"layers eagerly", flush=True)
+        for layer in layers:
+            layer._compiled_call_impl = None
+        return False

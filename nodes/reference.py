@@ -17,7 +17,7 @@ import torch
 from dataflow import Node
 from nodes import policy
 from nodes.models import pad_batch, sequence_logprobs, unpad_tokens
-from nodes.precision import Precision, micro_slices, prepare_frozen
+from nodes.precision import Precision, compile_layers, micro_slices, prepare_frozen
 
 
 @dataclass(kw_only=True)
@@ -31,6 +31,8 @@ class ReferenceConfig:
     logits are (prompt + response) x vocab values (W1: 0.08 GB in bf16)."""
     precision: Precision = "auto"
     """auto: bf16 weights on CUDA (frozen, so no fp32 master copy is needed), fp32 on CPU."""
+    compile: bool | None = None
+    """torch.compile each decoder layer (None = on CUDA; nodes/precision.compile_layers)."""
 
 
 def add_logprobs(model, pad_id: int, items: list[dict], key: str, micro_batch_size: int = 0) -> None:
@@ -57,6 +59,8 @@ class Reference(Node):
     async def setup(self):
         self.model, self.tokenizer = policy.load(self.config.policy)
         prepare_frozen(self.model, self.ctx.device, self.config.precision)
+        # no autocast: the reference's weights are in the compute dtype already
+        compile_layers(self.model, self.config.compile, self.ctx.device, torch.float32, train=False)
 
     async def run(self):
         inp, out = self.ctx.inputs["scored"], self.ctx.outputs["with_ref"]

@@ -226,3 +226,28 @@ def test_stale_update_takes_the_first_minibatchs_proximal_logprobs_from_its_own_
                        random.Random(0), stale=True)
     assert sum(no_grad_rows) == len(samples) - minibatch_size
     assert stats["losses/is_weight"] == pytest.approx(math.exp(0.1), rel=1e-6)   # float32 log-probs
+
+
+def test_compiled_layers_make_the_same_update_as_eager(setup, capsys):
+    # nodes/precision.compile_layers (the CUDA default for the learner and reference) on CPU:
+    # every decoder layer compiled, and one update gives the eager update's weights and stats.
+    from nodes.precision import compile_layers
+
+    tok, model, samples = setup
+    cfg = LearnerConfig(minibatch_size=8, ppo_epochs=1, micro_batch_size=4, lr=1e-2)
+    samples = with_advantages([dict(s) for s in samples], cfg)
+    results = []
+    for compile in (False, True):
+        m = fresh(model)
+        assert compile_layers(m, compile, "cpu", torch.float32, train=True) == compile
+        assert all((layer._compiled_call_impl is not None) == compile for layer in m.model.layers)
+        # SGD: the weight change is the gradient (Adam's would turn float noise near 0 into +-lr)
+        stats = ppo_update(m, torch.optim.SGD(m.parameters(), lr=1.0), samples, 0.1, tok.pad_token_id, cfg,
+                           random.Random(0), stale=True)
+        results.append((m.state_dict(), stats))
+    assert "torch.compile failed" not in capsys.readouterr().out
+    (eager, eager_stats), (compiled, compiled_stats) = results
+    for k in eager:
+        assert torch.allclose(eager[k], compiled[k], rtol=0, atol=1e-5), k
+    for k in ("losses/policy", "losses/kl", "entropy", "grad_norm"):
+        assert compiled_stats[k] == pytest.approx(eager_stats[k], rel=1e-4, abs=1e-6), k
