@@ -23,6 +23,7 @@ Modes: sync = max_staleness 0 (on-policy, generation and training alternate); as
 max_staleness 1 (generation of batch k+1 overlaps training on batch k).
 --gpus 1: placement=colocated (every node shares the one GPU); --gpus 2: placement=split
 (generator on GPU 0, reference/critic/learner on GPU 1). TRL always runs on one GPU.
+Micro-batches (and the learner's GPU share) per variant unless --micro-batch: batch_sizes().
 
 Reported per variant (the first --warmup steps excluded):
   s/step       wall time between the learner's step records (steady state)
@@ -263,16 +264,30 @@ def run_logged(cmd: list[str], log_path: Path, timeout_s: float, prefix: str, en
     return 124 if timed_out.is_set() else proc.returncode
 
 
+def batch_sizes(args, algo: str) -> tuple[int, int, list[str]]:
+    """(learner/critic micro-batch, reference micro-batch, extra --set) of a variant: --micro-batch
+    and --ref-micro-batch when given, else the fastest measured that fit (bench/RESULTS.md, third
+    round): GRPO on one H200 64 and 64 with half the GPU for the learner (48 GB peak); PPO on one
+    H200 16 (four model nodes share it); two H200s 32 and 32."""
+    if args.micro_batch:
+        return args.micro_batch, args.ref_micro_batch or 32, []
+    if args.gpus == 1 and algo == "grpo" and not args.tiny:
+        shares = [] if any(x.startswith("gpu_shares=") for x in args.set) else ['gpu_shares={"learner":0.5}']
+        return 64, args.ref_micro_batch or 64, shares
+    return (16 if args.gpus == 1 else 32), args.ref_micro_batch or 32, []
+
+
 def dataflow_variant(args, shape: dict, paths: dict, algo: str, mode: str, out: Path, timeout_s: float) -> dict:
     name = f"{algo}-{mode}-{args.gpus}gpu"
     vdir = out / name
     vdir.mkdir(parents=True, exist_ok=True)
     samples = shape["prompts_per_step"] * shape["group"]
+    micro, ref_micro, shares = batch_sizes(args, algo)
     sets = [f"policy.path={paths['model']}", f"prompts.path={paths['prompts']}", f"reward.path={paths['reward']}",
             f"max_new_tokens={shape['response_len']}", f"generator.min_new_tokens={shape['response_len']}",
             f"max_staleness={0 if mode == 'sync' else 1}",
             f"learner.minibatch_size={samples}", "learner.ppo_epochs=1", "learner.lr=1e-6", "learner.kl.coef=0.01", "learner.save_final=false",
-            f"learner.micro_batch_size={args.micro_batch}", f"reference.micro_batch_size={args.ref_micro_batch}",
+            f"learner.micro_batch_size={micro}", f"reference.micro_batch_size={ref_micro}",
             # a step's prompts decoded at once: 256 decoder slots for GRPO (32 x 8) and PPO (256 x 1)
             f"generator.prompts_per_call={shape['prompts_per_step'] if algo == 'grpo' else samples}"]
     if args.tiny:
@@ -283,8 +298,8 @@ def dataflow_variant(args, shape: dict, paths: dict, algo: str, mode: str, out: 
         sets += [f"prompts_per_step={shape['prompts_per_step']}", f"group_size={shape['group']}"]
     else:
         sets += [f"prompts_per_step={samples}", "critic.epochs=1", f"critic.minibatch_size={samples}",
-                 f"critic.micro_batch_size={args.micro_batch}", "critic.lr=1e-6"]
-    sets += args.set
+                 f"critic.micro_batch_size={micro}", "critic.lr=1e-6"]
+    sets += shares + args.set
     trace = vdir / "trace.json.gz"
     cmd = [sys.executable, "-m", "dataflow.run", str(ROOT / f"graphs/{algo}.py"), "--max-steps", str(args.steps),
            "--trace", str(trace), "--out", str(vdir / "run")]
@@ -295,7 +310,8 @@ def dataflow_variant(args, shape: dict, paths: dict, algo: str, mode: str, out: 
     log(f"{name}: start (timeout {timeout_s:.0f} s)")
     t = time.time()
     rc = run_logged(cmd, vdir / "run.log", timeout_s, name)
-    row = {"variant": name, "algo": algo, "mode": mode, "gpus": args.gpus, "rc": rc, "wall_s": time.time() - t,
+    row = {"variant": name, "algo": algo, "mode": mode, "gpus": args.gpus, "micro_batch": micro,
+           "ref_micro_batch": ref_micro, "extra_sets": shares + args.set, "rc": rc, "wall_s": time.time() - t,
            "status": "ok" if rc == 0 else ("timeout" if rc == 124 else f"failed rc={rc}")}
     metrics = vdir / "run" / "metrics.jsonl"
     if metrics.exists():
@@ -539,9 +555,8 @@ def main() -> int:
     p.add_argument("--trl-grad-ckpt", action="store_true", help="TRL with gradient checkpointing (its default)")
     p.add_argument("--tiny", action="store_true", help="a small shape on CPU: checks the whole script end to end")
     p.add_argument("--micro-batch", type=int, default=0,
-                   help="learner/critic micro_batch_size; 0 = 16 on one GPU, 32 on two (--learner-bench: 32 is "
-                        "1.27x faster than 16 at W1 but peaks at 46 GB, over the learner's equal share of one H200)")
-    p.add_argument("--ref-micro-batch", type=int, default=32, help="reference micro_batch_size")
+                   help="learner/critic micro_batch_size; 0 = per variant, see batch_sizes()")
+    p.add_argument("--ref-micro-batch", type=int, default=0, help="reference micro_batch_size; 0 = per variant")
     p.add_argument("--set", action="append", default=[], help="extra --set for every dataflow variant")
     p.add_argument("--learner-bench", action="store_true",
                    help="first time ppo_update and the reference pass alone (no Ray), per micro-batch size")
@@ -553,7 +568,6 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=570.0,
                    help="stop starting variants past this many seconds (the GPU machine's call limit is 600)")
     args = p.parse_args()
-    args.micro_batch = args.micro_batch or (16 if args.gpus == 1 else 32)
 
     shape = SHAPES["tiny" if args.tiny else "w1"]
     out = Path(args.out)

@@ -151,11 +151,14 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
     # the current weights, the behaviour log-probs are them (up to float noise). Otherwise the first
     # minibatch of the first epoch needs no extra pass either: nothing has changed the weights
     # before it, so its own forward pass gives them (taken there, detached). Only the other rows
-    # get a no-grad forward here; with one minibatch and one epoch (W1), none does.
+    # get a no-grad forward here; with one minibatch and one epoch (W1), none does. dp x tp ranks
+    # recompute every row: a dp rank's forward covers only its share of that minibatch, and the
+    # other shares' rows come back to it in later minibatches.
+    reuse_first = stale and ranks is None
     old_logprobs, first_rows = full["logprobs"], set()
     if stale:
         old_logprobs = torch.zeros_like(full["logprobs"])
-        first_rows = set(orders[0][:c.minibatch_size])
+        first_rows = set(orders[0][:c.minibatch_size]) if reuse_first else set()
         rest = torch.tensor([i for i in range(len(samples)) if i not in first_rows], dtype=torch.long)
         with torch.no_grad(), autocast(amp, device):
             for sl in micro_slices(len(rest), c.micro_batch_size):
@@ -196,7 +199,7 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
                     logprobs, entropy = sequence_logprobs(model, full["input_ids"][idx], full["attention_mask"][idx],
                                                           mask[idx], temperature=c.temperature,
                                                           entropy_grad=c.entropy_coef != 0)
-                    if stale and epoch == 0 and start == 0:   # see first_rows above
+                    if reuse_first and epoch == 0 and start == 0:   # see first_rows above
                         old_logprobs[idx] = logprobs.detach().to(old_logprobs.dtype)
                     pg_loss, pg_stats = ppo_policy_loss(
                         logprobs, old_logprobs[idx], advantages[idx], mask[idx], c.clip_eps,
