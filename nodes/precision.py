@@ -65,8 +65,9 @@ def compile_layers(model: torch.nn.Module, compile: bool | None, device, amp: to
     residual adds, their backward) is many small kernels per layer under autocast; compiled, they
     fuse, while the matmuls stay cuBLAS. Identical layers share one compiled graph (torchtitan
     compiles FSDP2 blocks the same way). The first compile runs here, on a two-row dummy batch
-    under the autocast the node runs in (`amp`; float32: none) and a backward when `train`, so a missing toolchain falls back to
-    eager at setup, with one line, not in the middle of a step."""
+    under the autocast the node runs in (`amp`; float32: none) and with a backward when `train`,
+    so a missing toolchain falls back to eager at setup, with one line, not in a step. The layers'
+    own private attribute `_compiled_call_impl` is reset for that: torch has no public undo."""
     if not (torch.device(device).type == "cuda" if compile is None else compile):
         return False
     layers = next((m for name, m in model.named_modules()

@@ -347,6 +347,6 @@ def test_token_logprobs_compiled_kernel_matches_the_eager_chunks():
         lp, ent = rl_math.token_logprobs(logits, tokens, 0.8, chunk_elems=7 * 500, compile=compile)
         ((lp * w).sum() + (ent * w).sum()).backward()
         results.append((lp.detach(), ent.detach(), logits.grad.clone()))
-    assert set(rl_math._compiled_fns) == {"stats1", "grad1"} and None not in rl_math._compiled_fns.values()
+    assert all(rl_math._compiled_fns.get(name) is not None for name in ("stats1", "grad1"))  # really compiled
     for eager, compiled in zip(*results):
         assert torch.allclose(eager, compiled, rtol=0, atol=1e-5)
