@@ -11,8 +11,9 @@ W1: vocab 151936, hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864, tied em
    HF forward, and the behaviour log-probs of sampled responses against sequence_logprobs, at bf16
    tolerance; CUDA-graph replay gives the same tokens as eager decoding.
 2. Times, for the same prompts: (a) the HF loop (nodes/models.py:sample_responses), (b) the static
-   decoder eager, (c) the static decoder with CUDA graphs (sampler compiled), (c') the same with an
-   eager sampler, (d) transformers' model.generate(cache_implementation="static") if it runs.
+   decoder eager, (c) the static decoder with CUDA graphs, compiled layers and compiled sampler (the
+   generator's default on CUDA), (c') the same with eager layers, (c'') eager layers and an eager
+   sampler, (d) transformers' model.generate(cache_implementation="static") if it runs.
    Prints a table of seconds and response tokens/s.
 """
 
@@ -113,8 +114,9 @@ def main() -> None:
     print(f"behaviour log-probs vs sequence_logprobs: mean abs {mean_err:.3e}, max abs {max_err:.3e}", flush=True)
     assert mean_err < tol / 5 and max_err < 5 * tol, (mean_err, max_err)
 
-    dec_graphs = StaticDecoder(model, n, prompt_len + new, eos_id=eos, max_new_tokens=new,
-                               min_new_tokens=new, seed=0)
+    t_build, dec_graphs = timed(device, lambda: StaticDecoder(model, n, prompt_len + new, eos_id=eos,
+                                                              max_new_tokens=new, min_new_tokens=new, seed=0))
+    print(f"decoder built in {t_build:.1f} s (layers compiled: {dec_graphs.layers_compiled})", flush=True)
     run_c = lambda: decode_responses(model, tok, prompts, new, keys=keys, decoder=dec_graphs)  # noqa: E731
     t_capture, samples_c = timed(device, run_c)       # first run captures the graph(s)
     assert all(len(s["response_ids"]) == new for s in samples_c)
@@ -127,22 +129,33 @@ def main() -> None:
         print(f"  {name}: {seconds:.2f} s, {n * new / seconds:,.0f} tok/s {note}", flush=True)
 
     t_c, samples_c2 = timed(device, run_c)
-    record("(c) static decoder + CUDA graphs" if device == "cuda" else "(c) static decoder (CPU: eager)",
-           t_c, f"(first run incl. capture/compile: {t_capture:.1f} s)")
+    record("(c) static decoder + CUDA graphs + compiled layers" if device == "cuda"
+           else "(c) static decoder (CPU: eager)",
+           t_c, f"(build {t_build:.1f} s; first run incl. capture/compile: {t_capture:.1f} s)")
     assert [s["response_ids"] for s in samples_c2] == [s["response_ids"] for s in samples_c]
 
     if device == "cuda":
+        dec_layers = StaticDecoder(model, n, prompt_len + new, eos_id=eos, max_new_tokens=new,
+                                   min_new_tokens=new, compile_layers=False)
+        run = lambda: decode_responses(model, tok, prompts, new, keys=keys, decoder=dec_layers)  # noqa: E731
+        first = run()
+        same = sum(a["response_ids"] == b["response_ids"] for a, b in zip(first, samples_c))
+        record("(c') CUDA graphs, eager layers", timed(device, run)[0],
+               f"({same}/{n} responses identical to (c))")
+        del dec_layers
+
         dec_eager_sampler = StaticDecoder(model, n, prompt_len + new, eos_id=eos, max_new_tokens=new,
-                                          min_new_tokens=new, compile_sampler=False)
+                                          min_new_tokens=new, compile_sampler=False, compile_layers=False)
         run = lambda: decode_responses(model, tok, prompts, new, keys=keys, decoder=dec_eager_sampler)  # noqa: E731
         run()
-        record("(c') CUDA graphs, eager sampler", timed(device, run)[0])
+        record("(c'') CUDA graphs, eager layers, eager sampler", timed(device, run)[0])
         del dec_eager_sampler
 
         dec_eager = StaticDecoder(model, n, prompt_len + new, eos_id=eos, max_new_tokens=new,
-                                  min_new_tokens=new, cuda_graphs=False, compile_sampler=False)
+                                  min_new_tokens=new, cuda_graphs=False, compile_sampler=False,
+                                  compile_layers=False)
         decode_responses(model, tok, prompts[:8], 8, keys=keys[:8], num_slots=8, cuda_graphs=False,
-                         compile_sampler=False)   # warm-up (cuBLAS handles, allocator)
+                         compile_sampler=False, compile_layers=False)   # warm-up (cuBLAS handles, allocator)
         t_b, samples_b = timed(device, lambda: decode_responses(model, tok, prompts, new, keys=keys,
                                                                 decoder=dec_eager))
         same = sum(a["response_ids"] == b["response_ids"] for a, b in zip(samples_b, samples_c))

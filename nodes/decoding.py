@@ -105,6 +105,32 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
+def qkv(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q [B, T, h, d], k and v [B, T, kv, d] with RoPE applied (x: [B, T, hidden]; cos, sin
+    [B, T, d]). Head counts come from the projections' shapes, so under torch.compile they are
+    constants of the weights."""
+    from transformers.models.llama.modeling_llama import rotate_half
+    B, T = x.shape[:2]
+    d = attn.head_dim
+    q = attn.q_proj(x).view(B, T, -1, d)
+    k = attn.k_proj(x).view(B, T, -1, d)
+    v = attn.v_proj(x).view(B, T, -1, d)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]     # [B, T, 1, d]: broadcast over heads
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+
+def attention_input(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """A decoder layer's part before attention: RMSNorm, the q/k/v projections and RoPE."""
+    return qkv(layer.self_attn, layer.input_layernorm(h), cos, sin)
+
+
+def attention_output(layer: nn.Module, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """A decoder layer's part after attention (o [B, T, heads x d]): o_proj, the residual add,
+    RMSNorm, the SwiGLU MLP and its residual add."""
+    h = h + layer.self_attn.o_proj(o)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
 def _flash_with_kvcache():
     try:
         from flash_attn import flash_attn_with_kvcache
@@ -124,13 +150,15 @@ class StaticDecoder:
     `attention`: "auto" (flash-attn when importable on CUDA, else sdpa), "sdpa" or "flash".
     `cuda_graphs`: None = on CUDA. `compile_sampler`: torch.compile the sampling ops (CUDA; falls
     back to eager if compiling fails): unfused, the per-vocab noise costs ~15 passes over [B, V].
+    `compile_layers`: torch.compile each layer's parts before and after attention (None = on CUDA),
+    here, on a dummy step; if that fails, the layers run eagerly and one line is printed.
     """
 
     def __init__(self, model: nn.Module, num_slots: int, max_len: int, *, eos_id: int,
                  max_new_tokens: int, min_new_tokens: int = 0, temperature: float = 1.0,
                  top_k: int = 0, seed: int = 0, cuda_graphs: bool | None = None,
                  attention: str = "auto", compile_sampler: bool | None = None,
-                 sync_every: int | None = None):
+                 compile_layers: bool | None = None, sync_every: int | None = None):
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"StaticDecoder: unsupported model: {reason}")
@@ -140,7 +168,7 @@ class StaticDecoder:
         self.min_new_tokens = min(min_new_tokens, max_new_tokens)
         self.temperature, self.top_k, self.seed = temperature, top_k or 0, seed
         self._cuda_graphs, self._compile, self._sync_every = cuda_graphs, compile_sampler, sync_every
-        self._attention = attention
+        self._attention, self._compile_layers = attention, compile_layers
         self._device = self._dtype = None
         self.refresh()
 
@@ -201,6 +229,35 @@ class StaticDecoder:
             self._compiled = torch.compile(sample_tokens)
         self._graphs = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self._attention_input, self._attention_output = attention_input, attention_output
+        self.layers_compiled = False
+        if cuda if self._compile_layers is None else self._compile_layers:
+            self._compile_layer_halves()
+
+    def _compile_layer_halves(self) -> None:
+        """torch.compile attention_input and attention_output, now, on a dummy decode step of 3
+        rows. Their glue is most of a layer's kernels (RMSNorm's float32 upcast, rotary, SwiGLU,
+        residual adds: ~45 per layer eager, for 7 matmuls), and at batch 256 those launches, not
+        the math, set a decode step's time even inside a CUDA graph. The weights are graph inputs,
+        so one graph serves every layer; dynamic=True makes it serve every batch bucket too (3 is
+        a size no weight dimension has, so nothing is specialised to equal one)."""
+        B, inner = min(3, self.num_slots), self.model.model
+        first, second = (torch.compile(f, dynamic=True) for f in (attention_input, attention_output))
+        pos = torch.zeros(B, dtype=torch.long, device=self._device)
+        try:
+            with torch.no_grad():
+                h = inner.embed_tokens(pos[:, None])
+                cos, sin = inner.rotary_emb(h, pos[:, None])
+                q, _, _ = first(inner.layers[0], h, cos, sin)
+                # o as the decode step makes it: a view of sdpa's [B, kv, g, d] output
+                o = q.view(B, self.n_kv, -1, self.head_dim).clone().reshape(B, 1, -1)
+                second(inner.layers[0], h, o)
+        except Exception as e:  # e.g. no C++ compiler / triton: eager is correct, just slower
+            print(f"StaticDecoder: torch.compile of the decoder layers failed ({type(e).__name__}: "
+                  f"{str(e)[:200]}); decoding with eager layers", flush=True)
+            return
+        self._attention_input, self._attention_output = first, second
+        self.layers_compiled = True
 
     @property
     def active(self) -> int:
@@ -210,16 +267,6 @@ class StaticDecoder:
         return self.slots.count(None)
 
     # ----- model pieces -----------------------------------------------------------------------
-    def _qkv(self, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q [B, T, h, d], k and v [B, T, kv, d] with RoPE applied (x: [B, T, hidden])."""
-        from transformers.models.llama.modeling_llama import rotate_half
-        B, T = x.shape[:2]
-        q = attn.q_proj(x).view(B, T, self.n_head, self.head_dim)
-        k = attn.k_proj(x).view(B, T, self.n_kv, self.head_dim)
-        v = attn.v_proj(x).view(B, T, self.n_kv, self.head_dim)
-        cos, sin = cos[:, :, None, :], sin[:, :, None, :]     # [B, T, 1, d]: broadcast over heads
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
-
     def _prefill(self, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Right-padded prompts [n, P] -> K/V into `slots`, float32 logits [n, V] at each last token.
         Causal attention needs no padding mask: a real token never sees the pads after it."""
@@ -230,7 +277,7 @@ class StaticDecoder:
         g = self.n_head // self.n_kv
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
-            q, k, v = self._qkv(attn, layer.input_layernorm(h), cos, sin)
+            q, k, v = attention_input(layer, h, cos, sin)
             if self._flash:
                 self.k_cache[i][slots, :P], self.v_cache[i][slots, :P] = k, v
             else:
@@ -239,8 +286,7 @@ class StaticDecoder:
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(g, 1),
                 v.transpose(1, 2).repeat_interleave(g, 1), is_causal=True, scale=attn.scaling)
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(n, P, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = attention_output(layer, h, o.transpose(1, 2).reshape(n, P, -1))
         last = h[torch.arange(n, device=h.device), lens - 1]
         return self.model.lm_head(inner.norm(last)).float()
 
@@ -251,30 +297,29 @@ class StaticDecoder:
         inner = self.model.model
         L = L or self.max_len
         pos = self.lengths[:B]
-        h = inner.embed_tokens(self.last[:B])[:, None]                   # [B, 1, hidden]
+        h = inner.embed_tokens(self.last[:B, None])   # [B, 1, hidden], not a view (as compiled)
         cos, sin = inner.rotary_emb(h, pos[:, None])
         mask = (self.positions[None, :L] <= pos[:, None])[:, None, None, :]   # [B, 1, 1, L]
         rows, g = self.slot_ids[:B], self.n_head // self.n_kv
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
-            q, k, v = self._qkv(attn, layer.input_layernorm(h), cos, sin)
+            q, k, v = self._attention_input(layer, h, cos, sin)
             kc, vc = self.k_cache[i][:B], self.v_cache[i][:B]
             if self._flash is not None:
                 # UNTESTED (flash-attn is installed nowhere this was written): appends k/v at
                 # cache_seqlens and attends over the cache in one kernel.
                 o = self._flash(q, kc, vc, k=k, v=v, cache_seqlens=pos.int(),
                                 softmax_scale=attn.scaling, causal=True)
-                o = o.reshape(B, 1, -1)
             else:
+                # eager between the compiled halves: a compiled graph reading the cache would
+                # specialise on L < max_len (and B < num_slots) and compile again at the full size
                 kc[rows, :, pos] = k[:, 0]
                 vc[rows, :, pos] = v[:, 0]
                 # GQA for one query token: the g query heads sharing a KV head become g query rows.
                 o = F.scaled_dot_product_attention(
                     q.view(B, self.n_kv, g, self.head_dim), kc[:, :, :L], vc[:, :, :L],
                     attn_mask=mask, scale=attn.scaling)
-                o = o.reshape(B, 1, -1)
-            h = h + attn.o_proj(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = self._attention_output(layer, h, o.reshape(B, 1, -1))
         return self.model.lm_head(inner.norm(h[:, 0])).float()
 
     def _sampler(self, *args):

@@ -71,6 +71,10 @@ class GeneratorConfig:
     max_position_embeddings - max_new_tokens, within [256, 1024]. A longer prompt fails the node."""
     cuda_graphs: bool = True
     """Static decoder on CUDA: replay each decode step as a CUDA graph (False: eager, to compare)."""
+    compile: bool | None = None
+    """Static decoder: torch.compile each layer's parts around attention (None = on CUDA;
+    nodes/decoding.attention_input / attention_output).
+    Compiled at setup; a machine without a working compiler decodes with eager layers (logged)."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """How the learner's weights arrive (must match the learner's; nodes/weight_sync.py)."""
     seed: int = 0
@@ -145,7 +149,7 @@ class Generator(Node):
             self.model, self.prompts_per_call * c.group_size, self.max_prompt + c.max_new_tokens,
             eos_id=self.tokenizer.eos_token_id, max_new_tokens=c.max_new_tokens,
             min_new_tokens=c.min_new_tokens, temperature=c.temperature, top_k=c.top_k,
-            seed=c.seed, cuda_graphs=c.cuda_graphs)
+            seed=c.seed, cuda_graphs=c.cuda_graphs, compile_layers=c.compile)
 
     async def run(self):
         if self.decoder is None:
