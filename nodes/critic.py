@@ -29,7 +29,7 @@ from dataflow.errors import UserError
 from dataflow.multirank import CRITIC_RANKS_EDGE, RankCommands
 from nodes import policy
 from nodes.models import ValueModel, pad_batch, unpad_tokens
-from nodes.precision import Precision, autocast, compute_dtype, micro_slices, prepare_trained
+from nodes.precision import Precision, autocast, compile_layers, compute_dtype, micro_slices, prepare_trained
 from nodes.rl_math import gae_advantages, masked_mean, value_loss
 
 
@@ -54,6 +54,9 @@ class CriticConfig:
     into each minibatch's one optimizer step, same result as unsplit; 0 = no split)."""
     precision: Precision = "auto"
     """auto: bf16 autocast over fp32 master weights on CUDA, fp32 on CPU (nodes/precision.py)."""
+    compile: bool | None = None
+    """torch.compile each decoder layer of the trunk (None = on CUDA, one process, without
+    gradient_checkpointing, whose pairing with compile is untried; nodes/precision.compile_layers)."""
     seed: int = 0
     snapshot_interval: int = -1
     """Every this many training passes, write the critic's state to <run>/snapshots/<replica>/:
@@ -176,6 +179,10 @@ class Critic(RankCommands, Node):
                 self.ranks.shard(self.model)
             except ValueError as e:
                 raise UserError(f"critic.dp={c.dp} critic.tp={c.tp}: {e}") from None
+        else:  # sharded ranks stay eager, as the learner's
+            compile_layers(self.model, False if c.compile is None and c.gradient_checkpointing else c.compile,
+                           self.ctx.device, compute_dtype(c.precision, self.ctx.device), train=True,
+                           probe=lambda model, ids: model(ids, torch.ones_like(ids)))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr)
         self.rng = random.Random(c.seed)
         self.pending: list[tuple[int, dict]] = []  # (prompt id, sample) not yet trained on

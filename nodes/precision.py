@@ -12,7 +12,7 @@ weights of size ~0.02 fall below bf16's 8-bit mantissa and are lost; fp32 master
 from __future__ import annotations
 
 import contextlib
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -57,8 +57,13 @@ def micro_slices(n: int, micro_batch_size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+def causal_lm_probe(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+
+
 def compile_layers(model: torch.nn.Module, compile: bool | None, device, amp: torch.dtype,
-                   train: bool) -> bool:
+                   train: bool,
+                   probe: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = causal_lm_probe) -> bool:
     """torch.compile each decoder layer of `model` in place (compile None = on CUDA); True if it did.
 
     Why per layer: the layers' elementwise glue (RMSNorm's float32 upcast, rotary, SwiGLU, the
@@ -67,7 +72,9 @@ def compile_layers(model: torch.nn.Module, compile: bool | None, device, amp: to
     compiles FSDP2 blocks the same way). The first compile runs here, on a two-row dummy batch
     under the autocast the node runs in (`amp`; float32: none) and with a backward when `train`,
     so a missing toolchain falls back to eager at setup, with one line, not in a step. The layers'
-    own private attribute `_compiled_call_impl` is reset for that: torch has no public undo."""
+    own private attribute `_compiled_call_impl` is reset for that: torch has no public undo.
+    `probe(model, ids)`: the model's forward on token ids, giving a tensor (default: a causal LM's
+    logits; the critic passes its value head's)."""
     if not (torch.device(device).type == "cuda" if compile is None else compile):
         return False
     layers = next((m for name, m in model.named_modules()
@@ -79,9 +86,9 @@ def compile_layers(model: torch.nn.Module, compile: bool | None, device, amp: to
     try:
         ids = torch.ones(2, 8, dtype=torch.long, device=device)
         with torch.enable_grad() if train else torch.no_grad(), autocast(amp, device):
-            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+            out = probe(model, ids)
         if train:
-            logits.float().sum().backward()
+            out.float().sum().backward()
             model.zero_grad(set_to_none=True)
         return True
     except Exception as e:  # e.g. no C++ compiler / triton: eager is correct, just slower

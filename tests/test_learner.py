@@ -168,6 +168,35 @@ def test_critic_micro_batches_equal_the_whole_minibatch(setup):
     assert s1["critic/value_loss"] == pytest.approx(s0["critic/value_loss"], rel=1e-5)
 
 
+def test_compiled_critic_layers_make_the_same_update_as_eager(setup, capsys):
+    # critic.compile (the CUDA default for a one-process critic) on CPU: the trunk's layers compiled
+    # through the value head's forward, and one critic update gives the eager weights and stats.
+    from nodes.critic import CriticConfig, critic_update
+    from nodes.models import ValueModel
+    from nodes.precision import compile_layers
+
+    tok, model, samples = setup
+    samples = [dict(s, values=[0.1] * len(s["response_ids"]), returns=[s["score"]] * len(s["response_ids"]))
+               for s in samples]
+    cfg = CriticConfig(epochs=1, minibatch_size=len(samples), micro_batch_size=3, max_grad_norm=1e9)
+    results = []
+    for compile in (False, True):
+        vm = ValueModel.from_policy(fresh(model))
+        assert compile_layers(vm, compile, "cpu", torch.float32, train=True,
+                              probe=lambda m, ids: m(ids, torch.ones_like(ids))) == compile
+        assert all((layer._compiled_call_impl is not None) == compile for layer in vm.backbone.layers)
+        stats = critic_update(vm, torch.optim.SGD(vm.parameters(), lr=1.0), samples, tok.pad_token_id, cfg,
+                              random.Random(0))
+        results.append(({k: v.clone() for k, v in vm.state_dict().items()}, stats))
+    assert "torch.compile failed" not in capsys.readouterr().out
+    (eager, eager_stats), (compiled, compiled_stats) = results
+    assert any((eager[k] - dict(ValueModel.from_policy(fresh(model)).state_dict())[k]).abs().max() > 1e-4
+               for k in eager)                            # the update moved the weights
+    for k in eager:
+        assert torch.allclose(eager[k], compiled[k], rtol=0, atol=1e-5), k
+    assert compiled_stats["critic/value_loss"] == pytest.approx(eager_stats["critic/value_loss"], rel=1e-5)
+
+
 def test_precision_settings():
     from nodes.precision import compute_dtype, micro_slices
 
