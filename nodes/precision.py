@@ -69,10 +69,11 @@ def compile_layers(model: torch.nn.Module, compile: bool | None, device, amp: to
     Why per layer: the layers' elementwise glue (RMSNorm's float32 upcast, rotary, SwiGLU, the
     residual adds, their backward) is many small kernels per layer under autocast; compiled, they
     fuse, while the matmuls stay cuBLAS. Identical layers share one compiled graph (torchtitan
-    compiles FSDP2 blocks the same way). The first compile runs here, on a two-row dummy batch
-    under the autocast the node runs in (`amp`; float32: none) and with a backward when `train`,
-    so a missing toolchain falls back to eager at setup, with one line, not in a step. The layers'
-    own private attribute `_compiled_call_impl` is reset for that: torch has no public undo.
+    compiles FSDP2 blocks the same way). The first compiles run here, on a two-row dummy batch
+    under the autocast the node runs in (`amp`; float32: none) and, when `train`, with a backward
+    and once more without grad, so a missing toolchain falls back to eager at setup, with one
+    line, not in a step. The layers' own private attribute `_compiled_call_impl` is reset for
+    that: torch has no public undo.
     `probe(model, ids)`: the model's forward on token ids, giving a tensor (default: a causal LM's
     logits; the critic passes its value head's)."""
     if not (torch.device(device).type == "cuda" if compile is None else compile):
@@ -90,6 +91,8 @@ def compile_layers(model: torch.nn.Module, compile: bool | None, device, amp: to
         if train:
             out.float().sum().backward()
             model.zero_grad(set_to_none=True)
+            with torch.no_grad(), autocast(amp, device):   # the no-grad passes a trained node also makes
+                probe(model, ids)                          # (value pass, proximal log-probs) compile here too
         return True
     except Exception as e:  # e.g. no C++ compiler / triton: eager is correct, just slower
         print(f"compile_layers: torch.compile failed ({type(e).__name__}: {str(e)[:200]}); running the "

@@ -170,8 +170,9 @@ def test_critic_micro_batches_equal_the_whole_minibatch(setup):
 
 def test_compiled_critic_layers_make_the_same_update_as_eager(setup, capsys):
     # critic.compile (the CUDA default for a one-process critic) on CPU: the trunk's layers compiled
-    # through the value head's forward, and one critic update gives the eager weights and stats.
-    from nodes.critic import CriticConfig, critic_update
+    # through the value head's forward; the value pass and one critic update give the eager values,
+    # weights and stats.
+    from nodes.critic import CriticConfig, advantages_for, critic_update
     from nodes.models import ValueModel
     from nodes.precision import compile_layers
 
@@ -179,16 +180,20 @@ def test_compiled_critic_layers_make_the_same_update_as_eager(setup, capsys):
     samples = [dict(s, values=[0.1] * len(s["response_ids"]), returns=[s["score"]] * len(s["response_ids"]))
                for s in samples]
     cfg = CriticConfig(epochs=1, minibatch_size=len(samples), micro_batch_size=3, max_grad_norm=1e9)
-    results = []
+    results, values = [], []
     for compile in (False, True):
         vm = ValueModel.from_policy(fresh(model))
         assert compile_layers(vm, compile, "cpu", torch.float32, train=True,
                               probe=lambda m, ids: m(ids, torch.ones_like(ids))) == compile
         assert all((layer._compiled_call_impl is not None) == compile for layer in vm.backbone.layers)
+        items = [{"samples": [dict(s, token_rewards=[0.0] * len(s["response_ids"])) for s in samples]}]
+        advantages_for(vm, items, tok.pad_token_id, cfg, "cpu")          # the value pass: no grad
+        values.append([v for s in items[0]["samples"] for v in s["values"]])
         stats = critic_update(vm, torch.optim.SGD(vm.parameters(), lr=1.0), samples, tok.pad_token_id, cfg,
                               random.Random(0))
         results.append(({k: v.clone() for k, v in vm.state_dict().items()}, stats))
     assert "torch.compile failed" not in capsys.readouterr().out
+    assert values[1] == pytest.approx(values[0], abs=1e-6)
     (eager, eager_stats), (compiled, compiled_stats) = results
     assert any((eager[k] - dict(ValueModel.from_policy(fresh(model)).state_dict())[k]).abs().max() > 1e-4
                for k in eager)                            # the update moved the weights
