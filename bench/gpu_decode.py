@@ -16,7 +16,7 @@ W1: vocab 151936, hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864, tied em
    (c) the static decoder with CUDA graphs, compiled layers and a compiled sampler (the generator's
        default on CUDA); (c') the same with eager layers; (c'') eager layers and an eager sampler;
    (d) transformers' model.generate(cache_implementation="static") and (e) its continuous batching
-       with a paged KV cache (model.generate_batch), if they run.
+       with a paged KV cache (model.generate_batch), (e') the same with its CUDA graphs, if they run.
    Prints a table of seconds and response tokens/s.
 """
 
@@ -189,18 +189,30 @@ def main() -> None:
         except Exception as e:   # version-dependent; report, do not fail the benchmark
             print(f"  (d) HF generate static cache: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
-        # last: it may switch the model's attention implementation to a paged one
+        # last: it may switch the model's attention implementation to a paged one.
+        # (e) as it comes; (e') with its CUDA graphs on (off unless asked, in transformers 5.x)
         try:
             from transformers import GenerationConfig
             cfg = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=True, top_k=0,
                                    temperature=1.0, eos_token_id=eos, pad_token_id=pad)
-            run_e = lambda: model.generate_batch(inputs=prompts, generation_config=cfg)  # noqa: E731
-            t_first, _ = timed(device, run_e)    # sizes its cache, captures its graphs
-            t_e, out = timed(device, run_e)
-            made = sum(len(o.generated_tokens) for o in out.values())
-            record("(e) HF continuous batching (generate_batch, paged KV cache)", t_e,
-                   f"({len(out)} responses, {made} tokens; first call {t_first:.1f} s)", tokens=made)
-        except Exception as e:   # version-dependent; report, do not fail the benchmark
+            variants = [("(e) HF continuous batching (generate_batch, paged KV cache)", {})]
+            try:
+                from transformers import ContinuousBatchingConfig
+                variants.append(("(e') HF continuous batching, CUDA graphs on",
+                                 dict(continuous_batching_config=ContinuousBatchingConfig(use_cuda_graph=True))))
+            except ImportError:
+                print("  (e') skipped: this transformers has no ContinuousBatchingConfig", flush=True)
+            for name, extra in variants:
+                try:
+                    run_e = lambda: model.generate_batch(inputs=prompts, generation_config=cfg, **extra)  # noqa: E731
+                    t_first, _ = timed(device, run_e)    # sizes its cache, captures its graphs
+                    t_e, out = timed(device, run_e)
+                    made = sum(len(o.generated_tokens) for o in out.values())
+                    record(name, t_e, f"({len(out)} responses, {made} tokens; first call {t_first:.1f} s)",
+                           tokens=made)
+                except Exception as e:   # version- and device-dependent; report, do not fail the benchmark
+                    print(f"  {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        except Exception as e:
             print(f"  (e) HF generate_batch: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
     print(f"\n| method | seconds | response tokens/s | note |\n|---|---|---|---|")

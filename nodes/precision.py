@@ -57,25 +57,31 @@ def micro_slices(n: int, micro_batch_size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def causal_lm_probe(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+def causal_lm_probe(model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    from nodes.models import sequence_logprobs   # the learner's and reference's forward, as they call it
+    return sequence_logprobs(model, ids, attention_mask, attention_mask.float())[0]
 
 
 def compile_layers(model: torch.nn.Module, compile: bool | None, device, amp: torch.dtype,
                    train: bool,
-                   probe: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = causal_lm_probe) -> bool:
+                   probe: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = causal_lm_probe
+                   ) -> bool:
     """torch.compile each decoder layer of `model` in place (compile None = on CUDA); True if it did.
 
     Why per layer: the layers' elementwise glue (RMSNorm's float32 upcast, rotary, SwiGLU, the
     residual adds, their backward) is many small kernels per layer under autocast; compiled, they
     fuse, while the matmuls stay cuBLAS. Identical layers share one compiled graph (torchtitan
-    compiles FSDP2 blocks the same way). The first compiles run here, on a two-row dummy batch
-    under the autocast the node runs in (`amp`; float32: none) and, when `train`, with a backward
-    and once more without grad, so a missing toolchain falls back to eager at setup, with one
-    line, not in a step. The layers' own private attribute `_compiled_call_impl` is reset for
-    that: torch has no public undo.
-    `probe(model, ids)`: the model's forward on token ids, giving a tensor (default: a causal LM's
-    logits; the critic passes its value head's)."""
+    compiles FSDP2 blocks the same way).
+    Every graph a run needs compiles here, not in its first step (measured on an H200: 16 s more
+    in the critic's first step when they did not): dynamic shapes from the start (batches and
+    lengths vary), and a dummy batch run without padding (the layers get no mask: sdpa's causal
+    path), with padding (a mask tensor) and as one row, under the node's autocast (`amp`; float32:
+    none), with a backward when `train`, and without grad (reference; a trained node's value pass
+    and proximal log-probs). A missing toolchain so falls back to eager at setup, with one line.
+    The layers' own private attribute `_compiled_call_impl` is reset for that: torch has no public
+    undo.
+    `probe(model, ids, attention_mask)`: the node's forward on a padded batch, giving a tensor
+    (default: the learner's and reference's sequence_logprobs; the critic passes its value head's)."""
     if not (torch.device(device).type == "cuda" if compile is None else compile):
         return False
     layers = next((m for name, m in model.named_modules()
@@ -83,16 +89,21 @@ def compile_layers(model: torch.nn.Module, compile: bool | None, device, amp: to
     if layers is None:
         return False
     for layer in layers:
-        layer.compile()
+        layer.compile(dynamic=True)
     try:
         ids = torch.ones(2, 8, dtype=torch.long, device=device)
-        with torch.enable_grad() if train else torch.no_grad(), autocast(amp, device):
-            out = probe(model, ids)
-        if train:
-            out.float().sum().backward()
-            model.zero_grad(set_to_none=True)
-            with torch.no_grad(), autocast(amp, device):   # the no-grad passes a trained node also makes
-                probe(model, ids)                          # (value pass, proximal log-probs) compile here too
+        unpadded = torch.ones_like(ids)
+        padded = unpadded.clone()
+        padded[0, :3] = 0                                  # a left-padded prompt, as pad_batch lays it
+        for grad in (True, False) if train else (False,):
+            # one row is its own graph (dynamic shapes still specialise a size of 1): a micro-batch
+            # split's last slice can be one sample
+            for rows, mask in ((2, unpadded), (2, padded), (1, unpadded)):
+                with torch.enable_grad() if grad else torch.no_grad(), autocast(amp, device):
+                    out = probe(model, ids[:rows], mask[:rows])
+                if grad:
+                    out.float().sum().backward()
+        model.zero_grad(set_to_none=True)
         return True
     except Exception as e:  # e.g. no C++ compiler / triton: eager is correct, just slower
         print(f"compile_layers: torch.compile failed ({type(e).__name__}: {str(e)[:200]}); running the "

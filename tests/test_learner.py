@@ -174,6 +174,7 @@ def test_compiled_critic_layers_make_the_same_update_as_eager(setup, capsys):
     # weights and stats.
     from nodes.critic import CriticConfig, advantages_for, critic_update
     from nodes.models import ValueModel
+    from torch._dynamo.utils import counters
     from nodes.precision import compile_layers
 
     tok, model, samples = setup
@@ -184,7 +185,8 @@ def test_compiled_critic_layers_make_the_same_update_as_eager(setup, capsys):
     for compile in (False, True):
         vm = ValueModel.from_policy(fresh(model))
         assert compile_layers(vm, compile, "cpu", torch.float32, train=True,
-                              probe=lambda m, ids: m(ids, torch.ones_like(ids))) == compile
+                              probe=lambda m, ids, mask: m(ids, mask)) == compile
+        graphs_at_setup = counters["stats"]["unique_graphs"]
         assert all((layer._compiled_call_impl is not None) == compile for layer in vm.backbone.layers)
         items = [{"samples": [dict(s, token_rewards=[0.0] * len(s["response_ids"])) for s in samples]}]
         advantages_for(vm, items, tok.pad_token_id, cfg, "cpu")          # the value pass: no grad
@@ -192,6 +194,9 @@ def test_compiled_critic_layers_make_the_same_update_as_eager(setup, capsys):
         stats = critic_update(vm, torch.optim.SGD(vm.parameters(), lr=1.0), samples, tok.pad_token_id, cfg,
                               random.Random(0))
         results.append(({k: v.clone() for k, v in vm.state_dict().items()}, stats))
+        # every graph the value pass and the update needed (padded and unpadded micro-batches,
+        # with and without grad) was compiled at setup: nothing compiles inside a step
+        assert counters["stats"]["unique_graphs"] == graphs_at_setup
     assert "torch.compile failed" not in capsys.readouterr().out
     assert values[1] == pytest.approx(values[0], abs=1e-6)
     (eager, eager_stats), (compiled, compiled_stats) = results
@@ -265,6 +270,7 @@ def test_stale_update_takes_the_first_minibatchs_proximal_logprobs_from_its_own_
 def test_compiled_layers_make_the_same_update_as_eager(setup, capsys):
     # nodes/precision.compile_layers (the CUDA default for the learner and reference) on CPU:
     # every decoder layer compiled, and one update gives the eager update's weights and stats.
+    from torch._dynamo.utils import counters
     from nodes.precision import compile_layers
 
     tok, model, samples = setup
@@ -274,11 +280,15 @@ def test_compiled_layers_make_the_same_update_as_eager(setup, capsys):
     for compile in (False, True):
         m = fresh(model)
         assert compile_layers(m, compile, "cpu", torch.float32, train=True) == compile
+        graphs_at_setup = counters["stats"]["unique_graphs"]
         assert all((layer._compiled_call_impl is not None) == compile for layer in m.model.layers)
         # SGD: the weight change is the gradient (Adam's would turn float noise near 0 into +-lr)
         stats = ppo_update(m, torch.optim.SGD(m.parameters(), lr=1.0), samples, 0.1, tok.pad_token_id, cfg,
                            random.Random(0), stale=True)
         results.append((m.state_dict(), stats))
+        # its padded and unpadded micro-batches, with grad and without (proximal log-probs), ran
+        # graphs compiled at setup: nothing compiles inside a step
+        assert counters["stats"]["unique_graphs"] == graphs_at_setup
     assert "torch.compile failed" not in capsys.readouterr().out
     (eager, eager_stats), (compiled, compiled_stats) = results
     for k in eager:
