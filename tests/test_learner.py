@@ -172,9 +172,9 @@ def test_compiled_critic_layers_make_the_same_update_as_eager(setup, capsys):
     # critic.compile (the CUDA default for a one-process critic) on CPU: the trunk's layers compiled
     # through the value head's forward; the value pass and one critic update give the eager values,
     # weights and stats.
+    from torch._dynamo.utils import counters
     from nodes.critic import CriticConfig, advantages_for, critic_update
     from nodes.models import ValueModel
-    from torch._dynamo.utils import counters
     from nodes.precision import compile_layers
 
     tok, model, samples = setup
