@@ -191,29 +191,26 @@ def main() -> None:
 
         # last: it may switch the model's attention implementation to a paged one.
         # (e) as it comes; (e') with its CUDA graphs on (off unless asked, in transformers 5.x)
+        from transformers import GenerationConfig
+        cfg = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=True, top_k=0,
+                               temperature=1.0, eos_token_id=eos, pad_token_id=pad)
+        variants = [("(e) HF continuous batching (generate_batch, paged KV cache)", {})]
         try:
-            from transformers import GenerationConfig
-            cfg = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=True, top_k=0,
-                                   temperature=1.0, eos_token_id=eos, pad_token_id=pad)
-            variants = [("(e) HF continuous batching (generate_batch, paged KV cache)", {})]
+            from transformers import ContinuousBatchingConfig
+            variants.append(("(e') HF continuous batching, CUDA graphs on",
+                             dict(continuous_batching_config=ContinuousBatchingConfig(use_cuda_graph=True))))
+        except ImportError:
+            print("  (e') skipped: this transformers has no ContinuousBatchingConfig", flush=True)
+        for name, extra in variants:
             try:
-                from transformers import ContinuousBatchingConfig
-                variants.append(("(e') HF continuous batching, CUDA graphs on",
-                                 dict(continuous_batching_config=ContinuousBatchingConfig(use_cuda_graph=True))))
-            except ImportError:
-                print("  (e') skipped: this transformers has no ContinuousBatchingConfig", flush=True)
-            for name, extra in variants:
-                try:
-                    run_e = lambda: model.generate_batch(inputs=prompts, generation_config=cfg, **extra)  # noqa: E731
-                    t_first, _ = timed(device, run_e)    # sizes its cache, captures its graphs
-                    t_e, out = timed(device, run_e)
-                    made = sum(len(o.generated_tokens) for o in out.values())
-                    record(name, t_e, f"({len(out)} responses, {made} tokens; first call {t_first:.1f} s)",
-                           tokens=made)
-                except Exception as e:   # version- and device-dependent; report, do not fail the benchmark
-                    print(f"  {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        except Exception as e:
-            print(f"  (e) HF generate_batch: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                run_e = lambda: model.generate_batch(inputs=prompts, generation_config=cfg, **extra)  # noqa: E731
+                t_first, _ = timed(device, run_e)    # sizes its cache, captures its graphs
+                t_e, out = timed(device, run_e)
+                made = sum(len(o.generated_tokens) for o in out.values())
+                record(name, t_e, f"({len(out)} responses, {made} tokens; first call {t_first:.1f} s)",
+                       tokens=made)
+            except Exception as e:   # version- and device-dependent; report, do not fail the benchmark
+                print(f"  {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
     print(f"\n| method | seconds | response tokens/s | note |\n|---|---|---|---|")
     for name, s, tps, note in rows:

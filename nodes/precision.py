@@ -16,6 +16,8 @@ from typing import Callable, Literal
 
 import torch
 
+from nodes.models import sequence_logprobs
+
 Precision = Literal["auto", "fp32", "bf16"]
 
 
@@ -58,7 +60,7 @@ def micro_slices(n: int, micro_batch_size: int) -> list[slice]:
 
 
 def causal_lm_probe(model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    from nodes.models import sequence_logprobs   # the learner's and reference's forward, as they call it
+    """The learner's and reference's forward, as they call it."""
     return sequence_logprobs(model, ids, attention_mask, attention_mask.float())[0]
 
 
