@@ -4,7 +4,7 @@
 
 1. Sampling on CUDA gives the same log-probs as the model's own forward pass (fp32: 1e-4; bf16:
    5e-2 absolute, the rounding of bf16 logits), with the HF loop (sample_responses) and with the
-   static decoder replaying CUDA graphs (nodes/decoding.py, what the generator node uses).
+   static decoder replaying CUDA graphs (rl/decoding.py, what the generator node uses).
 2. The learner's update lowers the PPO loss on a fixed batch (several optimizer steps).
 3. A short PPO graph run with every model node on the GPU: weights arrive (the generators'
    samples carry increasing versions, within the staleness bound) and the run ends cleanly. Its
@@ -28,10 +28,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from nodes.decoding import decode_responses  # noqa: E402
+from rl.decoding import decode_responses  # noqa: E402
 from nodes.learner import LearnerConfig, ppo_update, step_advantages  # noqa: E402
-from nodes.models import ModelConfig, build_policy, pad_batch, sample_responses, sequence_logprobs  # noqa: E402
-from nodes.tasks import build_tokenizer, make_task, score  # noqa: E402
+from rl.models import ModelConfig, build_policy, pad_batch, sample_responses, sequence_logprobs  # noqa: E402
+from rl.tasks import build_tokenizer, make_task, score  # noqa: E402
 
 
 def check_sampling_logprobs(dtype: torch.dtype, tol: float) -> float:

@@ -28,7 +28,7 @@ Micro-batches (and the learner's GPU share) per variant unless --micro-batch: ba
 Reported per variant (the first --warmup steps excluded):
   s/step       wall time between the learner's step records (steady state)
   tok/s        response tokens trained on per second (256 x 256 per step at W1)
-  idle%        per GPU, from the trace report over the whole run (dataflow.trace_report.summarize);
+  idle%        per GPU, from the trace report over the whole run (dataflow.trace.report.summarize);
                idle_steady%: the same GPU intervals over the steady window only (after the
                warm-up steps' train spans), when the trace has them
   peak GB      the largest `gpu/peak_mem_gb` any node reported (torch max_memory_allocated), per node in JSON
@@ -141,7 +141,7 @@ def build_workload(work: Path, shape: dict, num_prompts: int, seed: int = 0) -> 
             f.write(json.dumps({"prompt": "".join(rng.choice(LETTERS) for _ in range(shape["prompt_len"])),
                                 "answer": ""}) + "\n")
     reward.write_text(REWARD_SOURCE)
-    # Check what a user would, loading it the way the nodes (nodes/tasks.load_tokenizer) and TRL do:
+    # Check what a user would, loading it the way the nodes (rl/tasks.load_tokenizer) and TRL do:
     # exactly prompt_len ids per prompt, the specials where the model config says.
     check = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     for line in prompts.read_text().splitlines()[:8]:
@@ -208,7 +208,7 @@ def trace_idle(trace_path: Path, warmup: int) -> dict:
     the end of the learner's warm-up train spans to the end of its last one."""
     import gzip
 
-    from dataflow import trace_report
+    from dataflow.trace import report as trace_report
 
     aggregates, rows = trace_report.load_trace(str(trace_path))
     summary = trace_report.summarize(aggregates)
@@ -374,7 +374,7 @@ def logprob_kernel_bench(micro_batches: list[int], cols: int, vocab: int) -> lis
     rl_math.token_logprobs); fused eager; fused compiled (the CUDA default). Median ms of 5, peak GB."""
     import torch
 
-    from nodes.rl_math import token_logprobs
+    from rl.logprobs import token_logprobs
 
     def plain(logits, tokens):
         z = logits.float()
@@ -434,9 +434,9 @@ def learner_bench(args, shape: dict, paths: dict, out: Path) -> list[dict]:
     and peak memory. Tells whether the learner fits and how fast it can go without generation."""
     import torch
 
-    from nodes import policy
+    from rl import policy
     from nodes.learner import LearnerConfig, ppo_update
-    from nodes.precision import compile_layers, compute_dtype, prepare_frozen, prepare_trained
+    from rl.precision import compile_layers, compute_dtype, prepare_frozen, prepare_trained
     from nodes.reference import add_logprobs
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

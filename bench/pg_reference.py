@@ -6,7 +6,7 @@ worse than this loop per sample. Prints mean score per step and the time to reac
     python bench/pg_reference.py --task copy --num-digits 3 --algo ppo --max-seconds 120
     python bench/pg_reference.py --sampling-bench      # hand KV-cache loop vs model.generate
 
-Algorithms (all with nodes/rl_math.py):
+Algorithms (all with rl/ (masked, advantages, losses, kl, logprobs)):
   reinforce  A = score - batch mean, same for every token of a sequence
   grpo       A = grpo_advantages over groups of --group-size samples of one prompt
   ppo        critic (ValueModel) + GAE on per-token rewards (score on the last token, minus
@@ -26,7 +26,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nodes import models, rl_math, tasks  # noqa: E402
+from rl.advantages import gae_advantages, grpo_advantages  # noqa: E402
+from rl.kl import kl_penalty, per_token_rewards  # noqa: E402
+from rl.losses import ppo_policy_loss, value_loss  # noqa: E402
+from rl.masked import masked_mean, masked_whiten  # noqa: E402
+from rl import models  # noqa: E402
+from rl import tasks  # noqa: E402
 
 
 def parse_args():
@@ -129,29 +134,29 @@ def main():
             kl = torch.zeros_like(mask)
             if ref is not None:
                 ref_logprobs, _ = models.sequence_logprobs(ref, ids, attn, mask, with_entropy=False)
-                kl = rl_math.kl_penalty(old_logprobs, ref_logprobs, "k1") * mask
+                kl = kl_penalty(old_logprobs, ref_logprobs, "k1") * mask
             if args.token_rewards:
                 rewards = b["token_rewards"] - args.kl_coef * kl
             else:
-                rewards = rl_math.per_token_rewards(scores, kl, args.kl_coef, mask)
+                rewards = per_token_rewards(scores, kl, args.kl_coef, mask)
             if args.algo == "ppo":
                 old_values = critic(ids, attn) * mask
-                advantages, returns = rl_math.gae_advantages(rewards, old_values, mask,
+                advantages, returns = gae_advantages(rewards, old_values, mask,
                                                              args.gamma, args.lam)
-                advantages = rl_math.masked_whiten(advantages, mask)
+                advantages = masked_whiten(advantages, mask)
             elif args.algo == "grpo":
-                advantages = rl_math.grpo_advantages(rewards.sum(1), group_size=group)[:, None] * mask
+                advantages = grpo_advantages(rewards.sum(1), group_size=group)[:, None] * mask
             else:
                 # reward-to-go minus the batch-mean return of the token's position
                 to_go = rewards.flip(1).cumsum(1).flip(1)
-                advantages = (to_go - rl_math.masked_mean(to_go, mask, dim=0)[None]) * mask
+                advantages = (to_go - masked_mean(to_go, mask, dim=0)[None]) * mask
 
         stats = {}
         num_mb = args.num_minibatches
         for _ in range(args.ppo_epochs):
             for mb in torch.randperm(len(samples), generator=gen).chunk(num_mb):
                 logprobs, entropy = models.sequence_logprobs(policy, ids[mb], attn[mb], mask[mb])
-                loss, stats = rl_math.ppo_policy_loss(logprobs, old_logprobs[mb], advantages[mb],
+                loss, stats = ppo_policy_loss(logprobs, old_logprobs[mb], advantages[mb],
                                                       mask[mb], args.clip_eps)
                 opt.zero_grad()
                 loss.backward()
@@ -159,7 +164,7 @@ def main():
                 opt.step()
                 if critic is not None:
                     values = critic(ids[mb], attn[mb])
-                    v_loss, _ = rl_math.value_loss(values, old_values[mb], returns[mb], mask[mb],
+                    v_loss, _ = value_loss(values, old_values[mb], returns[mb], mask[mb],
                                                    clip_eps=0.2)
                     critic_opt.zero_grad()
                     v_loss.backward()

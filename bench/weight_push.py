@@ -35,8 +35,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from dataflow.hybrid_engine import PushGroup, WeightPusher, WeightReceiver  # noqa: E402
-from dataflow.weight_adapters import Manifest, WeightAdapter  # noqa: E402
+from dataflow.weights.hybrid_engine import PushGroup, WeightPusher, WeightReceiver  # noqa: E402
+from dataflow.weights.adapters import Manifest, WeightAdapter  # noqa: E402
 
 MODELS = {
     "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24,

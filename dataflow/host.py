@@ -25,8 +25,8 @@ from dataflow import channel as channels
 from dataflow import checkpoint
 from dataflow.errors import UserError
 from dataflow.node import NodeContext
-from dataflow.trace import Tracer
-from dataflow.trace_report import merge_intervals
+from dataflow.trace.tracer import Tracer
+from dataflow.trace.report import merge_intervals
 
 
 @dataclass

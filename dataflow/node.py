@@ -28,7 +28,7 @@ class Node:
     publishes: ClassVar[tuple[str, ...]] = ()
     inputs_on_replica_0: ClassVar[bool] = False
     """Only replica 0 reads the input channels (the others get no input ports): a node whose
-    replicas are the ranks of one job (dataflow/multirank.py), rank 0 handing out the work.
+    replicas are the ranks of one job (dataflow/weights/multirank.py), rank 0 handing out the work.
     A channel with several consumer replicas gives each item to one of them."""
 
     def __init__(self, config: Any, ctx: "NodeContext"):
@@ -55,7 +55,7 @@ class Node:
     async def prepare_checkpoint(self) -> None:
         """Runs under `ctx.state_lock` just before state_dict(), on every replica being saved: a
         node whose replicas are the ranks of one job gathers its sharded state here (a collective
-        that rank 0 starts, dataflow/multirank.py), since state_dict() must not communicate."""
+        that rank 0 starts, dataflow/weights/multirank.py), since state_dict() must not communicate."""
 
     async def on_restart(self, replica: str) -> None:
         """Replica `replica` (of another node) died and was restarted: the items it held are lost.

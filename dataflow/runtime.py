@@ -33,7 +33,7 @@ from dataflow.errors import ConfigError, NodeFailed, UserError
 from dataflow import placement
 from dataflow.graph import Graph
 from dataflow.host import HostSpec, NodeHost
-from dataflow.trace import TraceCollector, Tracer, measure_clock_offset
+from dataflow.trace.tracer import TraceCollector, Tracer, measure_clock_offset
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 POLL_INTERVAL_S = 0.5
@@ -429,7 +429,7 @@ async def _gather_named(refs: dict) -> dict:
 
 async def _gather_setups(refs: dict) -> dict:
     """Like _gather_named, but returns at the first failure: a node whose setup waits for a peer
-    (e.g. the weight push rendezvous, nodes/weight_sync.py) would otherwise hold up the report of
+    (e.g. the weight push rendezvous, dataflow/weights/sync.py) would otherwise hold up the report of
     that peer's failed setup until its own wait timed out."""
     futures = {asyncio.ensure_future(_awaitable(ref)): name for name, ref in refs.items()}
     results, pending = {}, set(futures)

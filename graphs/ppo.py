@@ -9,7 +9,7 @@ they stream out of the generators, overlapping rollout. The learner trains step 
 k, then pushes version k+1 to the generators; the prompt source admits batch k only once version
 >= k - max_staleness exists (max_staleness=0: synchronous on-policy PPO).
 
-Out of the box: the built-in task (nodes/tasks.py: copy 3 digits, per-position credit) on a tiny
+Out of the box: the built-in task (rl/tasks.py: copy 3 digits, per-position credit) on a tiny
 random-init Llama, CPU only. Your own model, data and reward:
     --set policy.path=/path/to/hf_model_dir --set prompts.path=data.jsonl \
     --set reward.path=my_reward.py --set max_new_tokens=64
@@ -27,14 +27,14 @@ from dataflow import ConfigError, Graph
 from nodes.critic import Critic, CriticConfig
 from nodes.generator import Generator, GeneratorConfig
 from nodes.learner import KLConfig, Learner, LearnerConfig
-from nodes.policy import PolicySpec
+from rl.policy import PolicySpec
 from nodes.prompts import PromptConfig, PromptSource
 from nodes.reference import Reference, ReferenceConfig
 from nodes.reward import Reward, RewardConfig
 from nodes.reward_model import RewardModel, RewardModelConfig
-from nodes.tasks import make_task
-from nodes.weight_sync import SYNC_EDGE
-from dataflow.multirank import CRITIC_RANKS_EDGE, RANKS_EDGE
+from rl.tasks import make_task
+from dataflow.weights.sync import SYNC_EDGE
+from dataflow.weights.multirank import CRITIC_RANKS_EDGE, RANKS_EDGE
 
 
 @dataclass(kw_only=True)
@@ -220,7 +220,7 @@ def add_rollout_nodes(g: Graph, cfg, on_gpus: dict[str, dict]) -> str:
     g.channel("reward.scored", "reference.scored", capacity=cap, name="scored")
     # Generators first: the prompt source must not admit a batch before they hold its weights.
     g.versioned("policy", src="learner", dst=["generator", "prompts"])
-    if cfg.weight_transport == "collective":  # the push group's rendezvous (nodes/weight_sync.py)
+    if cfg.weight_transport == "collective":  # the push group's rendezvous (dataflow/weights/sync.py)
         g.versioned(SYNC_EDGE, src="learner", dst=["generator"])
     return "reference.with_ref"
 
@@ -241,7 +241,7 @@ def _trainer_actors(cfg, trainers: tuple[str, ...]) -> int:
 
 def add_learner(g: Graph, cfg, on_gpus: dict[str, dict]) -> None:
     """The learner: learner.dp x learner.tp replicas, the ranks of one FSDP2 x TP job
-    (dataflow/multirank.py), which meet through the versioned edge RANKS_EDGE (learner -> itself)."""
+    (dataflow/weights/multirank.py), which meet through the versioned edge RANKS_EDGE (learner -> itself)."""
     ranks = _learner_ranks(cfg)
     g.node("learner", Learner, cfg.learner, cpus=1, ends_run=True, replicas=ranks, **on_gpus.get("learner", {}))
     if ranks > 1:

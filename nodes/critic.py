@@ -10,7 +10,7 @@ producing the rest of the step's samples, so the learner never waits for a value
 between micro-batches; advantages of later samples use the updated critic.
 
 dp x tp ranks (critic.dp, critic.tp; the graph runs dp x tp replicas): the value model is laid out
-as the learner's (TP then FSDP2, dataflow/multirank.py); rank 0 reads the input and sends every
+as the learner's (TP then FSDP2, dataflow/weights/multirank.py); rank 0 reads the input and sends every
 value pass and training pass to all ranks, each dp rank computing its share of the rows. A rank's
 process cannot rejoin a running process group, so a dead rank ends the run (resume from the last
 checkpoint) instead of restarting alone, and snapshots are off.
@@ -26,11 +26,13 @@ import torch
 
 from dataflow import Node, checkpoint
 from dataflow.errors import UserError
-from dataflow.multirank import CRITIC_RANKS_EDGE, RankCommands
-from nodes import policy
-from nodes.models import ValueModel, pad_batch, unpad_tokens
-from nodes.precision import Precision, autocast, compile_layers, compute_dtype, micro_slices, prepare_trained
-from nodes.rl_math import gae_advantages, masked_mean, value_loss
+from dataflow.weights.multirank import CRITIC_RANKS_EDGE, RankCommands
+from rl import policy
+from rl.models import ValueModel, pad_batch, unpad_tokens
+from rl.precision import Precision, autocast, compile_layers, compute_dtype, micro_slices, prepare_trained
+from rl.advantages import gae_advantages
+from rl.masked import masked_mean
+from rl.losses import value_loss
 
 
 @dataclass(kw_only=True)
@@ -53,10 +55,10 @@ class CriticConfig:
     """Samples per forward/backward pass, in the value pass and in training (gradients accumulate
     into each minibatch's one optimizer step, same result as unsplit; 0 = no split)."""
     precision: Precision = "auto"
-    """auto: bf16 autocast over fp32 master weights on CUDA, fp32 on CPU (nodes/precision.py)."""
+    """auto: bf16 autocast over fp32 master weights on CUDA, fp32 on CPU (rl/precision.py)."""
     compile: bool | None = None
     """torch.compile each decoder layer of the trunk (None = on CUDA, one process, without
-    gradient_checkpointing, whose pairing with compile is untried; nodes/precision.compile_layers)."""
+    gradient_checkpointing, whose pairing with compile is untried; rl/precision.compile_layers)."""
     seed: int = 0
     snapshot_interval: int = -1
     """Every this many training passes, write the critic's state to <run>/snapshots/<replica>/:
@@ -77,7 +79,7 @@ def critic_update(model, optimizer, samples: list[dict], pad_id: int, c: CriticC
 
     Each minibatch runs in slices of c.micro_batch_size samples, each slice's loss weighted by its
     share of the minibatch's valid tokens (the loss is a token mean), so the accumulated gradient
-    equals the unsplit minibatch's. `ranks` (dataflow/multirank.TrainRanks; every rank calls with
+    equals the unsplit minibatch's. `ranks` (dataflow/weights/multirank.TrainRanks; every rank calls with
     the same samples and rng state): each dp rank runs its share of every minibatch the same way,
     as in the learner's ppo_update, so the update equals one rank's."""
     losses, clipfracs = [], []
@@ -161,8 +163,8 @@ class Critic(RankCommands, Node):
     async def setup(self):
         c = self.config
         if c.dp * c.tp > 1:
-            from dataflow.layout import ParallelLayout
-            from dataflow.multirank import join
+            from dataflow.weights.layout import ParallelLayout
+            from dataflow.weights.multirank import join
 
             self.ranks = await join(self.ctx, ParallelLayout(dp=c.dp, tp=c.tp), c.rendezvous_timeout_s,
                                     edge=CRITIC_RANKS_EDGE)
@@ -172,9 +174,9 @@ class Critic(RankCommands, Node):
                             f"critic.tp = 1; declare it with replicas=dp*tp")
         base, self.tokenizer = policy.load(c.policy)
         self.model = ValueModel.from_policy(base, gradient_checkpointing=c.gradient_checkpointing)
-        prepare_trained(self.model, self.ctx.device, c.precision)  # fp32 masters (nodes/precision.py)
+        prepare_trained(self.model, self.ctx.device, c.precision)  # fp32 masters (rl/precision.py)
         self.model.eval()
-        if self.ranks is not None:  # TP over "tp", then FSDP2 over "dp" (dataflow/layout.py)
+        if self.ranks is not None:  # TP over "tp", then FSDP2 over "dp" (dataflow/weights/layout.py)
             try:
                 self.ranks.shard(self.model)
             except ValueError as e:
@@ -216,7 +218,7 @@ class Critic(RankCommands, Node):
             self._saved = await self._all("gather")
 
     async def _handle(self, op: str, args: dict):
-        """One command; on every rank when dp x tp > 1 (dataflow/multirank.RankCommands)."""
+        """One command; on every rank when dp x tp > 1 (dataflow/weights/multirank.RankCommands)."""
         c = self.config
         if op == "values":
             return await asyncio.to_thread(advantages_for, self.model, args["items"], self.tokenizer.pad_token_id,

@@ -5,15 +5,15 @@ Produces: `samples`, one item per prompt: {"id", "prompt", "fields", "version",
           "samples": [{"prompt_ids", "response_ids", "logprobs", "finished"} x group_size]}.
 Waits for: prompts (admitted by the prompt source under the staleness bound).
 Unblocked by: the prompt source; new weights arrive on the versioned edge `policy` at any time
-(weight_sync.transport=collective: by the learner's HybridEngine push; nodes/weight_sync.py).
+(weight_sync.transport=collective: by the learner's HybridEngine push; dataflow/weights/sync.py).
 
-Llama / Qwen2 policies decode with nodes/decoding.py (static KV cache, CUDA graphs on a GPU) by
+Llama / Qwen2 policies decode with rl/decoding.py (static KV cache, CUDA graphs on a GPU) by
 continuous batching: prompts_per_call x group_size slots are refilled from the `prompts` channel as
 prompts arrive and sequences finish, and each prompt's item goes downstream as soon as its whole
 group finished, not after a batch. A prompt's group is admitted at once, and only while no newer
 weight version is announced: then admission stops, the slots drain, the weights switch (between
 serving() blocks), and admission resumes, so no response or group mixes versions. Prompts already
-taken are generated, never lost. Other models use the HF loop (nodes/models.py:sample_responses)
+taken are generated, never lost. Other models use the HF loop (rl/models.py:sample_responses)
 in batches of up to prompts_per_call prompts, switching weights between batches.
 Generation runs in a worker thread so the actor keeps answering channel pulls and weight pushes.
 
@@ -35,10 +35,10 @@ import torch
 from dataflow import Node
 from dataflow.channel import EndOfChannel, WouldBlock
 from dataflow.errors import UserError
-from nodes import policy
-from nodes.decoding import StaticDecoder, sample_key, unsupported_reason
-from nodes.models import sample_responses
-from nodes.weight_sync import SYNC_EDGE, GeneratorWeightSync, WeightSyncConfig
+from rl import policy
+from rl.decoding import StaticDecoder, sample_key, unsupported_reason
+from rl.models import sample_responses
+from dataflow.weights.sync import SYNC_EDGE, GeneratorWeightSync, WeightSyncConfig
 
 
 @dataclass(kw_only=True)
@@ -73,10 +73,10 @@ class GeneratorConfig:
     """Static decoder on CUDA: replay each decode step as a CUDA graph (False: eager, to compare)."""
     compile: bool | None = None
     """Static decoder: torch.compile each layer's parts around attention (None = on CUDA;
-    nodes/decoding.attention_input / attention_output).
+    rl/decoding.attention_input / attention_output).
     Compiled at setup; a machine without a working compiler decodes with eager layers (logged)."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
-    """How the learner's weights arrive (must match the learner's; nodes/weight_sync.py)."""
+    """How the learner's weights arrive (must match the learner's; dataflow/weights/sync.py)."""
     seed: int = 0
 
 
@@ -105,7 +105,7 @@ def prompts_per_call(c: GeneratorConfig, device, slot_bytes: int = 0, room_bytes
 
 
 def kv_bytes_per_slot(model, max_len: int) -> int:
-    """Bytes of one decoder slot's K and V cache over every layer (nodes/decoding.StaticDecoder)."""
+    """Bytes of one decoder slot's K and V cache over every layer (rl/decoding.StaticDecoder)."""
     cfg = model.config
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads

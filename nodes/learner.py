@@ -29,13 +29,15 @@ import torch
 from dataflow import Node
 from dataflow.channel import EndOfChannel
 from dataflow.errors import UserError
-from dataflow.multirank import RANKS_EDGE, RankCommands
-from nodes import policy
-from nodes.models import pad_batch, save_policy, sequence_logprobs
-from nodes.precision import Precision, autocast, compile_layers, compute_dtype, micro_slices, prepare_trained
-from nodes.weight_sync import SYNC_EDGE, LearnerWeightSync, WeightSyncConfig
-from nodes.rl_math import (AdaptiveKLController, FixedKLController, grpo_advantages, kl_penalty,
-                           masked_mean, masked_whiten, ppo_policy_loss)
+from dataflow.weights.multirank import RANKS_EDGE, RankCommands
+from rl import policy
+from rl.models import pad_batch, save_policy, sequence_logprobs
+from rl.precision import Precision, autocast, compile_layers, compute_dtype, micro_slices, prepare_trained
+from dataflow.weights.sync import SYNC_EDGE, LearnerWeightSync, WeightSyncConfig
+from rl.kl import AdaptiveKLController, FixedKLController, kl_penalty
+from rl.advantages import grpo_advantages
+from rl.masked import masked_mean, masked_whiten
+from rl.losses import ppo_policy_loss
 
 
 @dataclass(kw_only=True)
@@ -69,9 +71,9 @@ class LearnerConfig:
     optimizer step, with the same result as the whole minibatch at once (0 = the whole minibatch).
     Bounds memory: the logits of a sample are (prompt + response) x vocab floats (W1: 0.16 GB)."""
     precision: Precision = "auto"
-    """auto: bf16 autocast over fp32 master weights on CUDA, fp32 on CPU; or bf16 / fp32 (nodes/precision.py)."""
+    """auto: bf16 autocast over fp32 master weights on CUDA, fp32 on CPU; or bf16 / fp32 (rl/precision.py)."""
     compile: bool | None = None
-    """torch.compile each decoder layer (None = on CUDA, one process; nodes/precision.compile_layers)."""
+    """torch.compile each decoder layer (None = on CUDA, one process; rl/precision.compile_layers)."""
     clip_eps: float = 0.2
     is_truncation: float = 2.0
     """Cap of the importance weight pi_old / pi_behaviour for stale samples (decoupled PPO)."""
@@ -91,12 +93,12 @@ class LearnerConfig:
     record_prompt_ids: bool = False
     """Put the ids of the prompts each step trained on in its metrics ("prompt_ids")."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
-    """How weights reach the generators: object store, or the HybridEngine push (nodes/weight_sync.py)."""
+    """How weights reach the generators: object store, or the HybridEngine push (dataflow/weights/sync.py)."""
     dp: int = 1
     """Data-parallel ranks: FSDP2 shards the model over them, each trains on its share of every
-    minibatch. The graph runs the learner as dp x tp replicas (dataflow/multirank.py)."""
+    minibatch. The graph runs the learner as dp x tp replicas (dataflow/weights/multirank.py)."""
     tp: int = 1
-    """Tensor-parallel ranks (column/row-wise plans of Llama / Qwen2 blocks, dataflow/layout.py):
+    """Tensor-parallel ranks (column/row-wise plans of Llama / Qwen2 blocks, dataflow/weights/layout.py):
     attention heads, KV heads, MLP width and vocab must divide by it."""
     rendezvous_timeout_s: float = 600.0
     """dp x tp > 1: how long the ranks wait for each other in their setups."""
@@ -126,9 +128,9 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
     gradients accumulate before its one optimizer step. Every loss term is a mean over the valid
     tokens of the whole minibatch, so micro-batch j's loss is weighted by n_j / n (its share of
     those tokens): the summed gradient (and every reported stat) equals the unsplit minibatch's.
-    Forward/backward run under c.precision's autocast (nodes/precision.py).
+    Forward/backward run under c.precision's autocast (rl/precision.py).
 
-    `ranks` (dataflow/multirank.TrainRanks; every rank calls with the same samples and rng state):
+    `ranks` (dataflow/weights/multirank.TrainRanks; every rank calls with the same samples and rng state):
     each dp rank runs its share of every minibatch, weighted by its share of the minibatch's
     tokens like a micro-batch (FSDP sums the gradients over dp), so the update equals one rank's.
     """
@@ -189,7 +191,7 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
             # step (on W1, 16 micro-batches recast them 16 times). It ends before optimizer.step,
             # which changes the weights. The loss math stays fp32/float64 under it (autocast lowers
             # only matmul-like ops), and backward runs on autograd's own thread. Sharded (ranks):
-            # no cache, see nodes/precision.autocast.
+            # no cache, see rl/precision.autocast.
             with autocast(amp, device, cache_weights=ranks is None):
                 for sl in micro_slices(len(mb_idx), c.micro_batch_size):
                     idx = mb_idx[sl]
@@ -251,10 +253,10 @@ class Learner(RankCommands, Node):
 
     async def setup(self):
         c = self.config
-        self.ranks = None           # dataflow.multirank.TrainRanks when dp x tp > 1
+        self.ranks = None           # dataflow.weights.multirank.TrainRanks when dp x tp > 1
         if c.dp * c.tp > 1:
-            from dataflow.layout import ParallelLayout
-            from dataflow.multirank import join
+            from dataflow.weights.layout import ParallelLayout
+            from dataflow.weights.multirank import join
 
             self.ranks = await join(self.ctx, ParallelLayout(dp=c.dp, tp=c.tp), c.rendezvous_timeout_s)
         elif self.ctx.num_replicas > 1:
@@ -265,7 +267,7 @@ class Learner(RankCommands, Node):
         self.model, self.tokenizer = policy.load(c.policy)
         # fp32 master weights even from a bf16 checkpoint (precision.prepare_trained).
         prepare_trained(self.model, self.ctx.device, c.precision).eval()
-        if self.ranks is not None:  # TP over "tp", then FSDP2 over "dp" (dataflow/layout.py)
+        if self.ranks is not None:  # TP over "tp", then FSDP2 over "dp" (dataflow/weights/layout.py)
             try:
                 self.ranks.shard(self.model)
             except ValueError as e:

@@ -20,13 +20,13 @@ import itertools
 from dataclasses import dataclass
 
 from dataflow import Node
-from nodes.tasks import DEFAULT_NUM_DIGITS, DEFAULT_TASK, load_jsonl, make_task
+from rl.tasks import DEFAULT_NUM_DIGITS, DEFAULT_TASK, load_jsonl, make_task
 
 
 @dataclass(kw_only=True)
 class PromptConfig:
     task: str = DEFAULT_TASK
-    """Built-in task (see nodes/tasks.py) used when `path` is empty."""
+    """Built-in task (see rl/tasks.py) used when `path` is empty."""
     num_digits: int = DEFAULT_NUM_DIGITS
     """Size of the built-in task's problems."""
     path: str = ""

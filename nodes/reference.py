@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from dataflow import Node
-from nodes import policy
-from nodes.models import pad_batch, sequence_logprobs, unpad_tokens
-from nodes.precision import Precision, compile_layers, micro_slices, prepare_frozen
+from rl import policy
+from rl.models import pad_batch, sequence_logprobs, unpad_tokens
+from rl.precision import Precision, compile_layers, micro_slices, prepare_frozen
 
 
 @dataclass(kw_only=True)
@@ -32,7 +32,7 @@ class ReferenceConfig:
     precision: Precision = "auto"
     """auto: bf16 weights on CUDA (frozen, so no fp32 master copy is needed), fp32 on CPU."""
     compile: bool | None = None
-    """torch.compile each decoder layer (None = on CUDA; nodes/precision.compile_layers)."""
+    """torch.compile each decoder layer (None = on CUDA; rl/precision.compile_layers)."""
 
 
 def add_logprobs(model, pad_id: int, items: list[dict], key: str, micro_batch_size: int = 0) -> None:

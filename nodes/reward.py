@@ -17,8 +17,8 @@ import asyncio
 from dataclasses import dataclass, field
 
 from dataflow import Node
-from nodes import tasks
-from nodes.rewards import load_reward_fn, score_safely
+from rl import tasks
+from rl.rewards import load_reward_fn, score_safely
 
 
 @dataclass(kw_only=True)

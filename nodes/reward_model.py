@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from dataflow import Node, UserError
-from nodes.models import pad_batch
+from rl.models import pad_batch
 
 
 @dataclass(kw_only=True)

@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ---- state files, no Ray ----------------------------------------------------------------------------
 def _trained_model_and_optimizer():
-    from nodes.models import ModelConfig, build_policy
-    from nodes.tasks import build_tokenizer
+    from rl.models import ModelConfig, build_policy
+    from rl.tasks import build_tokenizer
 
     model = build_policy(ModelConfig(n_layer=1, n_embd=32, n_head=2, intermediate_size=64), build_tokenizer())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

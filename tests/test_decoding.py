@@ -1,4 +1,4 @@
-"""nodes/decoding.py on CPU (fp32): the static-cache decoder against the HF model, its sampling
+"""rl/decoding.py on CPU (fp32): the static-cache decoder against the HF model, its sampling
 noise, and slot refilling. (CUDA graphs: bench/gpu_decode.py on a GPU.)"""
 
 import math
@@ -6,7 +6,9 @@ import math
 import pytest
 import torch
 
-from nodes import decoding, models, tasks
+from rl import decoding
+from rl import models
+from rl import tasks
 
 
 @pytest.fixture(scope="module")

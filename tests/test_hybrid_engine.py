@@ -23,14 +23,14 @@ import torch.multiprocessing as mp
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from dataflow.hybrid_engine import (PushGroup, WeightPushError, WeightPusher, WeightReceiver,
+from dataflow.weights.hybrid_engine import (PushGroup, WeightPushError, WeightPusher, WeightReceiver,
                                     bucket_bounds, plan_senders)
-from dataflow.layout import (ParallelLayout, apply_tensor_parallel, apply_training_layout,
+from dataflow.weights.layout import (ParallelLayout, apply_tensor_parallel, apply_training_layout,
                              build_mesh, micro_dp_bytes, naive_bytes)
-from dataflow.reshard import CommCounter, param_spec, reshard_for_generation
-from dataflow.weight_adapters import Manifest, WeightAdapter
-from nodes.models import ModelConfig, build_policy
-from nodes.tasks import build_tokenizer
+from dataflow.weights.reshard import CommCounter, param_spec, reshard_for_generation
+from dataflow.weights.adapters import Manifest, WeightAdapter
+from rl.models import ModelConfig, build_policy
+from rl.tasks import build_tokenizer
 
 
 def tiny(family: str, vocab: int = 24, heads: int = 4, kv_heads: int = 2) -> nn.Module:

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from nodes.learner import LearnerConfig, ppo_update, step_advantages
-from nodes.models import ModelConfig, build_policy, sample_responses
+from rl.models import ModelConfig, build_policy, sample_responses
 from nodes.reference import add_logprobs
-from nodes.tasks import build_tokenizer, make_task, score
+from rl.tasks import build_tokenizer, make_task, score
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_update_raises_logprob_of_positive_advantage_tokens(setup):
     samples = with_advantages([dict(s) for s in samples], cfg)
     m = fresh(model)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    from nodes.models import pad_batch, sequence_logprobs
+    from rl.models import pad_batch, sequence_logprobs
 
     batch = pad_batch(samples, tok.pad_token_id, token_keys=("advantage_tokens",))
     def objective():
@@ -148,7 +148,7 @@ def test_reference_and_old_logprobs_micro_batched_match(setup):
 
 def test_critic_micro_batches_equal_the_whole_minibatch(setup):
     from nodes.critic import CriticConfig, critic_update
-    from nodes.models import ValueModel
+    from rl.models import ValueModel
 
     tok, model, samples = setup
     samples = [dict(s, values=[0.1] * len(s["response_ids"]), returns=[s["score"]] * len(s["response_ids"]))
@@ -174,8 +174,8 @@ def test_compiled_critic_layers_make_the_same_update_as_eager(setup, capsys):
     # weights and stats.
     from torch._dynamo.utils import counters
     from nodes.critic import CriticConfig, advantages_for, critic_update
-    from nodes.models import ValueModel
-    from nodes.precision import compile_layers
+    from rl.models import ValueModel
+    from rl.precision import compile_layers
 
     tok, model, samples = setup
     samples = [dict(s, values=[0.1] * len(s["response_ids"]), returns=[s["score"]] * len(s["response_ids"]))
@@ -208,7 +208,7 @@ def test_compiled_critic_layers_make_the_same_update_as_eager(setup, capsys):
 
 
 def test_precision_settings():
-    from nodes.precision import compute_dtype, micro_slices
+    from rl.precision import compute_dtype, micro_slices
 
     assert compute_dtype("auto", "cpu") == torch.float32
     assert compute_dtype("auto", "cuda") == torch.bfloat16
@@ -221,7 +221,7 @@ def test_precision_settings():
 def test_sequence_logprobs_match_a_plain_log_softmax_of_the_whole_forward(setup):
     # logits_to_keep, the chunked kernel and a detached entropy give the textbook numbers:
     # log_softmax(logits[t - 1] / T)[token t] on response tokens, 0 elsewhere.
-    from nodes.models import _position_ids, pad_batch, sequence_logprobs
+    from rl.models import _position_ids, pad_batch, sequence_logprobs
 
     tok, model, samples = setup
     m = fresh(model).double()
@@ -268,10 +268,10 @@ def test_stale_update_takes_the_first_minibatchs_proximal_logprobs_from_its_own_
 
 
 def test_compiled_layers_make_the_same_update_as_eager(setup, capsys):
-    # nodes/precision.compile_layers (the CUDA default for the learner and reference) on CPU:
+    # rl/precision.compile_layers (the CUDA default for the learner and reference) on CPU:
     # every decoder layer compiled, and one update gives the eager update's weights and stats.
     from torch._dynamo.utils import counters
-    from nodes.precision import compile_layers
+    from rl.precision import compile_layers
 
     tok, model, samples = setup
     cfg = LearnerConfig(minibatch_size=8, ppo_epochs=1, micro_batch_size=4, lr=1e-2)

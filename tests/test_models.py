@@ -1,11 +1,12 @@
-"""nodes/models.py: build/load, sampling log-probs vs a fresh forward, batching, the value model."""
+"""rl/models.py: build/load, sampling log-probs vs a fresh forward, batching, the value model."""
 
 import os
 
 import pytest
 import torch
 
-from nodes import models, tasks
+from rl import models
+from rl import tasks
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The learner and critic as dp x tp ranks (dataflow/multirank.py): one PPO update and one critic
+"""The learner and critic as dp x tp ranks (dataflow/weights/multirank.py): one PPO update and one critic
 value pass + update in 2 and 4 gloo processes equal the one-rank ones; graph runs with learner
 dp=2 / tp=2 deliver the learner's full weights to the generators (object store and HybridEngine
 push), and multi-rank learner and critic checkpoint on Ctrl-C in the one-rank format.
@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dataflow.layout import ParallelLayout, build_mesh
-from dataflow.multirank import TrainRanks
+from dataflow.weights.layout import ParallelLayout, build_mesh
+from dataflow.weights.multirank import TrainRanks
 from nodes.learner import LearnerConfig, ppo_update, step_advantages
-from nodes.models import ModelConfig, build_policy, sample_responses
+from rl.models import ModelConfig, build_policy, sample_responses
 from nodes.reference import add_logprobs
-from nodes.tasks import build_tokenizer, make_task, score
+from rl.tasks import build_tokenizer, make_task, score
 
 MODEL = ModelConfig(n_layer=2, n_embd=32, n_head=4, intermediate_size=64)   # every TP dim divides by 2
 
@@ -154,7 +154,7 @@ def _critic_samples(samples):
 
 
 def _fresh_critic(tok):
-    from nodes.models import ValueModel
+    from rl.models import ValueModel
 
     return ValueModel.from_policy(build_policy(MODEL, tok)).double()
 
@@ -262,7 +262,7 @@ def test_grpo_graph_learner_tp2_collective_push_checkpoint_then_resume_as_2x2(ra
     assert (ckpt / "learner[0]").is_dir() and (ckpt / "learner[1]").is_dir()
     # The whole step-2 weights, as a plain model loads them (a one-rank learner could resume too).
     from dataflow.checkpoint import read_state
-    from nodes.weight_sync import weights_checksum
+    from dataflow.weights.sync import weights_checksum
 
     state = read_state(ckpt / "learner[0]")["node"]
     assert state["step"] == 2 and state["optimizer"]["state"]
@@ -312,12 +312,12 @@ def test_ppo_graph_with_2_rank_learner_and_critic_checkpoints_on_ctrl_c_in_the_o
         ray_instance, tmp_path):
     """learner.dp=2 and critic.dp=2 in the PPO graph: the generator holds the learner's gathered
     weights at every version (object store); on Ctrl-C each node gathers its whole state onto
-    rank 0 (Node.prepare_checkpoint, dataflow/multirank.RankCommands; the save_interval
+    rank 0 (Node.prepare_checkpoint, dataflow/weights/multirank.RankCommands; the save_interval
     checkpoints take the same path) in the one-rank format: a plain model loads it, as a one-rank
     critic does when it resumes (a one-rank learner resuming as 2 x 2: the tp2 test above)."""
     from dataflow import checkpoint
     from dataflow.runtime import load_graph
-    from nodes.models import ValueModel
+    from rl.models import ValueModel
     from tests.conftest import run_then_interrupt
 
     settings = ["prompts_per_step=4", "channel_capacity=8", "learner.minibatch_size=4", "critic.minibatch_size=4",

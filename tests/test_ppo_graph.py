@@ -105,8 +105,8 @@ def test_reward_failures_are_counted_and_the_run_goes_on(tmp_path):
 def test_user_model_dir_jsonl_and_reward_file(tmp_path):
     """The README's "your model, data and reward" path: a saved HF model directory, a JSONL
     dataset with extra fields, and a reward file; two steps run and the metrics say so."""
-    from nodes.models import ModelConfig, build_policy, save_policy
-    from nodes.tasks import build_tokenizer
+    from rl.models import ModelConfig, build_policy, save_policy
+    from rl.tasks import build_tokenizer
 
     tok = build_tokenizer()
     save_policy(build_policy(ModelConfig(), tok), tok, str(tmp_path / "model"))

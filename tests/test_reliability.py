@@ -28,10 +28,10 @@ from dataflow.codec import Message, encode  # noqa: E402
 from dataflow.host import HostSpec, NodeHost  # noqa: E402
 from dataflow.runtime import RunOptions, load_graph, run_graph  # noqa: E402
 from nodes.learner import Learner, LearnerConfig, ppo_update, step_advantages  # noqa: E402
-from nodes.models import ModelConfig, build_policy, sample_responses  # noqa: E402
-from nodes.policy import PolicySpec  # noqa: E402
+from rl.models import ModelConfig, build_policy, sample_responses  # noqa: E402
+from rl.policy import PolicySpec  # noqa: E402
 from nodes.reference import add_logprobs  # noqa: E402
-from nodes.tasks import build_tokenizer, make_task  # noqa: E402
+from rl.tasks import build_tokenizer, make_task  # noqa: E402
 from tests.conftest import kill_stops_the_run, run_in_thread, wait_until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

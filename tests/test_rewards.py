@@ -1,4 +1,4 @@
-"""nodes/rewards.py: user reward files, failure-safe scoring with timeouts, the math checker."""
+"""rl/rewards.py: user reward files, failure-safe scoring with timeouts, the math checker."""
 
 import logging
 import math
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from nodes import rewards
+from rl import rewards
 
 
 def write(tmp_path, text, name="my_reward.py"):

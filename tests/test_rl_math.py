@@ -1,4 +1,4 @@
-"""nodes/rl_math.py against plain float64 Python loops, on seeded random batches with padding."""
+"""rl/ (masked, advantages, losses, kl, logprobs) against plain float64 Python loops, on seeded random batches with padding."""
 
 import math
 import random
@@ -6,7 +6,11 @@ import random
 import pytest
 import torch
 
-from nodes import rl_math
+from rl.advantages import gae_advantages, grpo_advantages
+from rl.kl import AdaptiveKLController, FixedKLController, kl_penalty, per_token_rewards
+from rl.logprobs import _compiled_fns, logprobs_from_logits, token_logprobs
+from rl.losses import ppo_policy_loss, value_loss
+from rl.masked import masked_mean, masked_whiten
 
 
 def random_batch(seed, batch=6, num_tokens=9, left_pad=True):
@@ -39,8 +43,8 @@ def ref_masked_mean(x, mask):
 def test_masked_mean_and_whiten(seed):
     x, mask, _ = random_batch(seed)
     xl, ml = x.tolist(), mask.tolist()
-    assert rl_math.masked_mean(x, mask).item() == pytest.approx(ref_masked_mean(xl, ml), abs=1e-12)
-    rows = rl_math.masked_mean(x, mask, dim=1)
+    assert masked_mean(x, mask).item() == pytest.approx(ref_masked_mean(xl, ml), abs=1e-12)
+    rows = masked_mean(x, mask, dim=1)
     for b in range(x.shape[0]):
         assert rows[b].item() == pytest.approx(ref_masked_mean([xl[b]], [ml[b]]), abs=1e-12)
     assert rows[-1].item() == 0.0                      # all-padding row: 0, not NaN
@@ -48,7 +52,7 @@ def test_masked_mean_and_whiten(seed):
     vals = [v for r, m in zip(xl, ml) for v, k in zip(r, m) if k > 0]
     mean = sum(vals) / len(vals)
     var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
-    white = rl_math.masked_whiten(x, mask)
+    white = masked_whiten(x, mask)
     for b in range(x.shape[0]):
         for t in range(x.shape[1]):
             expect = (xl[b][t] - mean) / math.sqrt(var + 1e-8) if ml[b][t] > 0 else 0.0
@@ -76,7 +80,7 @@ def ref_gae(rewards, values, mask, gamma, lam):
 def test_gae_matches_loop(seed, gamma, lam):
     rewards, mask, gen = random_batch(seed)
     values = torch.randn(rewards.shape, generator=gen, dtype=torch.float64)
-    adv, ret = rl_math.gae_advantages(rewards, values, mask, gamma, lam)
+    adv, ret = gae_advantages(rewards, values, mask, gamma, lam)
     ref_adv, ref_ret = ref_gae(rewards.tolist(), values.tolist(), mask.tolist(), gamma, lam)
     torch.testing.assert_close(adv, torch.tensor(ref_adv, dtype=torch.float64), rtol=0, atol=1e-12)
     torch.testing.assert_close(ret, torch.tensor(ref_ret, dtype=torch.float64), rtol=0, atol=1e-12)
@@ -86,9 +90,9 @@ def test_gae_ignores_padding_values():
     """Garbage in rewards/values at padded positions must not change anything."""
     rewards, mask, gen = random_batch(3)
     values = torch.randn(rewards.shape, generator=gen, dtype=torch.float64)
-    adv, ret = rl_math.gae_advantages(rewards, values, mask, 1.0, 0.95)
+    adv, ret = gae_advantages(rewards, values, mask, 1.0, 0.95)
     noise = torch.randn(rewards.shape, generator=gen, dtype=torch.float64) * 100 * (1 - mask)
-    adv2, ret2 = rl_math.gae_advantages(rewards + noise, values + noise, mask, 1.0, 0.95)
+    adv2, ret2 = gae_advantages(rewards + noise, values + noise, mask, 1.0, 0.95)
     torch.testing.assert_close(adv, adv2, rtol=0, atol=1e-12)
     torch.testing.assert_close(ret, ret2, rtol=0, atol=1e-12)
 
@@ -112,7 +116,7 @@ def test_grpo_advantages(normalize_std):
     scores = torch.rand(16, generator=gen, dtype=torch.float64)
     scores[4:8] = 0.7                                   # zero-variance group
     groups = [i // 4 for i in range(16)]
-    adv = rl_math.grpo_advantages(scores, group_size=4, eps=1e-6, normalize_std=normalize_std)
+    adv = grpo_advantages(scores, group_size=4, eps=1e-6, normalize_std=normalize_std)
     ref = ref_grpo(scores.tolist(), groups, 1e-6, normalize_std)
     torch.testing.assert_close(adv, torch.tensor(ref, dtype=torch.float64), rtol=0, atol=1e-12)
     assert torch.all(adv[4:8] == 0)
@@ -122,14 +126,14 @@ def test_grpo_advantages(normalize_std):
     perm = torch.randperm(16, generator=gen)
     ids = torch.tensor(groups)[perm] * 7 + 3
     ids_list, scores_p = ids.tolist() + [99], scores[perm].tolist() + [0.3]
-    adv_p = rl_math.grpo_advantages(torch.tensor(scores_p, dtype=torch.float64),
+    adv_p = grpo_advantages(torch.tensor(scores_p, dtype=torch.float64),
                                     group_ids=torch.tensor(ids_list), normalize_std=normalize_std)
     ref_p = ref_grpo(scores_p, ids_list, 1e-6, normalize_std)
     torch.testing.assert_close(adv_p, torch.tensor(ref_p, dtype=torch.float64), rtol=0, atol=1e-12)
     assert adv_p[-1] == 0
 
     with pytest.raises(ValueError, match="multiple"):
-        rl_math.grpo_advantages(scores[:15], group_size=4)
+        grpo_advantages(scores[:15], group_size=4)
 
 
 def ref_ppo(logp, old, behaviour, adv, mask, eps, trunc):
@@ -162,7 +166,7 @@ def test_ppo_policy_loss_matches_loop(seed, use_behaviour, trunc):
     logp = old + 0.3 * torch.randn(adv.shape, generator=gen, dtype=torch.float64)
     behaviour = old + 0.5 * torch.randn(adv.shape, generator=gen, dtype=torch.float64)
     behaviour = behaviour if use_behaviour else None
-    loss, stats = rl_math.ppo_policy_loss(logp, old, adv, mask, 0.2, behaviour, trunc)
+    loss, stats = ppo_policy_loss(logp, old, adv, mask, 0.2, behaviour, trunc)
     ref_loss, ref_stats = ref_ppo(logp.tolist(), old.tolist(),
                                   behaviour.tolist() if use_behaviour else None,
                                   adv.tolist(), mask.tolist(), 0.2, trunc)
@@ -179,7 +183,7 @@ def test_ppo_clip_zeroes_gradient_outside_range():
     logp = torch.tensor([[0.5, -0.5, 0.5, -0.5]], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([[1.0, -1.0, -1.0, 1.0]], dtype=torch.float64)
     mask = torch.ones(1, 4, dtype=torch.float64)
-    loss, stats = rl_math.ppo_policy_loss(logp, old, adv, mask, clip_eps=0.2)
+    loss, stats = ppo_policy_loss(logp, old, adv, mask, clip_eps=0.2)
     loss.backward()
     # tokens 0, 1: ratio left the trust region in the advantage's direction -> clipped, grad 0.
     # tokens 2, 3: moving against the advantage is never clipped -> grad = -A * ratio / 4.
@@ -195,7 +199,7 @@ def test_ppo_is_weight_is_detached_and_truncated():
     logp = torch.zeros(1, 3, dtype=torch.float64, requires_grad=True)
     adv = torch.ones(1, 3, dtype=torch.float64)
     mask = torch.ones(1, 3, dtype=torch.float64)
-    loss, stats = rl_math.ppo_policy_loss(logp, old, adv, mask, 0.2, behaviour, is_truncation=2.0)
+    loss, stats = ppo_policy_loss(logp, old, adv, mask, 0.2, behaviour, is_truncation=2.0)
     loss.backward()
     weights = [min(math.exp(2.0), 2.0), 1.0, math.exp(-0.5)]
     assert stats["is_weight_mean"] == pytest.approx(sum(weights) / 3)
@@ -208,7 +212,7 @@ def test_value_loss_matches_loop():
     returns, mask, gen = random_batch(5)
     old = torch.randn(returns.shape, generator=gen, dtype=torch.float64)
     values = old + 0.4 * torch.randn(returns.shape, generator=gen, dtype=torch.float64)
-    loss, stats = rl_math.value_loss(values, old, returns, mask, clip_eps=0.2)
+    loss, stats = value_loss(values, old, returns, mask, clip_eps=0.2)
     num, den, clipped = 0.0, 0, 0
     for b in range(returns.shape[0]):
         for t in range(returns.shape[1]):
@@ -238,7 +242,7 @@ def test_token_logprobs_values_and_gradients_match_float64_autograd(temperature,
     tokens = torch.randint(0, 11, (3, 5), generator=gen)
     w_lp, w_ent = torch.randn(3, 5, generator=gen, dtype=torch.float64), torch.randn(3, 5, generator=gen,
                                                                                       dtype=torch.float64)
-    logp, ent = rl_math.token_logprobs(logits, tokens, temperature, chunk_elems=chunk_elems)
+    logp, ent = token_logprobs(logits, tokens, temperature, chunk_elems=chunk_elems)
     ((logp * w_lp).sum() + (ent * w_ent).sum()).backward()
     grad = logits.grad.clone()
     logits.grad = None
@@ -254,7 +258,7 @@ def test_token_logprobs_entropy_as_a_metric_and_bf16_logits():
     logits = (torch.randn(4, 6, 50, generator=gen) * 2).to(torch.bfloat16).requires_grad_()
     tokens = torch.randint(0, 50, (4, 6), generator=gen)
     # entropy_grad=False: the entropy carries no gradient, the log-probs' gradient is unchanged
-    logp, ent = rl_math.token_logprobs(logits, tokens, entropy_grad=False, chunk_elems=100)
+    logp, ent = token_logprobs(logits, tokens, entropy_grad=False, chunk_elems=100)
     assert logp.dtype == ent.dtype == torch.float32 and not ent.requires_grad
     logp.sum().backward()
     assert logits.grad.dtype == torch.bfloat16
@@ -266,7 +270,7 @@ def test_token_logprobs_entropy_as_a_metric_and_bf16_logits():
     assert torch.allclose(logp.double(), ref_logp, atol=1e-5)
     assert torch.allclose(ent.double(), ref_ent, atol=1e-5)
     assert torch.allclose(logits.grad.double(), ref_logits.grad, atol=1e-2, rtol=1e-2)
-    lp_only, none = rl_math.token_logprobs(logits.detach(), tokens, with_entropy=False)
+    lp_only, none = token_logprobs(logits.detach(), tokens, with_entropy=False)
     assert none is None and torch.equal(lp_only, logp.detach())
 
 
@@ -275,8 +279,8 @@ def test_kl_penalty_entropy_logprobs():
     logits = torch.randn(3, 5, 7, generator=gen, dtype=torch.float64) * 4
     logits[0, 0, 0] = 1000.0                          # stability: no inf/NaN
     tokens = torch.randint(0, 7, (3, 5), generator=gen)
-    logp = rl_math.logprobs_from_logits(logits, tokens)
-    fused_logp, ent = rl_math.token_logprobs(logits, tokens, chunk_elems=14)   # 2 rows per chunk
+    logp = logprobs_from_logits(logits, tokens)
+    fused_logp, ent = token_logprobs(logits, tokens, chunk_elems=14)   # 2 rows per chunk
     assert torch.allclose(fused_logp, logp, rtol=0, atol=1e-12)
     for b in range(3):
         for t in range(5):
@@ -292,19 +296,19 @@ def test_kl_penalty_entropy_logprobs():
     ref = torch.randn(4, 6, generator=gen, dtype=torch.float64)
     for kind, f in {"k1": lambda d: d, "k2": lambda d: 0.5 * d * d,
                     "k3": lambda d: math.exp(-d) - 1 + d}.items():
-        out = rl_math.kl_penalty(lp, ref, kind)
+        out = kl_penalty(lp, ref, kind)
         for b in range(4):
             for t in range(6):
                 assert out[b, t].item() == pytest.approx(f(lp[b, t].item() - ref[b, t].item()),
                                                          abs=1e-12)
     with pytest.raises(ValueError, match="k1"):
-        rl_math.kl_penalty(lp, ref, "k4")
+        kl_penalty(lp, ref, "k4")
 
 
 def test_per_token_rewards():
     kl, mask, gen = random_batch(7)
     score = torch.rand(kl.shape[0], generator=gen, dtype=torch.float64)
-    rewards = rl_math.per_token_rewards(score, kl, 0.1, mask)
+    rewards = per_token_rewards(score, kl, 0.1, mask)
     for b in range(kl.shape[0]):
         valid = [t for t in range(kl.shape[1]) if mask[b, t] > 0]
         for t in range(kl.shape[1]):
@@ -316,7 +320,7 @@ def test_per_token_rewards():
 
 
 def test_kl_controllers():
-    ctl = rl_math.AdaptiveKLController(0.2, target=6.0, horizon=10000)
+    ctl = AdaptiveKLController(0.2, target=6.0, horizon=10000)
     value, expected = 0.2, []
     for kl in [12.0, 6.6, 3.0, 0.0, float("nan"), 7.0]:
         ctl.update(kl, n_steps=256)
@@ -324,13 +328,13 @@ def test_kl_controllers():
             value *= 1 + min(max(kl / 6.0 - 1, -0.2), 0.2) * 256 / 10000
         expected.append(value)
         assert ctl.value == pytest.approx(value, rel=1e-12)
-    restored = rl_math.AdaptiveKLController(1.0, target=1.0, horizon=1.0)
+    restored = AdaptiveKLController(1.0, target=1.0, horizon=1.0)
     restored.load_state_dict(ctl.state_dict())
     assert restored.update(20.0, 100) == ctl.update(20.0, 100)
 
-    fixed = rl_math.FixedKLController(0.05)
+    fixed = FixedKLController(0.05)
     assert fixed.update(100.0, 1000) == 0.05
-    other = rl_math.FixedKLController(1.0)
+    other = FixedKLController(1.0)
     other.load_state_dict(fixed.state_dict())
     assert other.value == 0.05
 
@@ -344,9 +348,9 @@ def test_token_logprobs_compiled_kernel_matches_the_eager_chunks():
     results = []
     for compile in (False, True):
         logits.grad = None
-        lp, ent = rl_math.token_logprobs(logits, tokens, 0.8, chunk_elems=7 * 500, compile=compile)
+        lp, ent = token_logprobs(logits, tokens, 0.8, chunk_elems=7 * 500, compile=compile)
         ((lp * w).sum() + (ent * w).sum()).backward()
         results.append((lp.detach(), ent.detach(), logits.grad.clone()))
-    assert all(rl_math._compiled_fns.get(name) is not None for name in ("stats1", "grad1"))  # really compiled
+    assert all(_compiled_fns.get(name) is not None for name in ("stats1", "grad1"))  # really compiled
     for eager, compiled in zip(*results):
         assert torch.allclose(eager, compiled, rtol=0, atol=1e-5)

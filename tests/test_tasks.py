@@ -1,4 +1,4 @@
-"""nodes/tasks.py: the default task needs the prompt, determinism, tokenizer, JSONL datasets."""
+"""rl/tasks.py: the default task needs the prompt, determinism, tokenizer, JSONL datasets."""
 
 import itertools
 import json
@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from nodes import tasks
+from rl import tasks
 
 ALL_TASKS = [(name, k) for name in tasks.TASK_NAMES for k in (2, 3)]
 

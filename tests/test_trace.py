@@ -1,4 +1,4 @@
-"""dataflow/trace.py and trace_report.py: interval math, accounting, the Chrome file, report, CLI.
+"""dataflow/trace/tracer.py and trace_report.py: interval math, accounting, the Chrome file, report, CLI.
 
 No Ray: tracers are driven directly, most with a fake clock so that every number is exact.
 """
@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from dataflow import trace, trace_report
-from dataflow.trace import TraceCollector, Tracer, idle_fraction, measure_clock_offset, union_length
-from dataflow.trace_report import assign_lanes, merge_intervals
+from dataflow.trace import tracer as trace
+from dataflow.trace import report as trace_report
+from dataflow.trace.tracer import TraceCollector, Tracer, idle_fraction, measure_clock_offset, union_length
+from dataflow.trace.report import assign_lanes, merge_intervals
 
 REPO = Path(__file__).resolve().parents[1]
 

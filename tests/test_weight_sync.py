@@ -1,4 +1,4 @@
-"""weight_transport=collective (nodes/weight_sync.py) on CPU, gloo: first the two ends in one
+"""weight_transport=collective (dataflow/weights/sync.py) on CPU, gloo: first the two ends in one
 process with stand-in node contexts (rendezvous, the wait for a version, checksums, a stall); then
 the PPO graph with two generator replicas against the object-store transport, and a stalled push
 failing the run. One Ray instance for the graph runs, which go through runtime.run_graph in-process."""
@@ -19,12 +19,12 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import ray  # noqa: E402
 
 from dataflow.errors import NodeFailed, UserError  # noqa: E402
-from dataflow.hybrid_engine import WeightPushError  # noqa: E402
+from dataflow.weights.hybrid_engine import WeightPushError  # noqa: E402
 from dataflow.runtime import RunOptions, load_graph, run_graph  # noqa: E402
-from nodes.models import ModelConfig, build_policy  # noqa: E402
-from nodes.tasks import build_tokenizer  # noqa: E402
-from nodes import weight_sync  # noqa: E402
-from nodes.weight_sync import (SYNC_EDGE, GeneratorWeightSync, LearnerWeightSync,  # noqa: E402
+from rl.models import ModelConfig, build_policy  # noqa: E402
+from rl.tasks import build_tokenizer  # noqa: E402
+from dataflow.weights import sync as weight_sync  # noqa: E402
+from dataflow.weights.sync import (SYNC_EDGE, GeneratorWeightSync, LearnerWeightSync,  # noqa: E402
                                WeightSyncConfig, flat_layout, ipc_state_split, pack_state,
                                seqlock_consistent, stage_copy, unpack_state, weights_checksum)
 
@@ -43,7 +43,7 @@ class Edges:
 
 
 class StandInContext:
-    """The part of NodeContext that nodes/weight_sync.py uses."""
+    """The part of NodeContext that dataflow/weights/sync.py uses."""
 
     def __init__(self, edges: Edges, name: str, replica: int = 0, num_replicas: int = 1,
                  subscribers: tuple[str, ...] = ()):

@@ -10,7 +10,7 @@ from graphs.ppo import PPOGraphConfig, wire_policy
 from nodes.generator import Generator
 from nodes.learner import Learner
 from nodes.prompts import PromptSource
-from nodes.weight_sync import SYNC_EDGE
+from dataflow.weights.sync import SYNC_EDGE
 
 
 class StalledGenerator(Generator):

@@ -7,7 +7,7 @@ TP-replicated). Two all-gathers per parameter, both batched over many parameters
      piece -> its whole training TP shard. Placement on dp: Shard(k), or _StridedShard(k, t)
      when TP shards the same dim (TP was applied first; the local piece is FSDP piece i of TP
      chunk j, so the dp pieces concatenated in dp order are TP chunk j).
-  2. "micro_dp": over the micro-DP group (d_g consecutive tp ranks, see dataflow/layout.py):
+  2. "micro_dp": over the micro-DP group (d_g consecutive tp ranks, see dataflow/weights/layout.py):
      training TP shards -> the generation shard. Nothing to do for TP-replicated params.
 Local shards are cast to the generation dtype *before* any communication: one cast, and bf16
 halves the bytes moved. A CommCounter records what each stage moved; the tests check the
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dataflow.layout import ParallelLayout
+from dataflow.weights.layout import ParallelLayout
 
 # torch 2.13 deprecates all_gather_into_tensor for all_gather_single; older torch lacks the latter.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -2,7 +2,7 @@
 process group and one DeviceMesh ("dp", "tp"); rank 0 leads, the others follow its commands.
 
     ranks = await join(ctx, ParallelLayout(dp=2, tp=2), timeout_s)   # in setup(), every replica
-    ranks.shard(model)              # TP over "tp" then FSDP2 over "dp" (dataflow/layout.py)
+    ranks.shard(model)              # TP over "tp" then FSDP2 over "dp" (dataflow/weights/layout.py)
     op = ranks.broadcast(op_or_None)   # rank 0 sends, the others receive (blocking: use a thread)
 
 Rendezvous: replica 0 hosts a TCPStore and publishes its address on the versioned edge
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from dataflow.errors import UserError
-from dataflow.layout import ParallelLayout, apply_training_layout, build_mesh
+from dataflow.weights.layout import ParallelLayout, apply_training_layout, build_mesh
 
 RANKS_EDGE = "ranks"
 """Versioned edge (the learner -> itself) carrying its replica 0's rendezvous address."""
@@ -333,12 +333,12 @@ class RankCommands:
 def _local_piece(full: torch.Tensor, like) -> torch.Tensor:
     """This rank's local tensor of DTensor `like`, cut from the whole tensor `full` without any
     communication. distribute_tensor cannot make _StridedShard placements (torch 2.13), which
-    TP-then-FSDP2 gives (dataflow/reshard.py): the tensor is cut by TP first, then each TP chunk
+    TP-then-FSDP2 gives (dataflow/weights/reshard.py): the tensor is cut by TP first, then each TP chunk
     by FSDP, so plain Shard placements are applied before strided ones; uneven sizes as torch.chunk."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from dataflow.reshard import _chunk_sizes
+    from dataflow.weights.reshard import _chunk_sizes
 
     mesh, coords = like.device_mesh, like.device_mesh.get_coordinate()
     steps = [(i, pl) for i, pl in enumerate(like.placements) if isinstance(pl, (Shard, _StridedShard))]

@@ -1,6 +1,6 @@
 """Small causal LMs for the built-in tasks: build/load, a value model, sampling, log-probs, batching.
 
-Token alignment used everywhere in this file and expected by nodes/rl_math.py: a batch is
+Token alignment used everywhere in this file and expected by rl/ (masked, advantages, losses, kl, logprobs): a batch is
 `input_ids [B, T]` laid out as [left-padded prompt | right-padded response] (see pad_batch), and
 any per-token quantity at column t concerns the action input_ids[:, t]:
   logprobs[:, t] = log pi(input_ids[:, t] | input_ids[:, :t])   (from the logits at t - 1)
@@ -24,8 +24,8 @@ from torch import nn
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
-from nodes.rl_math import logprobs_from_logits, token_logprobs
-from nodes.tasks import load_tokenizer
+from rl.logprobs import logprobs_from_logits, token_logprobs
+from rl.tasks import load_tokenizer
 
 
 @dataclass(kw_only=True)
@@ -202,7 +202,7 @@ def sample_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int
     Randomness comes from `generator`, else from
     a torch.Generator seeded with `seed`, else from the global RNG. Before `min_new_tokens`
     tokens <eos> is masked out of the sampled distribution (and so of the behaviour log-probs).
-    The fast path for Llama/Qwen2 (static KV cache, CUDA graphs) is nodes/decoding.py.
+    The fast path for Llama/Qwen2 (static KV cache, CUDA graphs) is rl/decoding.py.
     Sampling is over the whole vocab, so a response may contain any id, <pad>'s included: take
     masks from pad_batch, never from `ids != pad_id`.
     """
@@ -321,7 +321,7 @@ def sequence_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     column on are computed (logits_to_keep).
 
     Memory and time (a 152k vocab makes the logits the largest tensor of a step): the softmax math
-    is nodes/rl_math.token_logprobs, float32 a few rows at a time from half-precision logits
+    is rl/logprobs.token_logprobs, float32 a few rows at a time from half-precision logits
     (float64 models stay float64), no float32 copy of the logits kept for backward.
     entropy_grad=False computes the entropy as a detached metric (the learner does this when
     entropy_coef is 0).

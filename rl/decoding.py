@@ -1,7 +1,7 @@
 """Fast sampling for Llama / Qwen2 policies: a static KV cache with slots, CUDA-graph decode steps,
 counter-based sampling noise.
 
-Why not the HF loop (nodes/models.py:sample_responses): eager HF launches ~400 kernels per token and
+Why not the HF loop (rl/models.py:sample_responses): eager HF launches ~400 kernels per token and
 syncs to move probs to the CPU every token; on a GPU the decode step of a 0.5B model at batch 256 is
 ~1 ms of work, so launch and sync overhead dominated. Here one decode step (model + sampling + state
 update) is a fixed sequence of tensor ops on preallocated buffers, so on CUDA it is captured once per
@@ -18,7 +18,7 @@ built from the lengths; rows that are free or finished compute but change nothin
 Weights are read from the HF model's own modules at every call (no copies), so in-place updates
 (load_state_dict, the collective receiver) are seen at once. CUDA graphs, however, bake in tensor
 addresses: `refresh()` (called before each serving period) re-captures when a parameter's storage
-was replaced (e.g. rehome() in dataflow/weight_adapters.py sets `p.data`).
+was replaced (e.g. rehome() in dataflow/weights/adapters.py sets `p.data`).
 
 Sampling noise is counter-based: token t of sample j of prompt id p under seed s uses Gumbel noise
 hashed from (s, p, j, t, vocab index) (Gumbel-max == sampling from the softmax), so a response does

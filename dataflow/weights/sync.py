@@ -4,7 +4,7 @@
                                      `dtype` (the generators' dtype: bfloat16 on GPUs, half the bytes
                                      of fp32 masters), on the versioned edge `policy`; a generator
                                      fetches it at its next generate call and load_state_dict()s it.
-    weight_transport="collective"    the HybridEngine push (dataflow/hybrid_engine.py): the learner
+    weight_transport="collective"    the HybridEngine push (dataflow/weights/hybrid_engine.py): the learner
                                      hosts a PushGroup (gloo; NCCL when every end has a CUDA device
                                      of its own) and broadcasts its weights with a WeightPusher to a
                                      WeightReceiver in every generator replica. `policy` still
@@ -230,7 +230,7 @@ class LearnerWeightSync:
         self.ctx, self.config, self.edge = ctx, config, edge
         self.pusher = None
         self.dtype: torch.dtype | None = None     # what the generators hold (collective)
-        self.ranks = None                         # a dp x tp learner's dataflow.multirank.TrainRanks
+        self.ranks = None                         # a dp x tp learner's dataflow.weights.multirank.TrainRanks
         self.lead = True                          # the rank that publishes (rank 0)
         self.ipc: dict[str, Any] | None = None    # cuda_ipc: buffers, headers, their handles, layout
 
@@ -248,8 +248,8 @@ class LearnerWeightSync:
             travel = _travel_dtype(self.config, None)
             self.dtype = getattr(torch, travel) if travel else None
             return
-        from dataflow.hybrid_engine import ParallelLayout, PushGroup, WeightPusher, WeightPushError
-        from dataflow.weight_adapters import family_of
+        from dataflow.weights.hybrid_engine import ParallelLayout, PushGroup, WeightPusher, WeightPushError
+        from dataflow.weights.adapters import family_of
 
         if not self.lead:      # rank 0 tells the dtype the generators hold (the gathers cast to it)
             self.dtype = getattr(torch, await asyncio.to_thread(ranks.broadcast))
@@ -295,7 +295,7 @@ class LearnerWeightSync:
         if ranks is not None:
             await asyncio.to_thread(ranks.broadcast, str(self.dtype).removeprefix("torch."))
         # dp x tp: the training layout, generation tp 1 (a generator holds the whole model), so each
-        # push all-gathers over dp then tp on every rank and rank 0 broadcasts (dataflow/reshard.py).
+        # push all-gathers over dp then tp on every rank and rank 0 broadcasts (dataflow/weights/reshard.py).
         layout = ranks.layout if ranks is not None else ParallelLayout(dp=1, tp=1, tp_gen=1)
         self.pusher = WeightPusher(layout, ranks.mesh if ranks is not None else None, group=group,
                                    dtype=self.dtype, timeout_s=c.timeout_s)
@@ -405,7 +405,7 @@ class GeneratorWeightSync:
             return
         if self.config.transport != "collective":
             return
-        from dataflow.hybrid_engine import PushGroup, WeightPushError, WeightReceiver
+        from dataflow.weights.hybrid_engine import PushGroup, WeightPushError, WeightReceiver
 
         c, me = self.config, self.ctx.full_name
         try:
@@ -481,7 +481,7 @@ class GeneratorWeightSync:
 
     def _hold(self, target: int):
         """(release, version): serve lock held, weights at >= target (waits up to timeout_s)."""
-        from dataflow.hybrid_engine import WeightPushError
+        from dataflow.weights.hybrid_engine import WeightPushError
 
         deadline = time.monotonic() + self.config.timeout_s
         while True:

@@ -1,6 +1,6 @@
 """Pure functions behind the trace: interval math, the Chrome file, the idle summary, table and plot.
 
-No Ray and no torch: the driver's `TraceCollector` (dataflow/trace.py) and the CLI
+No Ray and no torch: the driver's `TraceCollector` (dataflow/trace/tracer.py) and the CLI
 (`python -m dataflow.trace out.json`) both call these on plain numbers. All times are integer
 microseconds on the driver's clock unless a name says otherwise (`_s` = seconds).
 

@@ -71,8 +71,8 @@ import socket
 import sys
 import time
 
-from dataflow import trace_report as tr
-from dataflow.trace_report import flat_metrics, idle_fraction, merge_intervals, union_length  # noqa: F401
+from dataflow.trace import report as tr
+from dataflow.trace.report import flat_metrics, idle_fraction, merge_intervals, union_length  # noqa: F401
 
 MIN_IDLE_EVENT_US = 50
 MAX_EVENTS_PER_BUCKET = 25   # -> ~190 events/s per track

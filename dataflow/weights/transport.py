@@ -1,4 +1,4 @@
-"""Transport pieces of the weight push (dataflow/hybrid_engine.py): the process groups of one
+"""Transport pieces of the weight push (dataflow/weights/hybrid_engine.py): the process groups of one
 learner -> generators edge, waits with timeouts that name both ends, bucket boundaries, and
 copies shaped for GPU speed. No model knowledge here."""
 
@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dataflow.weight_adapters import ALIGN
+from dataflow.weights.adapters import ALIGN
 
 MAGIC, CLOSE = 0x7E16, -1
 OK, REJECTED = 0, 1              # receiver status codes in the ack

@@ -9,9 +9,9 @@ Generator side:
         generate(...)                        # weights cannot change until the block exits
     (or receiver.apply() -> version at the engine's own safe point; receiver.poll() peeks)
 
-One push, step by step (see dataflow/reshard.py for 1):
+One push, step by step (see dataflow/weights/reshard.py for 1):
   1. Each learner rank streams its generation shards, batch by batch (micro-DP all-gathers).
-  2. Shards are laid out in an *arena*: every engine tensor (dataflow/weight_adapters.py: fused
+  2. Shards are laid out in an *arena*: every engine tensor (dataflow/weights/adapters.py: fused
      qkv / gate_up sources sit back to back) at a 256-byte aligned offset, in the generation
      dtype. The manifest (names, shapes, offsets) is sent on the first push and when it changes.
      Plain parameters (a one-rank learner; the generator's model) are *rehomed* once into one
@@ -46,12 +46,12 @@ import torch
 from torch import nn
 
 # The public API of the hybrid engine lives in four modules; this one re-exports it.
-from dataflow.layout import (ParallelLayout, apply_tensor_parallel, apply_training_layout,
+from dataflow.weights.layout import (ParallelLayout, apply_tensor_parallel, apply_training_layout,
                              build_mesh, micro_dp_bytes, naive_bytes)
-from dataflow.reshard import CommCounter, Resharder, reshard_for_generation
-from dataflow.transport import (CLOSE, MAGIC, OK, REJECTED, PushGroup, WeightPushError,
+from dataflow.weights.reshard import CommCounter, Resharder, reshard_for_generation
+from dataflow.weights.transport import (CLOSE, MAGIC, OK, REJECTED, PushGroup, WeightPushError,
                                 bucket_bounds, copy_plan, local_tensor, run_copy, wait_all)
-from dataflow.weight_adapters import (ALIGN, Manifest, WeightAdapter, bind_targets, family_of,
+from dataflow.weights.adapters import (ALIGN, Manifest, WeightAdapter, bind_targets, family_of,
                                       rehome)
 
 __all__ = ["ParallelLayout", "build_mesh", "apply_training_layout", "apply_tensor_parallel",

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dataflow.errors import UserError
-from nodes.models import ModelConfig, build_policy, load_policy
-from nodes.tasks import build_tokenizer
+from rl.models import ModelConfig, build_policy, load_policy
+from rl.tasks import build_tokenizer
 
 
 @dataclass(kw_only=True)

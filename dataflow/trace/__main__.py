@@ -1,0 +1,5 @@
+import sys
+
+from dataflow.trace.tracer import main
+
+sys.exit(main())

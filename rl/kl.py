@@ -1,0 +1,104 @@
+"""KL estimators, KL-shaped rewards and the KL coefficient's controllers.
+
+Layout convention shared by every function here: per-token tensors are `[batch, T]`, with a float
+`mask` of the same shape that is 1 on response tokens (the actions) and 0 on prompt tokens and
+padding. Sequences may have different lengths and any padding side: a masked position is treated
+as absent, never as a zero-valued token. Per-sequence tensors are `[batch]`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from log-probs of tokens sampled from pi.
+
+        log_r = logp - ref_logp
+        k1 = log_r                      (unbiased, can be negative)
+        k2 = 0.5 * log_r^2              (biased, low variance)
+        k3 = exp(-log_r) - 1 + log_r    (unbiased, >= 0)
+
+    Source: J. Schulman, "Approximating KL Divergence" (2020, joschu.net/blog/kl-approx.html).
+    Returns the same shape as the inputs; mask it yourself.
+    """
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio ** 2
+    if kind == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"kl_penalty: kind={kind!r}; use 'k1', 'k2' or 'k3'")
+
+
+
+
+def per_token_rewards(score: torch.Tensor, kl: torch.Tensor, kl_coef: float,
+                      mask: torch.Tensor) -> torch.Tensor:
+    """r_t = -kl_coef * kl_t on every valid token, plus the sequence score on the last valid one.
+
+    Source: Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences"
+    (arXiv 1909.08593), R(x, y) = r(x, y) - beta * log(pi(y|x) / rho(y|x)); Stiennon et al. 2020.
+    score: [B]; kl, mask: [B, T]. Rows without a valid token get all-zero rewards.
+    """
+    mask = mask.to(kl.dtype)
+    rewards = -kl_coef * kl * mask
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.argmax(positions * (mask > 0), dim=1)          # index of last valid token
+    has_token = mask.sum(1) > 0
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    rewards[rows, last] += score.to(kl.dtype) * has_token
+    return rewards
+
+
+class FixedKLController:
+    """A constant KL coefficient (`value`), with the same interface as AdaptiveKLController."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        return self.value
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """KL coefficient steered toward a target KL.
+
+        e     = clip(current_kl / target - 1, -0.2, 0.2)
+        value = value * (1 + e * n_steps / horizon)
+
+    Source: Ziegler et al. 2019 (arXiv 1909.08593), section 2.2. `n_steps` is the number of
+    samples (or steps, consistently with `horizon`) since the last update.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float):
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"AdaptiveKLController: target={target} and horizon={horizon} "
+                             "must be > 0")
+        self.value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        if not math.isfinite(current_kl):
+            return self.value  # a NaN KL must not poison the coefficient
+        proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + proportional_error * n_steps / self.horizon
+        return self.value
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+        self.target = float(state["target"])
+        self.horizon = float(state["horizon"])
