@@ -36,9 +36,10 @@ class RewardConfig:
     """Name of the function (or class) in `path` (verl's files: compute_score)."""
     weights: dict = field(default_factory=dict)
     """Weights of a dict-valued reward's named scores ({} = equal weights of 1)."""
-    timeout_s: float = 5.0
+    timeout_s: float = 10.0
     """Longest one reward call may take before its response is marked failed (a batched
-    function: the whole call)."""
+    function: the whole call). Calls run concurrently: a reward that hangs costs about one
+    timeout per batch. Above rl/math_reward.py's own 6 s per comparison."""
     max_concurrency: int = 32
     """Reward calls running at once (threads, or coroutines of an async function)."""
     max_failed_batches: int = 3

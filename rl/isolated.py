@@ -25,6 +25,8 @@ import threading
 from multiprocessing.connection import Connection
 
 _IN_WORKER = False
+START_TIMEOUT_S = 120.0
+"""Longest a worker may take to start and import its preload (seconds on a loaded machine)."""
 
 
 def in_worker() -> bool:
@@ -57,6 +59,7 @@ class KillablePool:
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._workers: set = set()            # (process, connection) of every live worker
+        self._count = 0                       # live workers and those starting
 
     def call(self, target: str, args: tuple, timeout_s: float):
         worker = self._take()
@@ -86,7 +89,7 @@ class KillablePool:
 
     def close(self) -> None:
         with self._lock:
-            workers, self._workers = list(self._workers), set()
+            workers = list(self._workers)
         for worker in workers:
             self._discard(worker, kill=True)
 
@@ -96,17 +99,25 @@ class KillablePool:
                 worker = self._idle.get_nowait()
             except queue.Empty:
                 with self._lock:
-                    start = len(self._workers) < self.size
-                    if start:
+                    start = self._count < self.size
+                    self._count += start
+                if start:
+                    try:
                         worker = self._start()
+                    except BaseException:
+                        with self._lock:
+                            self._count -= 1
+                        raise
+                    with self._lock:
                         self._workers.add(worker)
-                if not start:
+                else:
                     worker = self._idle.get()
             if worker[0].poll() is None:
                 return worker
             self._discard(worker, kill=False)   # died while idle: take another
 
     def _start(self):
+        """A new worker, once it has imported `preload` (its start-up is not part of a call's timeout)."""
         parent, child = socket.socketpair()
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -114,12 +125,26 @@ class KillablePool:
         proc = subprocess.Popen([sys.executable, "-m", "rl.isolated", str(child.fileno()), *self.preload],
                                 pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL)
         child.close()
-        return proc, Connection(parent.detach())
+        conn = Connection(parent.detach())
+        try:
+            ready = conn.poll(START_TIMEOUT_S) and conn.recv() == "ready"
+        except (OSError, EOFError):
+            ready = False
+        if not ready:
+            proc.kill()
+            proc.wait()
+            conn.close()
+            raise WorkerError(f"a worker process (python -m rl.isolated, preload {list(self.preload)}) did not "
+                              f"start within {START_TIMEOUT_S:g}s (exit status {proc.returncode}; its stderr "
+                              "is in this process's log)")
+        return proc, conn
 
     def _discard(self, worker, kill: bool) -> None:
         proc, conn = worker
         with self._lock:
-            self._workers.discard(worker)
+            if worker in self._workers:
+                self._workers.discard(worker)
+                self._count -= 1
         if kill and proc.poll() is None:
             proc.kill()
         proc.wait()
@@ -130,6 +155,7 @@ def _serve(fd: int, preload: list[str]) -> None:
     conn = Connection(fd)
     for name in preload:
         importlib.import_module(name)
+    conn.send("ready")
     functions: dict = {}
     while True:
         try:

@@ -29,11 +29,10 @@ from decimal import Decimal, InvalidOperation
 
 from rl.isolated import KillablePool, WorkerTimeout, in_worker
 
-MATH_TIMEOUT_S = 3.0
+MATH_TIMEOUT_S = 6.0
 """Longest one math comparison may take (parse both answers + verify) before it counts as unequal."""
 MATH_WORKERS = max(1, min(4, os.cpu_count() or 1))
 """Worker processes that run comparisons; calls beyond that wait for a free one."""
-_SIGNAL_TIMEOUT_S = 1      # math-verify's own per-step timeouts inside a worker (whole seconds)
 
 _pool: KillablePool | None = None
 _pool_lock = threading.Lock()
@@ -59,7 +58,7 @@ def answers_equal(response: str, gold: str, timeout_s: float = MATH_TIMEOUT_S) -
     """math-verify's verdict on `response` against the reference `gold`, in a worker process.
     Cached; a comparison past timeout_s is unequal (and cached as such, so it is not retried)."""
     try:
-        return bool(_math_pool().call("rl.math_reward:verify_in_worker", (response, gold), timeout_s))
+        return bool(_math_pool().call("rl.math_reward:verify_in_worker", (response, gold, timeout_s), timeout_s))
     except WorkerTimeout:
         return False
 
@@ -87,10 +86,9 @@ _DELIMITED = ("$", "\\(", "\\[", "\\boxed", "\\fbox")
 
 
 @functools.lru_cache(maxsize=1024)
-def _parse_gold(gold: str):
+def _parse_gold(gold: str, timeout: int | None):
     from math_verify import parse
 
-    timeout = _SIGNAL_TIMEOUT_S if in_worker() else None
     if not any(d in gold for d in _DELIMITED):
         parsed = parse(f"${gold}$", _extraction(), parsing_timeout=timeout)
         if parsed:
@@ -98,13 +96,15 @@ def _parse_gold(gold: str):
     return parse(gold, _extraction(), parsing_timeout=timeout)
 
 
-def verify_in_worker(response: str, gold: str) -> bool:
-    """parse + verify with math-verify. Runs in a KillablePool worker, where signal timeouts work
-    (off the main thread they raise, so elsewhere they are off and only the caller's kill bounds it)."""
+def verify_in_worker(response: str, gold: str, timeout_s: float = MATH_TIMEOUT_S) -> bool:
+    """parse + verify with math-verify. Runs in a KillablePool worker, whose main thread lets
+    math-verify's signal timeouts work: each of its three steps (parse the reference, parse the
+    response, verify) gets a third of timeout_s, in whole seconds. Elsewhere they are off (off the
+    main thread they raise) and only the caller's kill bounds the call."""
     from math_verify import parse, verify
 
-    timeout = _SIGNAL_TIMEOUT_S if in_worker() else None
-    return bool(verify(_parse_gold(gold), parse(response, _extraction(), parsing_timeout=timeout),
+    timeout = max(1, int(timeout_s // 3)) if in_worker() else None
+    return bool(verify(_parse_gold(gold, timeout), parse(response, _extraction(), parsing_timeout=timeout),
                        timeout_seconds=timeout))
 
 
