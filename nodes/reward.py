@@ -43,8 +43,8 @@ class RewardConfig:
     max_concurrency: int = 32
     """Reward calls running at once (threads, or coroutines of an async function)."""
     max_failed_batches: int = 3
-    """Stop the run when the reward fails for every response of this many consecutive batches
-    (0 = never stop)."""
+    """Stop the run when the reward fails for every response of this many consecutive batches of
+    `items_per_call` prompts (0 = never stop)."""
     log_every_s: float = 10.0
     """At most one on-screen line about failed rewards per this many seconds."""
     per_token: bool = True
@@ -70,7 +70,7 @@ class Reward(Node):
         self.fn = load_reward_fn(c.path, c.function, c.weights) if c.path else None
         self.runner = RewardRunner(self.fn, c.timeout_s, c.max_concurrency) if self.fn else None
         self.failed_total = self.scored_total = self.timeouts_total = 0
-        self.failing_batches = 0                       # consecutive batches where every response failed
+        self.failing_prompts = 0                       # consecutive prompts with every response failed
         self.streak_first_error = ""
         self.unreported = {"failed": 0, "timed_out": 0, "scored": 0, "first": ""}
         self.last_report = float("-inf")
@@ -125,17 +125,22 @@ class Reward(Node):
                               "reward/abandoned_running": self.runner.abandoned_running if self.runner else 0})
         if time.monotonic() - self.last_report >= self.config.log_every_s:
             self._report()
-        if samples and len(failed) == len(samples):
-            self.streak_first_error = self.streak_first_error if self.failing_batches else failed[0]["error"]
-            self.failing_batches += 1
-        else:
-            self.failing_batches = 0
-        k = self.config.max_failed_batches
-        if k > 0 and self.failing_batches >= k:
+        # The streak counts prompts, not the node's batches: a batch is whatever has arrived (one
+        # prompt, when the generators are slow), and a few unlucky prompts must not stop a run.
+        for item in items:
+            if item["samples"] and all(s["failed"] for s in item["samples"]):
+                self.streak_first_error = self.streak_first_error if self.failing_prompts else item["samples"][0]["error"]
+                self.failing_prompts += 1
+            else:
+                self.failing_prompts = 0
+        k, per_batch = self.config.max_failed_batches, self.config.items_per_call
+        if k > 0 and self.failing_prompts >= k * per_batch:
             raise RewardFailing(
-                f"reward function {self.fn.where} failed for every response of {k} consecutive batches; "
-                f"first error: {self.streak_first_error}. Fix the function (or the fields it reads), or set "
-                f"reward.max_failed_batches=0 to go on regardless")
+                f"reward function {self.fn.where} failed for every response of {self.failing_prompts} "
+                f"consecutive prompts (reward.max_failed_batches={k} batches of reward.items_per_call="
+                f"{per_batch}); first error: "
+                f"{self.streak_first_error}. Fix the function (or the fields it reads), or set "
+                "reward.max_failed_batches=0 to go on regardless")
 
     def _report(self) -> None:
         """One line for the console about the failures not reported yet (nothing if none)."""
