@@ -162,7 +162,7 @@ class Reward(Node):
                 items = [m.data for m in batch]
                 with self.ctx.span("score", items=len(batch)):
                     if self.runner is None:
-                        await asyncio.to_thread(lambda: [self._score_builtin(item) for item in items])
+                        await asyncio.to_thread(lambda items=items: [self._score_builtin(item) for item in items])
                     else:
                         await self._score_with_fn(items)
                 self._account(items)

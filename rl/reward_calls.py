@@ -97,7 +97,7 @@ class RewardRunner:
                     args, kwargs = self.reward.sample_args(req.prompt, req.response, req.fields)
                     value = await self._call(self.reward.fn, args, kwargs)
                     return Outcome(self.reward.to_score(value))
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - a failed response, not a failed node
                     return self._failure(e)
         return list(await asyncio.gather(*(one(r) for r in requests)))
 
@@ -110,7 +110,7 @@ class RewardRunner:
             if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or len(values) != n:
                 length = f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__
                 raise BadResult(f"returned {length} for {n} completions; return a list of {n} floats")
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - failed responses, not a failed node
             return [self._failure(e)] * n
         outcomes = []
         for value in values:
@@ -189,6 +189,12 @@ class RewardRunner:
         return Outcome(None, reason[:300])
 
     def close(self) -> None:
+        """Cancel what runs on the async rewards' loop, then stop it (its thread is a daemon)."""
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._loop = None
+            loop, self._loop = self._loop, None
+
+            def shutdown():
+                for task in asyncio.all_tasks(loop):
+                    task.cancel()
+                loop.call_soon(loop.stop)         # after the cancelled tasks' last steps
+            loop.call_soon_threadsafe(shutdown)

@@ -45,8 +45,8 @@ def test_batched_async_reward_and_failures_on_screen(tmp_path, capsys):
     out = capsys.readouterr().out
     assert re.search(r"\[reward\] reward failed for \d+ of \d+ responses", out), out
     assert "returned None for this completion" in out
-    failed_totals = [r["reward/failed_total"] for r in map(json.loads, open(summary.metrics_path))
-                     if "reward/failed_total" in r]
+    records = map(json.loads, Path(summary.metrics_path).read_text().splitlines())
+    failed_totals = [r["reward/failed_total"] for r in records if "reward/failed_total" in r]
     assert failed_totals[-1] == 8
 
 
