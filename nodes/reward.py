@@ -5,20 +5,27 @@ Consumes: `samples` from the generator.  Produces: `scored`, the same item with,
 task gives per-position credit) and "failed" (bool).
 Waits for: generated samples.  Unblocked by: the generator.
 
-A user reward file defines `reward(prompt, response, **fields)` returning a float or a dict of
-named floats (combined with `weights`). Each call has a timeout; an exception, a timeout, or a
-non-finite / non-number result marks that response failed (score 0, excluded from the loss by the
-learner), is counted in metrics and logged once with its reason, and the run goes on.
+A user reward file defines `reward(prompt, response, **fields)`, verl's `compute_score(...)` or
+TRL's batched `f(prompts, completions, **kwargs)`, plain or async (rl/rewards.py). Responses are
+decoded without special tokens. The calls of a batch run concurrently (`max_concurrency`), each
+under `timeout_s` (rl/reward_calls.py: a timed-out thread is abandoned and counted). An exception,
+a timeout, or a non-finite / non-number result marks that response failed (score 0, excluded from
+the loss by the learner), is counted, and the run goes on; a line on screen reports failures and
+timeouts (at most every `log_every_s`). A reward that fails for every response of
+`max_failed_batches` consecutive batches stops the run, naming the function, its file and the
+first error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
-from dataflow import Node
+from dataflow import Node, UserError
 from rl import tasks
-from rl.rewards import load_reward_fn, score_safely
+from rl.reward_calls import Request, RewardRunner
+from rl.rewards import load_reward_fn
 
 
 @dataclass(kw_only=True)
@@ -26,16 +33,30 @@ class RewardConfig:
     path: str = ""
     """Python file with the reward function; empty = the built-in task's scorer."""
     function: str = "reward"
-    """Name of the function (or class) in `path`."""
+    """Name of the function (or class) in `path` (verl's files: compute_score)."""
     weights: dict = field(default_factory=dict)
     """Weights of a dict-valued reward's named scores ({} = equal weights of 1)."""
-    timeout_s: float = 5.0
-    """Longest one reward call may take before the response is marked failed."""
+    timeout_s: float = 10.0
+    """Longest one reward call may take before its response is marked failed (a batched
+    function: the whole call). Calls run concurrently: a reward that hangs costs about one
+    timeout per batch. Above rl/math_reward.py's own 6 s per comparison."""
+    max_concurrency: int = 32
+    """Reward calls running at once (threads, or coroutines of an async function)."""
+    max_failed_batches: int = 3
+    """Stop the run when the reward fails for every response of this many consecutive batches of
+    `items_per_call` prompts (0 = never stop)."""
+    log_every_s: float = 10.0
+    """At most one on-screen line about failed rewards per this many seconds."""
     per_token: bool = True
     """Built-in tasks: put per-position credit on each token (else the whole score on the last)."""
     tokenizer_path: str = ""
     """Where to load the tokenizer from (the policy's model dir); empty = built-in tokenizer."""
     items_per_call: int = 16
+    """Prompts (each with its group of responses) scored together as one batch."""
+
+
+class RewardFailing(UserError):
+    """The reward fails for every response, batch after batch: the run cannot learn anything."""
 
 
 class Reward(Node):
@@ -47,48 +68,112 @@ class Reward(Node):
         c = self.config
         self.tokenizer = tasks.load_tokenizer(c.tokenizer_path) if c.tokenizer_path else tasks.build_tokenizer()
         self.fn = load_reward_fn(c.path, c.function, c.weights) if c.path else None
-        self.failed_total = 0
-        self.scored_total = 0
-        self.reported_reasons: set[str] = set()
+        self.runner = RewardRunner(self.fn, c.timeout_s, c.max_concurrency) if self.fn else None
+        self.failed_total = self.scored_total = self.timeouts_total = 0
+        self.failing_prompts = 0                       # consecutive prompts with every response failed
+        self.streak_first_error = ""
+        self.unreported = {"failed": 0, "timed_out": 0, "scored": 0, "first": ""}
+        self.last_report = float("-inf")
 
     def state_dict(self) -> dict:
-        return {"failed_total": self.failed_total, "scored_total": self.scored_total}
+        return {"failed_total": self.failed_total, "scored_total": self.scored_total,
+                "timeouts_total": self.timeouts_total}
 
     def load_state_dict(self, state: dict) -> None:
         self.failed_total, self.scored_total = state["failed_total"], state["scored_total"]
+        self.timeouts_total = state.get("timeouts_total", 0)
 
-    def _score_group(self, item: dict) -> dict:
+    def _score_builtin(self, item: dict) -> None:
         for s in item["samples"]:
             text = self.tokenizer.decode(s["response_ids"], skip_special_tokens=True)
-            if self.fn is None:
-                score, error = tasks.score(item["fields"], text), None
-            else:
-                score, error = score_safely(self.fn, item["prompt"], text, item["fields"], self.config.timeout_s)
-            s["failed"] = score is None
-            s["score"] = 0.0 if score is None else float(score)
-            s["error"] = error or ""
-            n = len(s["response_ids"])
-            if self.fn is None and self.config.per_token:
+            s["score"], s["failed"], s["error"], s["timed_out"] = float(tasks.score(item["fields"], text)), False, "", False
+            if self.config.per_token:
                 tokens = self.tokenizer.convert_ids_to_tokens(s["response_ids"])
                 s["token_rewards"] = tasks.token_rewards(item["fields"], tokens)
             else:
-                s["token_rewards"] = [0.0] * (n - 1) + [s["score"]] if n else []
-        return item
+                s["token_rewards"] = _on_last_token(s)
+
+    async def _score_with_fn(self, items: list[dict]) -> None:
+        samples = [(item, s) for item in items for s in item["samples"]]
+        texts = await asyncio.to_thread(lambda: [self.tokenizer.decode(s["response_ids"], skip_special_tokens=True)
+                                                 for _, s in samples])
+        outcomes = await self.runner.score([Request(item["prompt"], text, item["fields"], list(s["response_ids"]))
+                                            for (item, s), text in zip(samples, texts)])
+        for (item, s), outcome in zip(samples, outcomes):
+            s["failed"] = outcome.score is None
+            s["score"] = 0.0 if outcome.score is None else outcome.score
+            s["error"] = "" if outcome.error is None else f"prompt {item['id']}: {outcome.error}"
+            s["timed_out"] = outcome.timed_out
+            s["token_rewards"] = _on_last_token(s)
+
+    def _account(self, items: list[dict]) -> None:
+        """Counters, the on-screen line, and the stop after max_failed_batches all-failed batches."""
+        samples = [s for item in items for s in item["samples"]]
+        failed = [s for s in samples if s["failed"]]
+        timed_out = sum(s["timed_out"] for s in failed)
+        self.scored_total += len(samples)
+        self.failed_total += len(failed)
+        self.timeouts_total += timed_out
+        u = self.unreported
+        u["scored"] += len(samples)
+        if failed:
+            u["failed"] += len(failed)
+            u["timed_out"] += timed_out
+            u["first"] = u["first"] or failed[0]["error"]
+            self.ctx.metrics({"reward/failed_total": self.failed_total, "reward/scored_total": self.scored_total,
+                              "reward/timeouts_total": self.timeouts_total,
+                              "reward/abandoned_running": self.runner.abandoned_running if self.runner else 0})
+        if time.monotonic() - self.last_report >= self.config.log_every_s:
+            self._report()
+        # The streak counts prompts, not the node's batches: a batch is whatever has arrived (one
+        # prompt, when the generators are slow), and a few unlucky prompts must not stop a run.
+        for item in items:
+            if item["samples"] and all(s["failed"] for s in item["samples"]):
+                self.streak_first_error = self.streak_first_error if self.failing_prompts else item["samples"][0]["error"]
+                self.failing_prompts += 1
+            else:
+                self.failing_prompts = 0
+        k, per_batch = self.config.max_failed_batches, self.config.items_per_call
+        if k > 0 and self.failing_prompts >= k * per_batch:
+            raise RewardFailing(
+                f"reward function {self.fn.where} failed for every response of {self.failing_prompts} "
+                f"consecutive prompts (reward.max_failed_batches={k} batches of reward.items_per_call="
+                f"{per_batch}); first error: "
+                f"{self.streak_first_error}. Fix the function (or the fields it reads), or set "
+                "reward.max_failed_batches=0 to go on regardless")
+
+    def _report(self) -> None:
+        """One line for the console about the failures not reported yet (nothing if none)."""
+        u = self.unreported
+        if u["failed"]:
+            timeouts = f", {u['timed_out']} timed out" if u["timed_out"] else ""
+            running = self.runner.abandoned_running if self.runner else 0
+            abandoned = f", {running} timed-out calls still running" if running else ""
+            self.ctx.log(f"reward failed for {u['failed']} of {u['scored']} responses{timeouts}{abandoned} "
+                         f"(in all {self.failed_total} of {self.scored_total}; marked failed, left out of the "
+                         f"loss); e.g. {u['first']}")
+            self.last_report = time.monotonic()
+        self.unreported = {"failed": 0, "timed_out": 0, "scored": 0, "first": ""}
 
     async def run(self):
         inp, out = self.ctx.inputs["samples"], self.ctx.outputs["scored"]
-        async for batch in inp.batches(self.config.items_per_call, 0.01):
-            with self.ctx.span("score", items=len(batch)):
-                items = await asyncio.to_thread(lambda: [self._score_group(m.data) for m in batch])
-            for msg, item in zip(batch, items):
-                for s in item["samples"]:
-                    self.scored_total += 1
-                    if s["failed"]:
-                        self.failed_total += 1
-                        if s["error"] not in self.reported_reasons:
-                            self.reported_reasons.add(s["error"])
-                            self.ctx.log(f"reward failed for prompt {item['id']}: {s['error']} "
-                                         "(marked failed; later failures of this kind are only counted)")
-                await out.send(item, **msg.meta)
-            if any(s["failed"] for item in items for s in item["samples"]):
-                self.ctx.metrics({"reward/failed_total": self.failed_total, "reward/scored_total": self.scored_total})
+        try:
+            async for batch in inp.batches(self.config.items_per_call, 0.01):
+                items = [m.data for m in batch]
+                with self.ctx.span("score", items=len(batch)):
+                    if self.runner is None:
+                        await asyncio.to_thread(lambda items=items: [self._score_builtin(item) for item in items])
+                    else:
+                        await self._score_with_fn(items)
+                self._account(items)
+                for msg, item in zip(batch, items):
+                    await out.send(item, **msg.meta)
+        finally:
+            self._report()                             # failures of the last few seconds
+            if self.runner is not None:
+                self.runner.close()
+
+
+def _on_last_token(s: dict) -> list[float]:
+    n = len(s["response_ids"])
+    return [0.0] * (n - 1) + [s["score"]] if n else []

@@ -1,83 +1,166 @@
-"""Reward functions: user files, failure-safe scoring with a timeout, and a math answer checker.
+"""Reward functions as users write them: loading a reward file and telling its form apart.
 
-A user reward file defines `reward(prompt, response, **fields)` (or a class with __call__, built
-with no arguments) returning a float, or a dict of named floats that `weights` combines. `fields`
-are the prompt record's other fields (e.g. "answer"); a function that does not take **kwargs only
-receives the fields it names.
+A reward file defines one of these (found by `name`, default "reward"; a class is built with no
+arguments and its instance called), plain or `async def`:
 
-Every score goes through `score_safely`: an exception, a timeout, or a result that is not a finite
-number marks the sample failed (score None and a one-line reason) instead of killing the node.
+  reward(prompt, response, **fields) -> float | dict
+      One response. `fields` are the row's other fields ("answer", verl's "data_source",
+      "reward_model", "extra_info", ...); a function without **kwargs only gets those it names.
+      A dict of named floats is combined with `weights`.
+  compute_score(data_source, solution_str, ground_truth, extra_info) -> float | dict
+      verl's form, told by its name `compute_score` or a parameter `solution_str`. ground_truth is
+      the row's reward_model["ground_truth"], else its "answer"; a dict result gives its "score".
+  f(prompts, completions, **kwargs) -> list[float]
+      TRL's batched form, told by a parameter `completions`: every response of a batch in one call
+      (completions are strings); kwargs hold the rows' other fields as lists, one entry per
+      completion, and `completion_ids` (token ids). None in the list marks that one failed.
+
+Responses are decoded without special tokens. How calls are run (concurrently, each under its
+timeout, failures marked) is rl/reward_calls.py; answer checkers ship in rl/math_reward.py.
 """
 
 from __future__ import annotations
 
-from dataflow.errors import UserError
-
-import functools
 import importlib.util
 import inspect
-import logging
 import math
 import numbers
 import os
 import re
-import string
-import threading
 import traceback
 from typing import Any, Callable
 
-logger = logging.getLogger(__name__)
+from dataflow.errors import UserError
+from rl.math_reward import gsm8k_reward, math_reward  # noqa: F401 - `reward.path=rl/rewards.py` finds them
+
+SAMPLE, VERL, BATCHED = "reward(prompt, response, **fields)", "verl compute_score", "TRL batched"
 
 
 class RewardLoadError(UserError, ValueError):
     """A reward file that cannot be used; the message names the file (and line)."""
 
 
-class RewardTimeout(TimeoutError):
-    pass
+class BadResult(ValueError):
+    """A reward's result (or the row it needs) does not give a score; the message says why."""
 
-
-# ---------------------------------------------------------------------------------------------
-# Loading user reward files
-# ---------------------------------------------------------------------------------------------
 
 class RewardFn:
-    """A loaded reward: call it as fn(prompt, response, **fields) -> float.
+    """A loaded reward function, its form (SAMPLE, VERL or BATCHED) and whether it is async.
 
-    Dict results are combined as sum(weights[k] * value[k]). With weights configured, the keys
-    must match them exactly (a typo would otherwise silently drop a component); with no weights
-    (None or {}) every component has weight 1.
+    Build the call for one response with `sample_args`, for a batch with `batch_args` (then
+    `fn(**kwargs)`; a coroutine for async functions), and turn each result into a float with
+    `to_score` (BadResult if it is not one). For sync SAMPLE/VERL functions, `fn(prompt, response,
+    **fields)` does all three.
+
+    Dict results of the SAMPLE form are combined as sum(weights[k] * value[k]). With weights
+    configured, the keys must match them exactly (a typo would otherwise silently drop a
+    component); with no weights (None or {}) every component has weight 1.
     """
 
-    def __init__(self, fn: Callable, weights: dict[str, float] | None = None, source: str = ""):
+    def __init__(self, fn: Callable, weights: dict[str, float] | None = None, source: str = "",
+                 name: str = ""):
         self.fn = fn
         self.weights = dict(weights) if weights else None
         self.source = source
+        self.name = name or getattr(fn, "__name__", type(fn).__name__)
         try:
-            params = inspect.signature(fn).parameters.values()
+            params = list(inspect.signature(fn).parameters.values())
         except (TypeError, ValueError):               # e.g. a builtin: pass every field
             params = [inspect.Parameter("fields", inspect.Parameter.VAR_KEYWORD)]
         self._takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-        self._names = {p.name for p in params}
+        self._names = {p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None))
+        if self.name == "compute_score" or "solution_str" in self._names:
+            self.form = VERL
+        elif "completions" in self._names:
+            self.form = BATCHED
+        else:
+            self.form = SAMPLE
+        self._check_signature(params)
 
-    def __call__(self, prompt: str, response: str, **fields) -> float:
-        if not self._takes_all:
-            fields = {k: v for k, v in fields.items() if k in self._names}
-        return self.combine(self.fn(prompt, response, **fields))
+    @property
+    def where(self) -> str:
+        """How messages name it: "name (file)"."""
+        return f"{self.name} ({self.source})" if self.source else self.name
 
-    def combine(self, value: Any) -> Any:
-        """A dict result -> its weighted sum; anything else is returned unchanged."""
-        if not isinstance(value, dict):
-            return value
-        where = f"{self.source}: " if self.source else ""
+    def _check_signature(self, params: list) -> None:
+        required = {VERL: ("solution_str", "ground_truth"), BATCHED: ("completions",), SAMPLE: ()}[self.form]
+        try:
+            if self.form == SAMPLE:
+                inspect.Signature(params).bind_partial("prompt", "response")
+            missing = [n for n in required if n not in self._names]
+            if missing:
+                raise TypeError(f"missing parameter {missing[0]!r}")
+        except TypeError as e:
+            raise RewardLoadError(
+                f"{self.where}: its signature does not fit the {self.form} form ({e}); a reward takes "
+                "(prompt, response, **fields), verl's compute_score(data_source, solution_str, "
+                "ground_truth, extra_info) or TRL's (prompts, completions, **kwargs)") from None
+
+    def _accepted(self, kwargs: dict) -> dict:
+        return kwargs if self._takes_all else {k: v for k, v in kwargs.items() if k in self._names}
+
+    def sample_args(self, prompt: Any, response: str, fields: dict) -> tuple[tuple, dict]:
+        """(args, kwargs) scoring one response (SAMPLE or VERL form)."""
+        fields = {k: v for k, v in fields.items() if k not in ("prompt", "response")}
+        if self.form == SAMPLE:
+            return (prompt, response), self._accepted(fields)
+        reward_model = fields.get("reward_model")
+        if isinstance(reward_model, dict) and "ground_truth" in reward_model:
+            ground_truth = reward_model["ground_truth"]
+        elif "answer" in fields:
+            ground_truth = fields["answer"]
+        else:
+            raise BadResult("compute_score needs a ground truth: the row has neither "
+                             "reward_model.ground_truth nor an `answer` field")
+        extra_info = fields.get("extra_info")
+        return (), self._accepted({"data_source": fields.get("data_source", ""), "solution_str": response,
+                                   "ground_truth": ground_truth,
+                                   "extra_info": {} if extra_info is None else extra_info})
+
+    def batch_args(self, prompts: list, completions: list[str], fields: list[dict],
+                   completion_ids: list[list[int]]) -> dict:
+        """kwargs scoring a batch (BATCHED form): TRL's prompts, completions, completion_ids and
+        every other field as a list (None where a row lacks it)."""
+        keys = dict.fromkeys(k for f in fields for k in f if k not in ("prompt", "completion"))
+        kwargs = {k: [f.get(k) for f in fields] for k in keys}
+        kwargs.update(prompts=list(prompts), completions=list(completions), completion_ids=completion_ids)
+        return self._accepted(kwargs)
+
+    def to_score(self, value: Any) -> float:
+        """The float score of one result; BadResult (the reason) if it is not a finite number."""
+        if isinstance(value, dict):
+            value = self._combine(value)
+        if not _is_finite_number(value):
+            raise BadResult(f"returned {type(value).__name__} {value!r:.80}, expected a finite float")
+        return float(value)
+
+    def _combine(self, value: dict) -> float:
+        if self.form == VERL:                         # verl: {"score": ..., other info}
+            if "score" not in value:
+                raise BadResult(f"returned a dict without 'score' (keys {sorted(value)[:8]})")
+            return value["score"]
         if self.weights is not None and set(value) != set(self.weights):
-            raise ValueError(f"{where}reward returned keys {sorted(value)} but weights has "
+            raise BadResult(f"reward returned keys {sorted(value)} but weights has "
                              f"{sorted(self.weights)}; make them match")
         for key, v in value.items():
             if not _is_finite_number(v):
-                raise ValueError(f"{where}component {key!r} is {v!r}, not a finite number")
+                raise BadResult(f"component {key!r} is {v!r}, not a finite number")
         weights = self.weights or {}
         return sum(weights.get(k, 1.0) * float(v) for k, v in value.items())
+
+    def __call__(self, prompt: Any, response: str, **fields) -> float:
+        """Score one response synchronously (sync SAMPLE or VERL functions)."""
+        if self.is_async or self.form == BATCHED:
+            raise TypeError(f"{self.where}: an async or batched reward is called through "
+                            "rl.reward_calls.RewardRunner")
+        args, kwargs = self.sample_args(prompt, response, fields)
+        return self.to_score(self.fn(*args, **kwargs))
+
+
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and math.isfinite(float(value))
 
 
 def load_reward_fn(path: str, name: str | None = None,
@@ -85,8 +168,8 @@ def load_reward_fn(path: str, name: str | None = None,
     """Load `name` (default "reward") from a Python file as a RewardFn.
 
     Raises RewardLoadError naming the file: missing file, syntax error (with its line), an
-    exception while importing, no such function/class (listing the callables it defines), or a
-    class that cannot be built with no arguments.
+    exception while importing, no such function/class (listing the callables it defines), a
+    class that cannot be built with no arguments, or a signature that fits no form.
     """
     name = name or "reward"
     if not os.path.isfile(path):
@@ -111,14 +194,14 @@ def load_reward_fn(path: str, name: str | None = None,
                          if callable(v) and not k.startswith("_")
                          and getattr(v, "__module__", None) == module_name)
         raise RewardLoadError(f"{path}: no function or class named {name!r}; it defines "
-                              f"{defined or 'no callables'}; pass name=... or rename it")
+                              f"{defined or 'no callables'}; set reward.function=... or rename it")
     if inspect.isclass(obj):
         try:
             obj = obj()
         except Exception as e:
             raise RewardLoadError(f"{path}: building class {name}() with no arguments raised "
                                   f"{type(e).__name__}: {e}") from e
-    return RewardFn(obj, weights, source=path)
+    return RewardFn(obj, weights, source=path, name=name)
 
 
 def _innermost_line(exc: BaseException, path: str) -> str:
@@ -126,209 +209,3 @@ def _innermost_line(exc: BaseException, path: str) -> str:
     lines = [fr.lineno for fr in traceback.extract_tb(exc.__traceback__)
              if os.path.abspath(fr.filename) == os.path.abspath(path)]
     return f":{lines[-1]}" if lines else ""
-
-
-# ---------------------------------------------------------------------------------------------
-# Failure-safe scoring
-# ---------------------------------------------------------------------------------------------
-
-def call_with_timeout(fn: Callable, args: tuple = (), kwargs: dict | None = None,
-                      timeout_s: float | None = None) -> Any:
-    """fn(*args, **kwargs), raising RewardTimeout if it has not returned after timeout_s.
-
-    Runs fn in a fresh daemon thread and joins it with a timeout. Python cannot kill a thread:
-    a hung call is ABANDONED and keeps running (holding memory, competing for the GIL if it
-    spins) until it returns or the process exits; being a daemon it never blocks exit.
-    timeout_s=None calls fn directly. Cost measured on the 2-core VM: ~0.1-0.5 ms per call
-    (direct call ~1 us); the alternatives were a forked process per call (~13 ms) or a process
-    pool (~0.5 ms round trip, but a hung worker must be killed and respawned, and arguments and
-    the function must pickle), so threads it is; use a reward server for untrusted code.
-    """
-    kwargs = kwargs or {}
-    if timeout_s is None:
-        return fn(*args, **kwargs)
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn(*args, **kwargs)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = e
-
-    thread = threading.Thread(target=target, daemon=True, name="reward-call")
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise RewardTimeout(f"timed out after {timeout_s:g}s (call abandoned)")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-_logged_failures: set = set()
-
-
-def _is_finite_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and math.isfinite(float(value))
-
-
-def score_safely(fn: Callable, prompt: str, response: str, fields: dict | None = None,
-                 timeout_s: float | None = None) -> tuple[float | None, str | None]:
-    """(score, None) on success, (None, one-line reason) if the sample failed.
-
-    Failure = fn raised, ran past timeout_s, or returned something that is not a finite real
-    number (NaN, inf, a string, None...). "prompt"/"response" keys in `fields` are dropped. The
-    full traceback of an exception is logged once per distinct (type, place), not per sample.
-    """
-    kwargs = {k: v for k, v in (fields or {}).items() if k not in ("prompt", "response")}
-    try:
-        value = call_with_timeout(fn, (prompt, response), kwargs, timeout_s)
-    except RewardTimeout as e:
-        return None, str(e)
-    except Exception as e:
-        frames = traceback.extract_tb(e.__traceback__)
-        place = (frames[-1].filename, frames[-1].lineno) if frames else None
-        key = (type(e).__name__, place)
-        if key not in _logged_failures and len(_logged_failures) < 1000:
-            _logged_failures.add(key)
-            logger.warning("reward function failed (logged once per kind):\n%s",
-                           "".join(traceback.format_exception(e)))
-        reason = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
-        return None, reason[:300]
-    if not _is_finite_number(value):
-        return None, f"returned {type(value).__name__} {value!r:.80}, expected a finite float"
-    return float(value), None
-
-
-# ---------------------------------------------------------------------------------------------
-# Math answer checker
-# ---------------------------------------------------------------------------------------------
-
-_NUMBER = r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:\s*/\s*\d+(?:\.\d+)?)?"
-_ALLOWED_NAMES = {"sqrt", "pi", "sin", "cos", "tan", "log", "ln", "exp", "oo"}
-_MAX_EXPONENT = 1000
-
-
-def _last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox{...}), with nested braces balanced."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        return None
-    i = text.index("{", start) + 1
-    depth, j = 1, i
-    while j < len(text) and depth:
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        j += 1
-    return text[i:j - 1] if depth == 0 else None
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer in a response: last \\boxed{...}; else what follows the last
-    "answer is"/"answer:"/"####" up to the end of its line; else the last number; else None."""
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    marked = re.findall(r"(?:answer\s*(?:is|:)|####)\s*:?\s*([^\n]+)", text, flags=re.IGNORECASE)
-    if marked:
-        return marked[-1].strip().rstrip(".").strip()
-    numbers_found = re.findall(_NUMBER, text)
-    return numbers_found[-1].strip() if numbers_found else None
-
-
-def _normalize(ans: str) -> str:
-    """Plain-text form of a LaTeX-ish answer: no $, \\left, spacing commands, "x =" prefix."""
-    s = ans.strip().strip("$").strip()
-    s = re.sub(r"\\(left|right|displaystyle|!|,|;|quad)", "", s)
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = re.sub(r"\\text\{[^{}]*\}", "", s)
-    s = re.sub(r"^[A-Za-z]\s*=\s*", "", s)          # "x = 3" -> "3"
-    s = re.sub(r"(\d),(\d{3})\b", r"\1\2", s)        # 1,000 -> 1000
-    return s.rstrip(".").strip()
-
-
-def _latex_to_plain(s: str) -> str:
-    for _ in range(10):                               # innermost \frac / \sqrt first
-        new = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"((\1)/(\2))", s)
-        new = re.sub(r"\\sqrt\{([^{}]*)\}", r"sqrt(\1)", new)
-        if new == s:
-            break
-        s = new
-    s = s.replace("\\cdot", "*").replace("\\times", "*").replace("\\pi", "pi").replace("\\ln", "ln")
-    s = s.replace("\\infty", "oo").replace("{", "(").replace("}", ")")
-    return s
-
-
-def _to_sympy(ans: str):
-    """A sympy expression for `ans`, or None if it is not a small, safe arithmetic expression.
-
-    Safety: parse_expr evaluates generated Python, so the text is first restricted to digits,
-    letters, + - * / ^ ( ) . and spaces, names to single letters and _ALLOWED_NAMES (no "_", no
-    attribute access), and parsed unevaluated so a power tower can be rejected (exponents above
-    _MAX_EXPONENT) before sympy computes it.
-    """
-    import sympy
-    from sympy.parsing.sympy_parser import (convert_xor, implicit_multiplication_application,
-                                            parse_expr, standard_transformations)
-    s = _latex_to_plain(ans)
-    if len(s) > 200 or not re.fullmatch(r"[0-9A-Za-z+\-*/^().\s]+", s):
-        return None
-    if re.search(r"[A-Za-z]\s*\.|\.\s*[A-Za-z]", s):
-        return None
-    if any(len(w) > 1 and w not in _ALLOWED_NAMES for w in re.findall(r"[A-Za-z]+", s)):
-        return None
-    local = {c: sympy.Symbol(c) for c in string.ascii_letters if c not in "EI"}
-    local.update(ln=sympy.log, pi=sympy.pi, oo=sympy.oo)
-    transformations = standard_transformations + (implicit_multiplication_application, convert_xor)
-    try:
-        expr = parse_expr(s, local_dict=local, transformations=transformations, evaluate=False)
-    except Exception:
-        return None
-    try:
-        for node in sympy.preorder_traversal(expr):
-            if isinstance(node, sympy.Pow) and node.exp.is_number:
-                if not abs(complex(node.exp.evalf())) <= _MAX_EXPONENT:
-                    return None
-    except (OverflowError, TypeError, ValueError):
-        return None
-    return expr
-
-
-def _equal_uncached(pred: str, ref: str) -> bool:
-    import sympy
-    a, b = _to_sympy(pred), _to_sympy(ref)
-    if a is None or b is None:
-        return False
-    a, b = a.doit(), b.doit()
-    if not a.free_symbols and not b.free_symbols:
-        x, y = complex(a.evalf()), complex(b.evalf())
-        return abs(x - y) <= 1e-6 * max(1.0, abs(y))
-    return sympy.simplify(a - b) == 0
-
-
-@functools.lru_cache(maxsize=16384)
-def answers_equal(pred: str, ref: str, timeout_s: float = 2.0) -> bool:
-    """Whether two final answers are equal: same normalized text, or numerically equal
-    (rel. 1e-6), or symbolically equal (simplify(a - b) == 0). Cached; a comparison that runs
-    past timeout_s counts as unequal (and is cached as such, so it is not retried)."""
-    pred, ref = _normalize(pred), _normalize(ref)
-    if pred == ref:
-        return True
-    # Import sympy (seconds on a loaded machine) before the clock starts: the timeout bounds the
-    # comparison, not the first call's import.
-    import sympy.parsing.sympy_parser  # noqa: F401
-    try:
-        return bool(call_with_timeout(_equal_uncached, (pred, ref), timeout_s=timeout_s))
-    except Exception:
-        return False
-
-
-def math_reward(prompt: str, response: str, answer: str, **fields) -> float:
-    """1.0 if the response's final answer (extract_answer) equals `answer`, else 0.0.
-
-    `answer` may itself be LaTeX or contain \\boxed{...}. Extra fields are ignored.
-    """
-    pred = extract_answer(response)
-    if pred is None:
-        return 0.0
-    ref = _last_boxed(answer) or str(answer)
-    return 1.0 if answers_equal(pred, ref) else 0.0
