@@ -135,8 +135,8 @@ def test_gradient_checkpointing_leaves_gradients_unchanged():
         model = tiny_model("llama").train()
         if checkpointing:
             enable_gradient_checkpointing(model)
-        calls = []   # layer 0's forwards: checkpointing replays each one in backward
-        model.model.layers[0].register_forward_hook(lambda *_: calls.append(1))
+        calls = []   # layer 0 MLP calls (pre-hook: recomputation stops early, after its last saved input)
+        model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
         for run in (lambda: sequence_logprobs(model, batch["input_ids"], batch["attention_mask"],
                                               batch["response_mask"].double())[0].sum(),
                     lambda: packed_sequence_logprobs(model, packed)[0].sum()):
