@@ -173,15 +173,20 @@ def micro_batch_weights(plan: list[list[list[int]]], valid_tokens: Sequence[floa
 
 
 def padding_stats(micro_batches: Sequence[Sequence[tuple[int, int]]], layout: Layout,
-                  filler_tokens: int = 0) -> dict:
+                  filler_tokens: int = 0, width: int | None = None) -> dict:
     """Padding as a fraction of the tokens a node's forward passes processed in one step.
 
     micro_batches: each pass's rows as (prompt, response) lengths (every rank's passes, for dp);
     layout: what the passes ran in (module docstring); filler_tokens: tokens run only to keep ranks
-    in step (a dp pad row standing in for an empty micro-batch), counted as padding.
+    in step (a dp pad row standing in for an empty micro-batch), counted as padding; width
+    ("padded" only): the passes ran at this many columns whatever their rows (ppo_update today
+    slices micro-batches out of the whole minibatch's [B, T], so width = T).
     Returns {"perf/padding_frac", "perf/tokens_processed", "perf/tokens_real"}."""
     real = sum(p + r for mb in micro_batches for p, r in mb)
-    processed = filler_tokens + sum(micro_batch_cost(list(mb), range(len(mb)), layout) for mb in micro_batches)
+    if width is not None and layout != "padded":
+        raise ValueError(f"padding_stats: width={width} is for the padded layout, not {layout!r}")
+    processed = filler_tokens + sum(len(mb) * width if width is not None else
+                                    micro_batch_cost(list(mb), range(len(mb)), layout) for mb in micro_batches)
     return {"perf/padding_frac": (processed - real) / processed if processed else 0.0,
             "perf/tokens_processed": processed, "perf/tokens_real": real}
 

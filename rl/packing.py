@@ -105,6 +105,18 @@ def pack_samples(samples: list[dict], pad_id: int, token_keys: tuple[str, ...] =
     return pack_rows(batch["input_ids"], batch["attention_mask"], batch["response_mask"]), batch
 
 
+def padded_columns(attention_mask: torch.Tensor, rows: list[int] | torch.Tensor) -> slice:
+    """The columns of a pad_batch layout that `rows` use: from their longest prompt's first token
+    to their longest response's last. pad_batch puts every response at the same column P, so the
+    rows' own padded batch is this column slice of the whole one (x[rows][:, cols]): a padded
+    token-budget micro-batch costs rows x (its longest prompt + longest response), not the
+    minibatch's T. One read of the mask (a host sync)."""
+    used = torch.nonzero(attention_mask[torch.as_tensor(rows, device=attention_mask.device)].sum(0) > 0)
+    if len(used) == 0:
+        return slice(0, attention_mask.shape[1])
+    return slice(int(used[0]), int(used[-1]) + 1)
+
+
 def _predicting_columns(packed: PackedBatch) -> torch.Tensor:
     """Packed columns t whose next token (t + 1) is a response token: those whose logits are
     needed. Never the last token of a row predicting the next row's first (a prompt token)."""

@@ -160,3 +160,5 @@ def test_padding_stats():
     assert padding_stats(mbs, "packed")["perf/padding_frac"] == 0.0
     assert padding_stats(mbs, "packed", filler_tokens=4)["perf/padding_frac"] == 4 / 16
     assert padding_stats([], "packed")["perf/padding_frac"] == 0.0
+    # micro-batches sliced out of one [B, T = 9] minibatch batch: 3 rows x 9 columns processed
+    assert padding_stats(mbs, "padded", width=9)["perf/padding_frac"] == 1 - 12 / 27

@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from rl.microbatch import enable_gradient_checkpointing
 from rl.models import ValueModel, pad_batch, sequence_logprobs, unpad_tokens
-from rl.packing import pack_rows, pack_samples, packed_sequence_logprobs, packed_values
+from rl.packing import pack_rows, pack_samples, padded_columns, packed_sequence_logprobs, packed_values
 
 VOCAB = 61
 LENGTHS = [(3, 5), (7, 1), (1, 9), (4, 4), (2, 12), (6, 3)]   # (prompt, response): uneven, both sides
@@ -158,3 +158,17 @@ def test_empty_prompt_is_an_error():
     batch = pad_batch(random_samples([(0, 3), (2, 2)]), 0, token_keys=())
     with pytest.raises(ValueError, match=r"rows \[0\] have an empty prompt"):
         pack_rows(batch["input_ids"], batch["attention_mask"], batch["response_mask"])
+
+
+def test_padded_columns_trim_a_micro_batch_to_its_own_rows():
+    model = tiny_model("llama")
+    batch = pad_batch(random_samples(), 0, token_keys=())
+    rows = [1, 3, 5]                                    # prompts 7, 4, 6; responses 1, 4, 3
+    cols = padded_columns(batch["attention_mask"], rows)
+    assert cols.stop - cols.start == 7 + 4
+    with torch.no_grad():
+        full, _ = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["response_mask"])
+        trimmed, _ = sequence_logprobs(model, *(batch[k][rows][:, cols] for k in
+                                                ("input_ids", "attention_mask", "response_mask")))
+    assert (trimmed - full[rows][:, cols]).abs().max() < 1e-10
+    assert full[rows][:, :cols.start].abs().sum() == 0 and full[rows][:, cols.stop:].abs().sum() == 0
