@@ -172,3 +172,13 @@ def test_padded_columns_trim_a_micro_batch_to_its_own_rows():
                                                 ("input_ids", "attention_mask", "response_mask")))
     assert (trimmed - full[rows][:, cols]).abs().max() < 1e-10
     assert full[rows][:, :cols.start].abs().sum() == 0 and full[rows][:, cols.stop:].abs().sum() == 0
+
+
+def test_use_varlen_attention_switches_the_trunk():
+    from rl.packing import use_varlen_attention, varlen_attention_available
+
+    assert varlen_attention_available("cpu") == "sdpa"
+    value_model = ValueModel(tiny_model("llama").model, 32).double()
+    assert use_varlen_attention(value_model, "cpu") == "sdpa"
+    assert use_varlen_attention(value_model, "cpu", "eager") == "eager"
+    assert value_model.backbone.config._attn_implementation == "eager"
