@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
 SHAPES = {
     "w1": dict(vocab=151936, hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864,
@@ -91,13 +91,15 @@ def make_samples(shape: dict, lengths: list[int]) -> list[dict]:
 def bench_train_step(model, opt, samples, plan: list[list[int]], layout: str, amp, device,
                      full_width: bool = False) -> None:
     """One optimizer step: ppo_update's loss (policy + KL, token means over the minibatch) over
-    `plan`'s micro-batches, each weighted by its token share (rl/microbatch.micro_batch_weights)."""
+    `plan`'s micro-batches (rl/packing.micro_batch), each weighted by its token share
+    (rl/microbatch.micro_batch_weights). full_width: padded micro-batches keep the whole batch's
+    columns, as ppo_update's slices do today."""
     from rl.kl import kl_penalty
     from rl.losses import ppo_policy_loss
     from rl.masked import masked_mean
     from rl.microbatch import micro_batch_weights
     from rl.models import pad_batch, sequence_logprobs
-    from rl.packing import pack_rows, packed_sequence_logprobs, padded_columns
+    from rl.packing import micro_batch, micro_batch_logprobs
     from rl.precision import autocast
 
     keys = ("logprobs", "ref_logprobs", "advantage_tokens")
@@ -108,21 +110,20 @@ def bench_train_step(model, opt, samples, plan: list[list[int]], layout: str, am
     opt.zero_grad(set_to_none=True)
     with autocast(amp, device):
         for rows, w in zip(plan, weights):
-            if layout == "packed":
-                packed = pack_rows(full["input_ids"], full["attention_mask"], mask, rows)
-                lp, ent = packed_sequence_logprobs(model, packed, with_entropy=True, entropy_grad=False)
-                take = packed.take
-            else:
+            if full_width:
                 idx = torch.tensor(rows, device=device)
-                cols = slice(None) if full_width else padded_columns(full["attention_mask"], rows)
-                lp, ent = sequence_logprobs(model, full["input_ids"][idx][:, cols], full["attention_mask"][idx][:, cols],
-                                            mask[idx][:, cols], with_entropy=True, entropy_grad=False)
-                take = lambda x, idx=idx, cols=cols: x[idx][:, cols]  # noqa: E731
+                lp, _ = sequence_logprobs(model, full["input_ids"][idx], full["attention_mask"][idx], mask[idx],
+                                          entropy_grad=False)
+                take = lambda x, idx=idx: x[idx]
+            else:
+                mb = micro_batch(full, rows, packing=layout == "packed")
+                lp, _ = micro_batch_logprobs(model, mb, entropy_grad=False)
+                take = mb.take
             m = take(mask)
             pg, _ = ppo_policy_loss(lp, take(full["logprobs"]), take(full["advantage_tokens"]), m, 0.2)
             kl = masked_mean(kl_penalty(lp, take(full["ref_logprobs"]), "k3"), m)
             ((pg + 0.01 * kl) * w).backward()
-            del lp, ent
+            del lp
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     model.eval()
@@ -130,15 +131,15 @@ def bench_train_step(model, opt, samples, plan: list[list[int]], layout: str, am
 
 def bench_reference(model, samples, plan, amp, device) -> None:
     from rl.models import pad_batch
-    from rl.packing import pack_rows, packed_sequence_logprobs
+    from rl.packing import micro_batch, micro_batch_logprobs
     from rl.precision import autocast
 
     full = pad_batch(samples, 0, token_keys=(), device=device)
     out = torch.zeros_like(full["response_mask"])
     with torch.no_grad(), autocast(amp, device):
         for rows in plan:
-            packed = pack_rows(full["input_ids"], full["attention_mask"], full["response_mask"], rows)
-            packed.put(out, packed_sequence_logprobs(model, packed, with_entropy=False)[0])
+            mb = micro_batch(full, rows, packing=True)
+            mb.put(out, micro_batch_logprobs(model, mb, with_entropy=False)[0])
     out.cpu()
 
 
@@ -176,8 +177,7 @@ def main() -> None:
 
     from nodes.learner import LearnerConfig, ppo_update
     from nodes.reference import add_logprobs
-    from rl.microbatch import (enable_gradient_checkpointing, padding_stats, plan_micro_batches,
-                               sample_lengths)
+    from rl.microbatch import enable_gradient_checkpointing, padding_stats, plan_micro_batches, sample_lengths
     from rl.packing import use_varlen_attention
     from rl.precision import compute_dtype, micro_slices
 
@@ -250,7 +250,8 @@ def main() -> None:
         today_pad, len(slices))
     for budget in budgets:
         plan = plan_micro_batches(lens, budget, layout="padded")[0]
-        run(f"padded-budget max_tokens={budget}", lambda: bench_train_step(model, opt, samples, plan, "padded", amp, device),
+        run(f"padded-budget max_tokens={budget}",
+            lambda: bench_train_step(model, opt, samples, plan, "padded", amp, device),
             padding_stats([[lens[i] for i in rows] for rows in plan], "padded"), len(plan))
     items = [{"samples": [dict(s) for s in samples[i:i + shape["group"]]]} for i in range(0, n, shape["group"])]
     run(f"reference-today mb={args.micro_batch}",

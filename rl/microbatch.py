@@ -29,7 +29,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 from torch import nn
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from rl.logprobs import token_logprobs
-from rl.models import pad_batch
+from rl.models import pad_batch, sequence_logprobs
 
 
 @dataclass
@@ -115,6 +115,70 @@ def padded_columns(attention_mask: torch.Tensor, rows: list[int] | torch.Tensor)
     if len(used) == 0:
         return slice(0, attention_mask.shape[1])
     return slice(int(used[0]), int(used[-1]) + 1)
+
+
+@dataclass
+class PaddedRows:
+    """Rows of a padded [B, T] batch as their own padded micro-batch, trimmed to their columns
+    (padded_columns): the padded twin of PackedBatch, with the same take / put / to_padded, so a
+    node's micro-batch loop is one code path for both layouts (micro_batch / micro_batch_logprobs)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    """[b, t] of the rows (b rows, t of their columns)."""
+    index: torch.Tensor
+    """[b] long: the rows in the padded batch."""
+    columns: slice
+    rows: list[int]
+    padded_shape: tuple[int, int]
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        if tuple(x.shape[:2]) != self.padded_shape:
+            raise ValueError(f"PaddedRows.take: tensor of shape {tuple(x.shape)}; the rows come from a "
+                             f"padded batch of shape {self.padded_shape}")
+        return x[self.index][:, self.columns]
+
+    def put(self, dst: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        cols = torch.arange(self.columns.start, self.columns.stop, device=dst.device)
+        dst[self.index[:, None], cols[None, :]] = values.to(dst.dtype)
+        return dst
+
+    def to_padded(self, values: torch.Tensor) -> torch.Tensor:
+        return self.put(torch.zeros(self.padded_shape, dtype=values.dtype, device=values.device), values)
+
+
+def micro_batch(batch: dict, rows: list[int], packing: bool, response_mask: torch.Tensor | None = None
+                ) -> PackedBatch | PaddedRows:
+    """`rows` of a pad_batch dict as one micro-batch: packed (pack_rows) or padded to their own
+    columns (PaddedRows). response_mask: the tokens to compute (default the batch's; a loss mask
+    with failed rows zeroed spares their logits when packed)."""
+    response_mask = batch["response_mask"] if response_mask is None else response_mask
+    if packing:
+        return pack_rows(batch["input_ids"], batch["attention_mask"], response_mask, rows)
+    index = torch.as_tensor(rows, dtype=torch.long, device=batch["input_ids"].device)
+    cols = padded_columns(batch["attention_mask"], index)
+    return PaddedRows(input_ids=batch["input_ids"][index][:, cols],
+                      attention_mask=batch["attention_mask"][index][:, cols],
+                      response_mask=response_mask[index][:, cols], index=index, columns=cols, rows=list(rows),
+                      padded_shape=tuple(batch["input_ids"].shape))
+
+
+def micro_batch_logprobs(model: nn.Module, mb: PackedBatch | PaddedRows, temperature: float = 1.0,
+                         with_entropy: bool = True, entropy_grad: bool = True):
+    """(logprobs, entropy or None) of a micro_batch, in its own layout ([1, N] or [b, t]):
+    packed_sequence_logprobs or rl/models.sequence_logprobs."""
+    if isinstance(mb, PackedBatch):
+        return packed_sequence_logprobs(model, mb, temperature, with_entropy, entropy_grad)
+    return sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.response_mask, temperature,
+                             with_entropy=with_entropy, entropy_grad=entropy_grad)
+
+
+def micro_batch_values(value_model: nn.Module, mb: PackedBatch | PaddedRows) -> torch.Tensor:
+    """ValueModel values of a micro_batch, in its own layout: packed_values or ValueModel.forward."""
+    if isinstance(mb, PackedBatch):
+        return packed_values(value_model, mb)
+    return value_model(mb.input_ids, mb.attention_mask)
 
 
 def _predicting_columns(packed: PackedBatch) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Token-budget micro-batches, dp balancing, loss weights and padding (rl/microbatch.py).
 
-The loss-normalisation test runs the real PPO loss on a real small model in float64: the gradient
-accumulated over every simulated dp rank's packed micro-batches (weights from micro_batch_weights)
-equals the unsplit padded minibatch's to 1e-9 relative."""
+The loss-normalisation tests run the real PPO policy loss and the critic's value loss on real
+small models in float64: the gradient accumulated over every simulated dp rank's micro-batches
+(packed, or padded to their own columns; weights from micro_batch_weights) equals the unsplit
+padded minibatch's to 1e-9 relative."""
 
 from __future__ import annotations
 
@@ -12,11 +13,18 @@ import random
 import pytest
 import torch
 
-from rl.losses import ppo_policy_loss
-from rl.microbatch import (karmarkar_karp, micro_batch_cost, micro_batch_weights, padding_stats,
-                           plan_micro_batches, sample_lengths, token_budget_micro_batches)
-from rl.models import pad_batch, sequence_logprobs
-from rl.packing import pack_rows, packed_sequence_logprobs
+from rl.losses import ppo_policy_loss, value_loss
+from rl.microbatch import (
+    karmarkar_karp,
+    micro_batch_cost,
+    micro_batch_weights,
+    padding_stats,
+    plan_micro_batches,
+    sample_lengths,
+    token_budget_micro_batches,
+)
+from rl.models import ValueModel, pad_batch, sequence_logprobs
+from rl.packing import micro_batch, micro_batch_logprobs, micro_batch_values
 from tests.test_packing import assert_grads_close, grads, random_samples, tiny_model
 
 
@@ -113,12 +121,15 @@ def test_weights_keep_the_minibatch_token_mean():
     assert micro_batch_weights([[[0, 1]]], [0.0, 0.0]) == [[0.0]]
 
 
-def test_ranks_times_packed_micro_batches_give_the_minibatch_gradient():
+LENGTHS = [(3, 5), (7, 1), (1, 9), (4, 4), (2, 12), (6, 3), (5, 7), (2, 2), (3, 11)]
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_ranks_times_micro_batches_give_the_minibatch_policy_gradient(packing):
     """ppo_policy_loss (a token mean) over one padded minibatch vs the same rows spread over 3
-    simulated dp ranks x token-budget packed micro-batches, losses weighted by micro_batch_weights
-    and gradients summed (what FSDP's reduction over dp does)."""
-    lengths = [(3, 5), (7, 1), (1, 9), (4, 4), (2, 12), (6, 3), (5, 7), (2, 2), (3, 11)]
-    samples = random_samples(lengths, seed=7)
+    simulated dp ranks x token-budget micro-batches (packed, or padded to their own columns),
+    losses weighted by micro_batch_weights and gradients summed (what FSDP's reduction over dp does)."""
+    samples = random_samples(LENGTHS, seed=7)
     model = tiny_model("qwen2", seed=2)
     batch = pad_batch(samples, 0, token_keys=())
     g = torch.Generator().manual_seed(8)
@@ -135,7 +146,7 @@ def test_ranks_times_packed_micro_batches_give_the_minibatch_gradient():
     reference = grads(model)
     model.zero_grad(set_to_none=True)
 
-    plan = plan_micro_batches(sample_lengths(samples), 24, num_ranks=3)
+    plan = plan_micro_batches(sample_lengths(samples), 24, num_ranks=3, layout="packed" if packing else "padded")
     assert sum(len(parts) for parts in plan) > 3                       # the split is real
     weights = micro_batch_weights(plan, mask.sum(1).tolist())
     accumulated = 0.0
@@ -143,13 +154,42 @@ def test_ranks_times_packed_micro_batches_give_the_minibatch_gradient():
         for rows, w in zip(parts, rank_weights):
             if not rows:
                 continue
-            packed = pack_rows(batch["input_ids"], batch["attention_mask"], batch["response_mask"], rows)
-            plp, _ = packed_sequence_logprobs(model, packed, with_entropy=False)
-            loss, _ = ppo_policy_loss(plp, packed.take(old), packed.take(advantages), packed.take(mask), clip_eps=0.2)
+            mb = micro_batch(batch, rows, packing, response_mask=mask)
+            mlp, _ = micro_batch_logprobs(model, mb, with_entropy=False)
+            loss, _ = ppo_policy_loss(mlp, mb.take(old), mb.take(advantages), mb.take(mask), clip_eps=0.2)
             (loss * w).backward()
             accumulated += loss.item() * w
     assert abs(accumulated - full_loss.item()) < 1e-12
     assert_grads_close(grads(model), reference)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_ranks_times_micro_batches_give_the_minibatch_value_gradient(packing):
+    """The critic's clipped value loss, the same way."""
+    samples = random_samples(LENGTHS, seed=9)
+    value_model = ValueModel(tiny_model("llama", seed=4).model, 32, seed=5).double()
+    batch = pad_batch(samples, 0, token_keys=())
+    mask = batch["response_mask"].double()
+    g = torch.Generator().manual_seed(10)
+    returns = torch.randn(mask.shape, generator=g, dtype=torch.float64) * mask
+    with torch.no_grad():
+        old_values = value_model(batch["input_ids"], batch["attention_mask"]) * mask
+    old_values = old_values + 0.3 * torch.randn(mask.shape, generator=g, dtype=torch.float64) * mask  # some clipped
+
+    full_loss, _ = value_loss(value_model(batch["input_ids"], batch["attention_mask"]), old_values, returns, mask, 0.2)
+    full_loss.backward()
+    reference = grads(value_model)
+    value_model.zero_grad(set_to_none=True)
+
+    plan = plan_micro_batches(sample_lengths(samples), 30, num_ranks=2, layout="packed" if packing else "padded")
+    for parts, rank_weights in zip(plan, micro_batch_weights(plan, mask.sum(1).tolist())):
+        for rows, w in zip(parts, rank_weights):
+            if rows:
+                mb = micro_batch(batch, rows, packing)
+                loss, _ = value_loss(micro_batch_values(value_model, mb), mb.take(old_values), mb.take(returns),
+                                     mb.take(mask), 0.2)
+                (loss * w).backward()
+    assert_grads_close(grads(value_model), reference)
 
 
 def test_padding_stats():

@@ -16,7 +16,15 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from rl.microbatch import enable_gradient_checkpointing
 from rl.models import ValueModel, pad_batch, sequence_logprobs, unpad_tokens
-from rl.packing import pack_rows, pack_samples, padded_columns, packed_sequence_logprobs, packed_values
+from rl.packing import (
+    micro_batch,
+    micro_batch_logprobs,
+    pack_rows,
+    pack_samples,
+    packed_sequence_logprobs,
+    packed_values,
+    padded_columns,
+)
 
 VOCAB = 61
 LENGTHS = [(3, 5), (7, 1), (1, 9), (4, 4), (2, 12), (6, 3)]   # (prompt, response): uneven, both sides
@@ -172,6 +180,12 @@ def test_padded_columns_trim_a_micro_batch_to_its_own_rows():
                                                 ("input_ids", "attention_mask", "response_mask")))
     assert (trimmed - full[rows][:, cols]).abs().max() < 1e-10
     assert full[rows][:, :cols.start].abs().sum() == 0 and full[rows][:, cols.stop:].abs().sum() == 0
+    mb = micro_batch(batch, rows, packing=False)                  # the same, as the nodes' micro-batch
+    with torch.no_grad():
+        lp, _ = micro_batch_logprobs(model, mb)
+    assert mb.input_ids.shape == (3, 11) and (mb.take(full) - lp).abs().max() < 1e-10
+    back = mb.to_padded(lp)
+    assert (back[rows] - full[rows]).abs().max() < 1e-10 and back[[0, 2, 4]].abs().sum() == 0
 
 
 def test_use_varlen_attention_switches_the_trunk():
