@@ -246,8 +246,10 @@ def varlen_attention_available(device) -> str:
 def use_varlen_attention(model: nn.Module, device, implementation: str = "auto") -> str:
     """Switch `model`'s attention (a transformers model, or a ValueModel's backbone) to the
     implementation packed batches should run with; returns its name. "auto":
-    varlen_attention_available(device). Padded batches give the same results under each of them
-    (flash and flex read the 2-D mask too), so a node may switch once at setup."""
+    varlen_attention_available(device). transformers also runs padded batches (a 2-D mask) under
+    each of them, so a node may switch once at setup; checked here on CPU: sdpa (tests) and, once
+    by hand, flex_attention (packed fp32 log-probs within 1e-6 of padded sdpa after a ~60 s
+    compile). flash_attention_2, and flex on CUDA, are unchecked until a GPU session."""
     name = varlen_attention_available(device) if implementation == "auto" else implementation
     target = getattr(model, "backbone", model)             # ValueModel keeps its trunk there
     if getattr(target.config, "_attn_implementation", None) != name:
