@@ -26,7 +26,7 @@ from dataflow import checkpoint
 from dataflow.errors import UserError
 from dataflow.node import NodeContext
 from dataflow.trace.tracer import Tracer
-from dataflow.trace.report import merge_intervals
+from dataflow.trace.intervals import merge_intervals
 
 
 @dataclass
@@ -50,7 +50,7 @@ class HostSpec:
 
 
 # How long a consumer keeps asking a producer whose process died: as long as the runtime waits for
-# its restart (runtime.RESTART_TIMEOUT_S), which on a loaded machine can take minutes (imports).
+# its restart (restarts.RESTART_TIMEOUT_S), which on a loaded machine can take minutes (imports).
 RESTART_WAIT_S = 300.0
 
 
