@@ -3,6 +3,7 @@ each GPU idle, in every run; with --trace also a Chrome/Perfetto timeline.
 
     tracer.py     Tracer: one per node replica process; spans, counters, the exact state accounting
     gpu.py        GPU busy sources of a Tracer on CUDA: CUDA events around spans, NVML samples
+    kernels.py    --trace-kernels: every kernel's CUPTI record (torch.profiler), the exact source
     collector.py  TraceCollector: the driver merges every process's drains on one clock
     intervals.py  interval math (unions, idle fractions, utilization samples)
     chrome.py     the trace file: Chrome Trace Event JSON with the aggregates, and reading it back

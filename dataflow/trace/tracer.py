@@ -19,7 +19,8 @@ cost of a few additions per span, the aggregates behind the end-of-run table:
     (events bracket spans, not kernels: launch gaps inside a span count as busy). They draw the
     GPU's slices on the timeline and are the fallback when NVML is unavailable.
     With `--trace-kernels` a third, exact source replaces both in the report: every kernel's CUPTI
-    record (torch.profiler, CUDA activity only; dataflow/host.py), sent to the driver at the end.
+    record (torch.profiler, CUDA activity only; dataflow/trace/kernels.py), sent to the driver at
+    the end.
     Measured against a CUDA-graph ground truth (bench/gpu_idle_check.py, H200): kernel records
     within ~1 point; NVML 2x too busy on launch-bound tiny kernels (22.6% vs 10.6%) and a few
     points too idle on back-to-back matmuls; span events count launch gaps as busy.
