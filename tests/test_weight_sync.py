@@ -45,7 +45,7 @@ class Edges:
 
 
 class StandInContext:
-    """The part of NodeContext that dataflow/weights/sync.py uses."""
+    """The part of NodeContext that dataflow/weights/sync.py and ipc.py use."""
 
     def __init__(self, edges: Edges, name: str, replica: int = 0, num_replicas: int = 1,
                  subscribers: tuple[str, ...] = ()):
