@@ -9,18 +9,20 @@
                                      of its own) and broadcasts its weights with a WeightPusher to a
                                      WeightReceiver in every generator replica. `policy` still
                                      carries the version (value None: nothing rides the object store).
-    weight_transport="cuda_ipc"      learner and generators in different processes on ONE physical GPU
-                                     (placement=colocated, num_gpus=1; dataflow/weights/ipc.py): the learner copies its state
-                                     dict, cast to `dtype`, into one of two flat GPU buffers
-                                     (alternating by version parity, each with an int64 seqlock header)
-                                     that it shared once by CUDA IPC; `policy` carries only the handles
-                                     and the layout. A generator opens them, copies the version into a
-                                     private GPU staging buffer as soon as it is announced (checking the
-                                     header before and after: a copy the learner overwrote meanwhile is
-                                     dropped, a newer version is on its way), and copies staging into
-                                     its parameters at its next switch. GPU memory: 2 buffers on the
-                                     learner, 1 staging buffer per generator, each the model's size in
-                                     `dtype`. A generator on another GPU, or a CPU node, fails (no fallback).
+    weight_transport="cuda_ipc"      (dataflow/weights/ipc.py) learner and generators in different
+                                     processes on ONE physical GPU (placement=colocated,
+                                     num_gpus=1): the learner copies its state dict, cast to
+                                     `dtype`, into one of two flat GPU buffers (alternating by
+                                     version parity, each with an int64 seqlock header) that it
+                                     shared once by CUDA IPC; `policy` carries only the handles and
+                                     the layout. A generator opens them, copies the version into a
+                                     private GPU staging buffer as soon as it is announced (checking
+                                     the header before and after: a copy the learner overwrote
+                                     meanwhile is dropped, a newer version is on its way), and
+                                     copies staging into its parameters at its next switch. GPU
+                                     memory: 2 buffers on the learner, 1 staging buffer per
+                                     generator, each the model's size in `dtype`. A generator on
+                                     another GPU, or a CPU node, fails (no fallback).
 
     Learner:    sync = LearnerWeightSync(ctx, config.weight_sync); await sync.setup(model)
                 await sync.publish(model, version)      # returns once every generator holds it
