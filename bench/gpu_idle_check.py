@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataflow.trace.tracer import Tracer  # noqa: E402
-from dataflow.trace.report import idle_fraction, merge_intervals, sampled_idle, sampled_window  # noqa: E402
+from dataflow.trace.intervals import idle_fraction, merge_intervals, sampled_idle, sampled_window  # noqa: E402
 
 
 def workloads():

@@ -208,10 +208,12 @@ def trace_idle(trace_path: Path, warmup: int) -> dict:
     the end of the learner's warm-up train spans to the end of its last one."""
     import gzip
 
-    from dataflow.trace import report as trace_report
+    from dataflow.trace.chrome import load_trace
+    from dataflow.trace.intervals import idle_fraction
+    from dataflow.trace.report import summarize
 
-    aggregates, rows = trace_report.load_trace(str(trace_path))
-    summary = trace_report.summarize(aggregates)
+    aggregates, rows = load_trace(str(trace_path))
+    summary = summarize(aggregates)
     out = {"idle": {label: d["idle"] for label, d in summary["devices"].items()}}
     try:
         with gzip.open(trace_path, "rt") if str(trace_path).endswith(".gz") else open(trace_path) as f:
@@ -222,7 +224,7 @@ def trace_idle(trace_path: Path, warmup: int) -> dict:
                        and ev.get("name") == "train step" and names.get(ev["pid"]) == "learner")
         if len(spans) > warmup:
             window = [spans[warmup - 1] if warmup else spans[0], spans[-1]]
-            out["idle_steady"] = {label: trace_report.idle_fraction(kinds.get("gpu", []), window)
+            out["idle_steady"] = {label: idle_fraction(kinds.get("gpu", []), window)
                                   for label, kinds in rows if label in aggregates["gpus"]}
             out["steady_window_s"] = (window[1] - window[0]) / 1e6
     except Exception as e:  # the steady idle is a bonus; the report's own figure stands

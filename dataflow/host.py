@@ -25,8 +25,8 @@ from dataflow import channel as channels
 from dataflow import checkpoint
 from dataflow.errors import UserError
 from dataflow.node import NodeContext
+from dataflow.trace.kernels import KernelRecorder
 from dataflow.trace.tracer import Tracer
-from dataflow.trace.report import merge_intervals
 
 
 @dataclass
@@ -50,7 +50,7 @@ class HostSpec:
 
 
 # How long a consumer keeps asking a producer whose process died: as long as the runtime waits for
-# its restart (runtime.RESTART_TIMEOUT_S), which on a loaded machine can take minutes (imports).
+# its restart (restarts.RESTART_TIMEOUT_S), which on a loaded machine can take minutes (imports).
 RESTART_WAIT_S = 300.0
 
 
@@ -83,7 +83,7 @@ class NodeHost:
         self._version_changed = asyncio.Condition()
         self._subscribers: dict[str, list[tuple[str, Any]]] = {}
         self._publish_timeout: dict[str, float] = {}
-        self._profiler = None
+        self._kernels: KernelRecorder | None = None  # --trace-kernels
         self.state_lock = asyncio.Lock()  # held while saving / loading the node's state
         self.bad_items: dict[str, int] = {}  # channel -> items dropped because they failed to decode
         self._checkpoint_reply: asyncio.Future | None = None
@@ -117,7 +117,7 @@ class NodeHost:
             save_interval=self.spec.save_interval, state_lock=self.state_lock)
         self.node = self.spec.kind(self.spec.config, self.ctx)
         if self.spec.trace_kernels and self.device == "cuda":
-            self._start_kernel_trace()
+            self._kernels = KernelRecorder(self.tracer.now_us)
         try:
             with self.tracer.span("setup"):
                 await self.node.setup()
@@ -168,46 +168,14 @@ class NodeHost:
                 "channel_error": isinstance(e, channels.ChannelError) and not isinstance(e, channels.BadItem),
                 "traceback": traceback.format_exc(), "item": item}
 
-    # ---- --trace-kernels: CUPTI kernel records (torch.profiler, CUDA activity only) -------------
-    def _start_kernel_trace(self) -> None:
-        """Record every kernel this process runs. CUDA activity only: no CPU-op tracing, which is
-        what makes the profiler expensive (bench/gpu_idle_check.py: launch rate within noise of
-        profiling off, kernel busy time within ~1 point of a CUDA-graph ground truth)."""
-        import torch
-        import torch.profiler as tp
-
-        self._profiler = tp.profile(activities=[tp.ProfilerActivity.CUDA])
-        self._profiler.__enter__()
-        # Profiler timestamps have their own origin. A marker kernel launched right after a sync at
-        # a known tracer time starts within a few us of it: that maps kernel times onto the tracer clock.
-        torch.cuda.synchronize()
-        self._anchor_us = self.tracer.now_us()
-        torch.cuda._sleep(1000)
-        torch.cuda.synchronize()
-
+    # ---- --trace-kernels ---------------------------------------------------------------------
     async def stop_kernel_trace(self) -> dict | None:
         """{"window": [t0, t1], "intervals": [[t0, t1], ...]}: the kernels of this process on the
         tracer clock and the span they were recorded over; None when not profiling."""
-        if self._profiler is None:
+        if self._kernels is None:
             return None
-        import torch
-        from torch.autograd import DeviceType
-
-        torch.cuda.synchronize()
-        stop_us = self.tracer.now_us()
-        self._profiler.__exit__(None, None, None)
-        # The raw Kineto records (us from ns): building torch's FunctionEvents for a million kernels
-        # would take minutes.
-        kernels = sorted((e.start_ns() // 1000, e.end_ns() // 1000, e.name())
-                         for e in self._profiler.profiler.kineto_results.events()
-                         if e.device_type() == DeviceType.CUDA and e.end_ns() > e.start_ns())
-        self._profiler = None
-        marker = next((k for k in kernels if "spin" in k[2].lower()), kernels[0] if kernels else None)
-        if marker is None:
-            return {"window": [self._anchor_us, stop_us], "intervals": []}
-        shift = self._anchor_us - marker[0]
-        return {"window": [self._anchor_us, stop_us], "intervals": merge_intervals(
-            [[a + shift, b + shift] for a, b, _ in kernels if b + shift > self._anchor_us])}
+        recorded, self._kernels = self._kernels.stop(), None
+        return recorded
 
     # ---- driver calls -----------------------------------------------------------------------
     async def poll(self, ack: tuple[int, int] | None = None) -> dict:

@@ -293,7 +293,8 @@ def test_grpo_graph_learner_tp2_collective_push_checkpoint_then_resume_as_2x2(ra
 def test_only_rank_0_reads_the_rollouts():
     """A channel with several consumer replicas hands each item to one of them: the learner's
     other ranks get no input port, and the producer counts rank 0 as its only consumer."""
-    from dataflow.runtime import _wiring, load_graph
+    from dataflow.launch import wiring as _wiring
+    from dataflow.runtime import load_graph
 
     graph, _ = load_graph(str(ROOT / "graphs/grpo.py"), ["learner.dp=2", "learner.tp=2"])
     graph.validate()

@@ -274,7 +274,7 @@ def test_node_exception_stops_graph_and_names_node_item_and_line(capsys, tmp_pat
     assert f'File "{TOY}", line {raise_line}, in run' in err, err
     assert err.count("Traceback (most recent call last)") == 1, err
     # and nothing of the driver's own machinery
-    for noise in ("dataflow/runtime.py", "dataflow/run.py", "never retrieved", "ray/_private"):
+    for noise in ("dataflow/runtime.py", "dataflow/failures.py", "dataflow/run.py", "never retrieved", "ray/_private"):
         assert noise not in err, (noise, err)
     assert "[dataflow] done" not in out
 
@@ -374,7 +374,7 @@ def test_describe_starts_nothing(capsys, monkeypatch):
 
     monkeypatch.setattr(ray, "init", trap)
     monkeypatch.setattr("dataflow.runtime.run_graph", trap)
-    monkeypatch.setattr("dataflow.runtime._start_ray", trap)
+    monkeypatch.setattr("dataflow.runtime.start_ray", trap)
     t0 = time.monotonic()
     rc, out, err = main(capsys, "tests/graphs/squares.py", "--describe")
     assert rc == 0, err

@@ -1,4 +1,4 @@
-"""dataflow/trace/tracer.py and trace_report.py: interval math, accounting, the Chrome file, report, CLI.
+"""dataflow/trace/: interval math, accounting (tracer, collector), the Chrome file, report, CLI.
 
 No Ray: tracers are driven directly, most with a fake clock so that every number is exact.
 """
@@ -14,10 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from dataflow.trace import tracer as trace
+from dataflow.trace import chrome as trace_chrome
+from dataflow.trace import collector as trace_collector
+from dataflow.trace import intervals as trace_intervals
 from dataflow.trace import report as trace_report
-from dataflow.trace.tracer import TraceCollector, Tracer, idle_fraction, measure_clock_offset, union_length
-from dataflow.trace.report import assign_lanes, merge_intervals
+from dataflow.trace import tracer as trace
+from dataflow.trace.chrome import assign_lanes
+from dataflow.trace.collector import TraceCollector, measure_clock_offset
+from dataflow.trace.intervals import idle_fraction, merge_intervals, union_length
+from dataflow.trace.tracer import Tracer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -97,9 +102,9 @@ def _disjoint_or_nested(ivs) -> bool:
 
 def test_occupancy_per_bin():
     # bins of 10 over [0, 40): [5, 25) covers half of bin 0, all of bin 1, half of bin 2
-    assert trace_report.occupancy([(5, 25), (38, 100)], 0, 10, 4) == [0.5, 1.0, 0.5, 0.2]
+    assert trace_intervals.occupancy([(5, 25), (38, 100)], 0, 10, 4) == [0.5, 1.0, 0.5, 0.2]
     # float bin edges that do not round-trip (0.1 * 3 != 0.3) still cover every bin
-    assert trace_report.occupancy([(0.0, 1.0)], 0.0, 0.1, 10) == pytest.approx([1.0] * 10)
+    assert trace_intervals.occupancy([(0.0, 1.0)], 0.0, 0.1, 10) == pytest.approx([1.0] * 10)
 
 
 def test_measure_clock_offset_uses_min_rtt():
@@ -251,7 +256,7 @@ def test_write_thins_to_max_events_and_size_per_event(tmp_path):
     assert len(body) - len(util) <= 10_000 and doc["otherData"]["dataflow"]["keep_every"] == 4
     # The 50 MB budget: MAX_TRACE_EVENTS events of this size must fit.
     per_event = path.stat().st_size / len(body)
-    assert per_event * trace.MAX_TRACE_EVENTS < 50e6, per_event
+    assert per_event * trace_collector.MAX_TRACE_EVENTS < 50e6, per_event
     # thinning never changes the totals the report is made from
     assert c.summary()["nodes"]["generator"]["busy"] == pytest.approx(0.05, abs=1e-3)
 
@@ -493,7 +498,7 @@ def test_gpu_idle_from_nvml_samples_when_they_cover_the_window(tmp_path):
     # Saved and reloaded, the same numbers; the GPU's utilization counter follows the samples.
     path = tmp_path / "nvml.json"
     c.write(str(path))
-    aggs, rows = trace_report.load_trace(str(path))
+    aggs, rows = trace_chrome.load_trace(str(path))
     assert trace_report.summarize(aggs)["devices"]["GPU host:0"]["idle"] == pytest.approx(0.65)
     gpu_util = dict(rows)["GPU host:0"]["util"]
     assert [u["busy"] for _, u in gpu_util] == [50, 20]
@@ -515,11 +520,11 @@ def test_nvml_samples_read_by_several_processes_count_once_even_with_different_t
     c.add("generator", fake_gpu_drain("generator", (0, 10 * s), 1 * s, [[0, 1 * s]], {}, generator))
     gpu = c.summary()["devices"]["GPU host:0"]
     assert gpu["source"] == "nvml" and gpu["idle"] == pytest.approx(0.70, abs=1e-5)
-    one = trace_report.one_sample_stream([[list(u[:3]) for u in learner], [list(u[:3]) for u in generator]])
+    one = trace_intervals.one_sample_stream([[list(u[:3]) for u in learner], [list(u[:3]) for u in generator]])
     assert one == [list(u[:3]) for u in generator]
     # A process that covers time nobody else does adds its samples there, and only there.
     late = [[10 * s, 12 * s, 40], [6 * s, 10 * s, 99]]
-    assert trace_report.one_sample_stream([[list(u[:3]) for u in generator], late]) \
+    assert trace_intervals.one_sample_stream([[list(u[:3]) for u in generator], late]) \
         == [list(u[:3]) for u in generator] + [[10 * s, 12 * s, 40]]
 
 
@@ -544,7 +549,7 @@ def test_kernel_records_take_precedence_over_nvml_and_spans(tmp_path):
     assert "kernel records" in c.report()
     path = tmp_path / "k.json"
     c.write(str(path))
-    aggs, _ = trace_report.load_trace(str(path))
+    aggs, _ = trace_chrome.load_trace(str(path))
     assert trace_report.summarize(aggs)["devices"]["GPU host:0"]["idle"] == pytest.approx(1 - 1.5 / 8.5)
 
 
@@ -559,12 +564,12 @@ def test_nvml_samples_that_cover_too_little_fall_back_to_span_events():
 
 def test_sampled_idle_prorates_edges_and_coarsening_keeps_busy_time():
     samples = [[0, 100, 100], [100, 200, 50], [200, 300, 0]]
-    assert trace_report.sampled_idle(samples, [0, 300]) == pytest.approx(1 - 150 / 300)
+    assert trace_intervals.sampled_idle(samples, [0, 300]) == pytest.approx(1 - 150 / 300)
     # window (50, 150]: 50 us at 100% + 50 us at 50% = 75 us busy of 100
-    assert trace_report.sampled_idle(samples, [50, 150]) == pytest.approx(0.25)
-    assert trace_report.sampled_window(samples, [-50, 250]) == [0, 250]
+    assert trace_intervals.sampled_idle(samples, [50, 150]) == pytest.approx(0.25)
+    assert trace_intervals.sampled_window(samples, [-50, 250]) == [0, 250]
     many = [[i * 10, (i + 1) * 10, (i * 37) % 101] for i in range(1001)]
-    few = trace_report.coarsen_samples(many, limit=100)
+    few = trace_intervals.coarsen_samples(many, limit=100)
     assert len(few) <= 100 and few[0][0] == 0 and few[-1][1] == 10010
     busy = lambda xs: sum((b - a) * p / 100 for a, b, p in xs)  # noqa: E731
     assert busy(few) == pytest.approx(busy(many))
@@ -589,7 +594,7 @@ def test_long_run_plot_uses_utilization_counters(tmp_path):
     png = tmp_path / "long.png"
     c.plot(str(png))
     assert png.stat().st_size > 20_000
-    aggs, rows = trace_report.rows_from_doc(c._chrome(c.max_events))
+    aggs, rows = trace_chrome.rows_from_doc(c._chrome(c.max_events))
     assert [label for label, _ in rows] == ["generator", "learner"] and all("util" in k for _, k in rows)
 
 
@@ -643,6 +648,6 @@ def test_nvml_samples_see_a_known_duty_cycle():
     time.sleep(0.5)                    # NVML posts a sample at the end of its period
     samples = [u[:3] for u in t.drain()["gpu_util"]]
     assert samples, "no NVML samples"
-    window = trace_report.sampled_window(samples, [start, t.now_us()])
-    busy = 1 - trace_report.sampled_idle(samples, window)
+    window = trace_intervals.sampled_window(samples, [start, t.now_us()])
+    busy = 1 - trace_intervals.sampled_idle(samples, window)
     assert 0.15 < busy < 0.45, (busy, samples)

@@ -23,10 +23,12 @@ from dataflow.weights.hybrid_engine import WeightPushError  # noqa: E402
 from dataflow.runtime import RunOptions, load_graph, run_graph  # noqa: E402
 from rl.models import ModelConfig, build_policy  # noqa: E402
 from rl.tasks import build_tokenizer  # noqa: E402
+from dataflow.weights import ipc as weight_ipc  # noqa: E402
 from dataflow.weights import sync as weight_sync  # noqa: E402
+from dataflow.weights.ipc import (flat_layout, ipc_state_split, pack_state, seqlock_consistent,  # noqa: E402
+                                  stage_copy, unpack_state)
 from dataflow.weights.sync import (SYNC_EDGE, GeneratorWeightSync, LearnerWeightSync,  # noqa: E402
-                               WeightSyncConfig, flat_layout, ipc_state_split, pack_state,
-                               seqlock_consistent, stage_copy, unpack_state, weights_checksum)
+                                   WeightSyncConfig, weights_checksum)
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ("prompts_per_step=32", "channel_capacity=16", "critic.minibatch_size=32", "learner.minibatch_size=32")
@@ -43,7 +45,7 @@ class Edges:
 
 
 class StandInContext:
-    """The part of NodeContext that dataflow/weights/sync.py uses."""
+    """The part of NodeContext that dataflow/weights/sync.py and ipc.py use."""
 
     def __init__(self, edges: Edges, name: str, replica: int = 0, num_replicas: int = 1,
                  subscribers: tuple[str, ...] = ()):
@@ -228,10 +230,10 @@ def test_cuda_ipc_both_ends_with_cpu_stand_ins(monkeypatch):
         shared[id(t)] = t
         return rebuild, (id(t), 0, 0, tuple(t.shape), "learner's device")
 
-    for name, value in (("_require_cuda", lambda device, who: None), ("_device_index", lambda: 0),
-                        ("_ipc_device", lambda index: torch.device("cpu")), ("_share", share),
-                        ("_gpu_uuid", lambda index: "GPU-0")):
-        monkeypatch.setattr(weight_sync, name, value)
+    for name, value in (("require_cuda", lambda device, who: None), ("device_index", lambda: 0),
+                        ("ipc_device", lambda index: torch.device("cpu")), ("share", share),
+                        ("gpu_uuid", lambda index: "GPU-0")):
+        monkeypatch.setattr(weight_ipc, name, value)
 
     async def scenario():
         edges = Edges()
@@ -278,7 +280,7 @@ def test_cuda_ipc_both_ends_with_cpu_stand_ins(monkeypatch):
         assert (await serve())[0] == 5
 
         other = GeneratorWeightSync(StandInContext(edges, "generator", 1, 2), cfg)
-        monkeypatch.setattr(weight_sync._IpcReceiver, "uuid", lambda self: "GPU-1")
+        monkeypatch.setattr(weight_ipc.IpcReceiver, "uuid", lambda self: "GPU-1")
         await other.setup(tiny_policy(seed=0))
         await asyncio.sleep(0.05)
         with pytest.raises(UserError, match=r"weight_transport=cuda_ipc needs every generator on the "

@@ -32,7 +32,6 @@ import asyncio
 import copy
 import json
 import math
-import socket
 from datetime import timedelta
 
 import torch
@@ -40,23 +39,12 @@ import torch.distributed as dist
 
 from dataflow.errors import UserError
 from dataflow.weights.layout import ParallelLayout, apply_training_layout, build_mesh
+from dataflow.weights.rendezvous import device_info, free_port, tcp_store
 
 RANKS_EDGE = "ranks"
 """Versioned edge (the learner -> itself) carrying its replica 0's rendezvous address."""
 CRITIC_RANKS_EDGE = "critic_ranks"
 """The same for the critic (edge names are global to a graph)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _device_info(device: str) -> dict:
-    if device.startswith("cuda"):
-        return {"device": "cuda", "uuid": str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)}
-    return {"device": "cpu", "uuid": ""}
 
 
 async def join(ctx, layout: ParallelLayout, timeout_s: float = 600.0,
@@ -71,13 +59,9 @@ async def join(ctx, layout: ParallelLayout, timeout_s: float = 600.0,
         raise UserError(f"node '{ctx.name}': dp x tp = {layout.dp} x {layout.tp} = {world} ranks, but "
                         f"the graph declares {ctx.num_replicas} replica(s); declare it with replicas={world}")
     timeout = timedelta(seconds=timeout_s)
-
-    def store_at(host, port, master):
-        return dist.TCPStore(host, port, None, master, timeout, wait_for_workers=False)
-
     if rank == 0:
-        host, port = ray.util.get_node_ip_address(), _free_port()
-        store = await asyncio.to_thread(store_at, host, port, True)
+        host, port = ray.util.get_node_ip_address(), free_port()
+        store = await asyncio.to_thread(tcp_store, host, port, True, timeout)
         await ctx.publish(edge, {"host": host, "port": port}, version=0)
     else:
         try:
@@ -88,10 +72,10 @@ async def join(ctx, layout: ParallelLayout, timeout_s: float = 600.0,
                                f"dst=['{ctx.name}']) declared?)") from None
         _, addr = await ctx.latest(edge)
         host, port = addr["host"], addr["port"]
-        store = await asyncio.to_thread(store_at, host, port, False)
+        store = await asyncio.to_thread(tcp_store, host, port, False, timeout)
 
     def meet():
-        store.set(f"rank/{rank}", json.dumps(_device_info(ctx.device)))
+        store.set(f"rank/{rank}", json.dumps(device_info(ctx.device)))
         keys = [f"rank/{r}" for r in range(world)]
         try:
             store.wait(keys, timeout)

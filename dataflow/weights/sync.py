@@ -1,4 +1,4 @@
-"""Learner -> generator weights, over one of two transports behind one small interface.
+"""Learner -> generator weights, over one of three transports behind one small interface.
 
     weight_transport="object_store"  the learner `ray.put`s a CPU copy of its state dict, cast to
                                      `dtype` (the generators' dtype: bfloat16 on GPUs, half the bytes
@@ -9,18 +9,20 @@
                                      of its own) and broadcasts its weights with a WeightPusher to a
                                      WeightReceiver in every generator replica. `policy` still
                                      carries the version (value None: nothing rides the object store).
-    weight_transport="cuda_ipc"      learner and generators in different processes on ONE physical GPU
-                                     (placement=colocated, num_gpus=1): the learner copies its state
-                                     dict, cast to `dtype`, into one of two flat GPU buffers
-                                     (alternating by version parity, each with an int64 seqlock header)
-                                     that it shared once by CUDA IPC; `policy` carries only the handles
-                                     and the layout. A generator opens them, copies the version into a
-                                     private GPU staging buffer as soon as it is announced (checking the
-                                     header before and after: a copy the learner overwrote meanwhile is
-                                     dropped, a newer version is on its way), and copies staging into
-                                     its parameters at its next switch. GPU memory: 2 buffers on the
-                                     learner, 1 staging buffer per generator, each the model's size in
-                                     `dtype`. A generator on another GPU, or a CPU node, fails (no fallback).
+    weight_transport="cuda_ipc"      (dataflow/weights/ipc.py) learner and generators in different
+                                     processes on ONE physical GPU (placement=colocated,
+                                     num_gpus=1): the learner copies its state dict, cast to
+                                     `dtype`, into one of two flat GPU buffers (alternating by
+                                     version parity, each with an int64 seqlock header) that it
+                                     shared once by CUDA IPC; `policy` carries only the handles and
+                                     the layout. A generator opens them, copies the version into a
+                                     private GPU staging buffer as soon as it is announced (checking
+                                     the header before and after: a copy the learner overwrote
+                                     meanwhile is dropped, a newer version is on its way), and
+                                     copies staging into its parameters at its next switch. GPU
+                                     memory: 2 buffers on the learner, 1 staging buffer per
+                                     generator, each the model's size in `dtype`. A generator on
+                                     another GPU, or a CPU node, fails (no fallback).
 
     Learner:    sync = LearnerWeightSync(ctx, config.weight_sync); await sync.setup(model)
                 await sync.publish(model, version)      # returns once every generator holds it
@@ -55,7 +57,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -64,6 +65,8 @@ from typing import Any, Literal
 import torch
 
 from dataflow.errors import UserError
+from dataflow.weights import ipc as cuda_ipc
+from dataflow.weights.rendezvous import device_info, free_port, tcp_store
 
 SYNC_EDGE = "policy_sync"
 """Versioned edge (learner -> generators) carrying the collective transport's rendezvous address."""
@@ -103,123 +106,8 @@ def weights_checksum(model: torch.nn.Module, dtype: torch.dtype | None = None) -
         return float(torch.stack(sums).sum().item()) if sums else 0.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _device_info(device: str, model: torch.nn.Module | None = None) -> dict:
-    info = {"device": "cuda" if device.startswith("cuda") else "cpu", "uuid": ""}
-    if info["device"] == "cuda":
-        info["uuid"] = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-    if model is not None:
-        info["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return info
-
-
 def _group_device(backend: str) -> str:
     return f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
-
-
-# ---- cuda_ipc: flat buffer layout, seqlock, handles ---------------------------------------------
-IPC_ALIGN = 128
-"""Elements: each tensor of the flat buffer starts at a multiple of this (256 bytes in bf16)."""
-
-IPC_NEEDS_ONE_GPU = ("weight_transport=cuda_ipc needs every generator on the learner's GPU; "
-                     "use object_store or collective")
-
-
-def flat_layout(shapes: dict[str, tuple[int, ...]], align: int = IPC_ALIGN) -> tuple[list, int]:
-    """([(name, offset, shape)], total elements): the tensors of `shapes` (in its order) laid out
-    back to back in one flat buffer, each starting at a multiple of `align` elements."""
-    layout, offset = [], 0
-    for name, shape in shapes.items():
-        shape = tuple(int(d) for d in shape)
-        layout.append((name, offset, shape))
-        numel = 1
-        for d in shape:
-            numel *= d
-        offset += -(-numel // align) * align if numel else 0
-    return layout, offset
-
-
-def ipc_state_split(state: dict[str, torch.Tensor]) -> tuple[dict[str, tuple], dict[str, torch.Tensor]]:
-    """(shapes of the floating-point entries: they go in the flat buffer, the other entries
-    (integer buffers, if a model has any): CPU copies that ride the edge with each version)."""
-    shapes = {k: tuple(v.shape) for k, v in state.items() if v.is_floating_point()}
-    extra = {k: v.detach().to("cpu", copy=True) for k, v in state.items() if not v.is_floating_point()}
-    return shapes, extra
-
-
-def pack_state(flat: torch.Tensor, layout: list, state: dict[str, torch.Tensor]) -> None:
-    """Copy (casting to flat's dtype, moving to its device) every tensor of `layout` from `state`
-    into its view of `flat`."""
-    with torch.no_grad():
-        for name, view in unpack_state(flat, layout).items():
-            view.copy_(state[name].detach(), non_blocking=True)
-
-
-def unpack_state(flat: torch.Tensor, layout: list) -> dict[str, torch.Tensor]:
-    """name -> view of `flat` (no copy) with the shape `layout` gives it."""
-    out = {}
-    for name, offset, shape in layout:
-        numel = 1
-        for d in shape:
-            numel *= d
-        out[name] = flat[offset:offset + numel].view(shape)
-    return out
-
-
-def seqlock_consistent(version: int, before: int, after: int) -> bool:
-    """A copy of a buffer holds `version` whole when its header read `version` both before and after
-    the copy (the learner writes -1 first, then the data, then the version it wrote)."""
-    return before == version and after == version
-
-
-def _gpu_uuid(index: int) -> str:
-    return str(torch.cuda.get_device_properties(index).uuid)
-
-
-def _device_index() -> int:
-    return torch.cuda.current_device()
-
-
-def _ipc_device(index: int) -> torch.device:
-    return torch.device("cuda", index)
-
-
-def _on(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _require_cuda(device: str, who: str) -> None:
-    if not str(device).startswith("cuda") or not torch.cuda.is_available():
-        raise UserError(f"weight_transport=cuda_ipc needs CUDA, but {who} runs on {device} "
-                        "(placement=cpu?): use weight_transport=object_store (or collective)")
-
-
-def _share(tensor: torch.Tensor):
-    """The CUDA IPC handle of `tensor` ((rebuild function, its arguments), torch's own reduction)."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    return reduce_tensor(tensor)
-
-
-def _open(handle, device_index: int) -> torch.Tensor:
-    """The tensor a _share() handle names, opened on this process's `device_index` (as OpenRLHF
-    does: the learner's CUDA_VISIBLE_DEVICES numbering may differ from ours)."""
-    import inspect
-
-    func, args = handle
-    args = list(args)
-    args[list(inspect.signature(func).parameters).index("storage_device")] = device_index
-    return func(*args)
 
 
 class LearnerWeightSync:
@@ -240,7 +128,7 @@ class LearnerWeightSync:
         sends; the others only take part in the resharding all-gathers of each push."""
         self.ranks, self.lead = ranks, ranks is None or ranks.lead
         if self.config.transport == "cuda_ipc":
-            _require_cuda(self.ctx.device, self.ctx.full_name)
+            cuda_ipc.require_cuda(self.ctx.device, self.ctx.full_name)
             if self.lead:
                 await asyncio.to_thread(self._ipc_setup, model)
             return
@@ -268,9 +156,9 @@ class LearnerWeightSync:
         if len(names) < 2:
             raise UserError(f"weight_transport=collective: no generator subscribes to '{SYNC_EDGE}' "
                             f"(declare g.versioned('{SYNC_EDGE}', src='{self.ctx.name}', dst=[...]))")
-        host, port = ray.util.get_node_ip_address(), _free_port()
+        host, port = ray.util.get_node_ip_address(), free_port()
         timeout = timedelta(seconds=c.rendezvous_timeout_s)
-        self._store = await asyncio.to_thread(_tcp_store, host, port, True, timeout)
+        self._store = await asyncio.to_thread(tcp_store, host, port, True, timeout)
         await self.ctx.publish(SYNC_EDGE, {"host": host, "port": port, "names": names}, version=0)
         keys = [f"end/{i}" for i in range(1, len(names))]
         try:
@@ -279,7 +167,7 @@ class LearnerWeightSync:
             missing = [names[i + 1] for i, k in enumerate(keys) if not self._store.check([k])]
             raise WeightPushError(f"weight push rendezvous of {me} at {host}:{port}: "
                                   f"{', '.join(missing)} did not join within {c.rendezvous_timeout_s:g} s") from None
-        ends = [_device_info(self.ctx.device)] + [json.loads(self._store.get(k)) for k in keys]
+        ends = [device_info(self.ctx.device)] + [json.loads(self._store.get(k)) for k in keys]
         dtypes = {e["dtype"] for e in ends[1:]}
         if len(dtypes) != 1:
             raise WeightPushError(f"weight push from {me}: the generators hold different dtypes "
@@ -287,7 +175,7 @@ class LearnerWeightSync:
         self.dtype = getattr(torch, dtypes.pop())
         own_gpus = all(e["device"] == "cuda" for e in ends) and len({e["uuid"] for e in ends}) == len(ends)
         backend = "nccl" if own_gpus and c.backend == "auto" else "gloo"
-        push_port = _free_port()
+        push_port = free_port()
         self._store.set("plan", json.dumps({"backend": backend, "port": push_port}))
         group = await asyncio.to_thread(lambda: PushGroup(
             host=host, port=push_port, rank=0, names=names, device=_group_device(backend),
@@ -302,40 +190,14 @@ class LearnerWeightSync:
         self.ctx.log(f"weight push: {backend} to {', '.join(names[1:])}, {self.dtype}")
 
     def _ipc_setup(self, model: torch.nn.Module) -> None:
-        """Two flat buffers in the travel dtype for the whole state dict (+ an int64 seqlock header each),
-        allocated and shared once; kept referenced here for the learner's lifetime."""
+        """The two shared buffers in the travel dtype (dataflow/weights/ipc.py), kept referenced here
+        for the learner's lifetime."""
         self.dtype = getattr(torch, _travel_dtype(self.config, "bfloat16"))
-        index = _device_index()
-        device = _ipc_device(index)
-        shapes, _ = ipc_state_split(model.state_dict())    # a DTensor's shape is the whole tensor's
-        layout, total = flat_layout(shapes)
-        with _on(device):
-            buffers = [torch.zeros(max(total, 1), dtype=self.dtype, device=device) for _ in range(2)]
-            headers = [torch.full((1,), -1, dtype=torch.int64, device=device) for _ in range(2)]
-            _sync(device)
-            handles = [{"buffer": _share(b), "header": _share(h)} for b, h in zip(buffers, headers)]
-        self.ipc = {"buffers": buffers, "headers": headers, "handles": handles, "layout": layout,
-                    "uuid": _gpu_uuid(index), "device": device}
+        self.ipc = cuda_ipc.share_buffers(model, self.dtype)
+        buffers, device = self.ipc["buffers"], self.ipc["device"]
         size = buffers[0].numel() * buffers[0].element_size()
         self.ctx.log(f"weight sync: CUDA IPC on GPU {self.ipc['uuid']} ({device}), 2 buffers of "
-                     f"{size / 2**20:.1f} MiB in {self.dtype}, {len(layout)} tensors")
-
-    def _ipc_write(self, state: dict[str, torch.Tensor], version: int) -> dict:
-        """Seqlock write of `state` into the buffer of `version`'s parity; returns the edge payload."""
-        ipc, slot = self.ipc, version % 2
-        buffer, header = ipc["buffers"][slot], ipc["headers"][slot]
-        _, extra = ipc_state_split(state)
-        device = ipc["device"]
-        with _on(device):
-            header.fill_(-1)
-            _sync(device)
-            pack_state(buffer, ipc["layout"], state)
-            _sync(device)
-            header.fill_(version)
-            _sync(device)
-        return {"cuda_ipc": ipc["handles"][slot], "slot": slot, "layout": ipc["layout"],
-                "gpu_uuid": ipc["uuid"], "dtype": str(self.dtype).removeprefix("torch."), "extra": extra,
-                "learner": self.ctx.full_name}
+                     f"{size / 2**20:.1f} MiB in {self.dtype}, {len(self.ipc['layout'])} tensors")
 
     async def publish(self, model: torch.nn.Module, version: int) -> None:
         """Deliver `model`'s weights as `version` to every generator, then announce it on the edge.
@@ -347,7 +209,8 @@ class LearnerWeightSync:
                 state, _ = await asyncio.to_thread(self.ranks.full_state, model)
             if self.lead:
                 with self.ctx.span("weight push", version=version):
-                    payload = await asyncio.to_thread(self._ipc_write, state, version)
+                    payload = await asyncio.to_thread(cuda_ipc.write_version, self.ipc, state, version,
+                                                      self.dtype, self.ctx.full_name)
                 await self.ctx.publish(self.edge, payload, version=version)
         elif self.pusher is None:
             if self.ranks is None:
@@ -380,12 +243,6 @@ def _travel_copy(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.to("cpu", copy=True)
 
 
-def _tcp_store(host: str, port: int, is_master: bool, timeout: timedelta):
-    import torch.distributed as dist
-
-    return dist.TCPStore(host, port, None, is_master, timeout, wait_for_workers=False)
-
-
 class GeneratorWeightSync:
     """Generator end: setup() (collective: join the push group, start receiving), serving()."""
 
@@ -394,13 +251,13 @@ class GeneratorWeightSync:
         self.model = None
         self.receiver = None
         self.version = 0      # object store, cuda_ipc: the shared seed's weights are version 0
-        self.ipc: _IpcReceiver | None = None
+        self.ipc: cuda_ipc.IpcReceiver | None = None
 
     async def setup(self, model: torch.nn.Module) -> None:
         self.model = model
         if self.config.transport == "cuda_ipc":
-            _require_cuda(self.ctx.device, self.ctx.full_name)
-            self.ipc = _IpcReceiver(self.ctx, self.config, model, self.edge, _device_index())
+            cuda_ipc.require_cuda(self.ctx.device, self.ctx.full_name)
+            self.ipc = cuda_ipc.IpcReceiver(self.ctx, self.config, model, self.edge, cuda_ipc.device_index())
             self.ipc.start(self)
             return
         if self.config.transport != "collective":
@@ -421,8 +278,8 @@ class GeneratorWeightSync:
 
         def join():
             try:
-                store = _tcp_store(addr["host"], addr["port"], False, timeout)
-                store.set(f"end/{rank}", json.dumps(_device_info(self.ctx.device, model)))
+                store = tcp_store(addr["host"], addr["port"], False, timeout)
+                store.set(f"end/{rank}", json.dumps(device_info(self.ctx.device, model)))
                 plan = json.loads(store.get("plan"))
             except Exception as e:
                 raise WeightPushError(f"weight push rendezvous of {names[0]} at {addr['host']}:"
@@ -500,149 +357,3 @@ class GeneratorWeightSync:
         if self.config.checksums:
             checksum = await asyncio.to_thread(weights_checksum, self.model)
             self.ctx.metrics({"weights/version": version, "weights/checksum": checksum})
-
-
-class _IpcReceiver:
-    """A generator's cuda_ipc end: a task that, for each version announced on the edge, opens the
-    learner's buffer (once per buffer) and copies it into a private staging buffer right away,
-    checking the seqlock header around the copy; apply() copies staging into the model."""
-
-    def __init__(self, ctx, config: WeightSyncConfig, model: torch.nn.Module, edge: str, device_index: int):
-        self.ctx, self.config, self.model, self.edge, self.index = ctx, config, model, edge, device_index
-        self.staged = -1                  # the version staging holds whole (-1: none)
-        self.seen = -1                    # the newest version announced that was looked at
-        self.layout: list | None = None
-        self.extra: dict = {}
-        self.staging: torch.Tensor | None = None
-        self.opened: dict[Any, torch.Tensor] = {}   # handle key -> the learner's tensor, opened once
-        self.error: BaseException | None = None
-        self.changed = asyncio.Condition()
-        self.lock = asyncio.Lock()        # staging: one writer (a receipt) or reader (apply) at a time
-        self.stream = None
-        self.task: asyncio.Task | None = None
-
-    def start(self, owner: GeneratorWeightSync) -> None:
-        self.owner = owner
-        self.task = asyncio.ensure_future(self._receive())
-
-    async def _receive(self) -> None:
-        try:
-            while True:
-                await self.ctx.wait_version(self.edge, self.seen + 1)
-                version, payload = await self.ctx.latest(self.edge)
-                self.seen = max(self.seen, version)
-                self._check(version, payload)
-                if version <= self.owner.version or version <= self.staged:
-                    continue
-                async with self.lock:
-                    ok, before, after = await asyncio.to_thread(self._stage, version, payload)
-                    if ok:
-                        self.staged, self.extra = version, payload.get("extra", {})
-                    elif before == version:   # the copy began, so staging holds a torn mix
-                        self.staged = -1
-                if not ok:
-                    self.ctx.log(f"weight sync: dropped v{version} (the learner rewrote its buffer during "
-                                 f"the copy: header {before} -> {after}); a newer version is coming")
-                async with self.changed:
-                    self.changed.notify_all()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:        # serving() raises it
-            self.error = e
-            async with self.changed:
-                self.changed.notify_all()
-
-    def _check(self, version: int, payload) -> None:
-        me = self.ctx.full_name
-        if not (isinstance(payload, dict) and "cuda_ipc" in payload):
-            kind = ("no weights" if payload is None else
-                    "a state dict" if isinstance(payload, dict) else type(payload).__name__)
-            raise UserError(f"{me}: '{self.edge}' v{version} carries {kind}, not CUDA IPC handles: this "
-                            f"generator uses weight_transport=cuda_ipc, the learner another transport")
-        mine = self.uuid()
-        if payload["gpu_uuid"] != mine:
-            raise UserError(f"{IPC_NEEDS_ONE_GPU} ({payload.get('learner', 'the learner')} is on GPU "
-                            f"{payload['gpu_uuid']}, {me} on {mine})")
-        if self.layout is None:
-            held = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-            self.ctx.log(f"weight sync: CUDA IPC from {payload.get('learner', 'the learner')} on GPU {mine}, "
-                         f"{len(payload['layout'])} tensors in {payload['dtype']}" +
-                         (f" (cast to this generator's {held})" if held != payload["dtype"] else ""))
-        self.layout = payload["layout"]
-
-    def uuid(self) -> str:
-        return _gpu_uuid(self.index)
-
-    def open(self, handle) -> torch.Tensor:
-        """The learner's tensor `handle` names; opened once (torch's rebuild would count a reference
-        per call on the learner's side)."""
-        import inspect
-
-        names = list(inspect.signature(handle[0]).parameters)
-        key = tuple(repr(handle[1][names.index(n)])      # one allocation (and the tensor's place in it)
-                    for n in ("storage_handle", "storage_offset_bytes", "tensor_offset", "tensor_size"))
-        if key not in self.opened:
-            self.opened[key] = _open(handle, self.index)
-        return self.opened[key]
-
-    def _stage(self, version: int, payload: dict) -> tuple[bool, int, int]:
-        """Copy the buffer holding `version` into staging; (whole?, header before, header after)."""
-        buffer, header = self.open(payload["cuda_ipc"]["buffer"]), self.open(payload["cuda_ipc"]["header"])
-        if self.staging is None or self.staging.shape != buffer.shape or self.staging.dtype != buffer.dtype:
-            self.staging = None
-            self.staging = torch.empty_like(buffer)
-        return stage_copy(self.staging, buffer, header, version, self._stream())
-
-    def _stream(self):
-        if self.stream is None and self.staging.is_cuda:
-            self.stream = torch.cuda.Stream(device=self.staging.device)
-        return self.stream
-
-    async def apply(self, target: int, current: int) -> int:
-        """Wait (up to timeout_s) until staging holds a version >= target, copy it into the model
-        (between serving() blocks: nothing generates); returns that version."""
-        try:
-            await asyncio.wait_for(self._wait_staged(target), self.config.timeout_s)
-        except asyncio.TimeoutError:
-            raise RuntimeError(f"{self.ctx.full_name}: weights v{target} not staged from the learner's CUDA "
-                               f"IPC buffer within {self.config.timeout_s:g} s (serving v{current}, "
-                               f"staged v{self.staged})") from None
-        # Shielded: a cancelled serving() leaves the copy to finish under the lock (the next
-        # serving() copies the same staged version again).
-        return await asyncio.shield(asyncio.ensure_future(self._load_staged(current)))
-
-    async def _load_staged(self, current: int) -> int:
-        async with self.lock:
-            version = self.staged
-            if version > current:
-                await asyncio.to_thread(self._load)
-        return max(version, current)
-
-    async def _wait_staged(self, target: int) -> None:
-        async with self.changed:
-            await self.changed.wait_for(lambda: self.error is not None or self.staged >= target)
-        if self.error is not None:
-            raise self.error
-
-    def _load(self) -> None:
-        state = {**unpack_state(self.staging, self.layout), **self.extra}
-        with _on(self.staging.device):
-            self.model.load_state_dict(state)
-            _sync(self.staging.device)    # staging may be rewritten (side stream) once this returns
-
-
-def stage_copy(staging: torch.Tensor, buffer: torch.Tensor, header: torch.Tensor, version: int,
-               stream=None) -> tuple[bool, int, int]:
-    """Seqlock read: copy `buffer` into `staging` if `header` reads `version` before and after
-    (on `stream`, a side CUDA stream, so generation on the default stream is not waited for).
-    Returns (whole?, header before, header after); staging is garbage when not whole."""
-    ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-    with ctx, torch.no_grad():
-        before = int(header.item())       # .item() waits for the current stream
-        if before != version:
-            return False, before, before
-        staging.copy_(buffer)
-        if stream is not None:
-            stream.synchronize()
-        after = int(header.item())
-    return seqlock_consistent(version, before, after), before, after

@@ -1,0 +1,107 @@
+"""What the driver's calls to the node actors returned: gathering them, telling a failure from a
+result, and reporting the root cause by name (NodeFailed, or UserError for a mistake in a setting).
+
+A host's run() or connect() returns a dict ({"status": "failed", ...} when its node raised) or, when
+the actor itself died or Ray could not run the call, the exception in its place (result_of).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from dataflow.errors import NodeFailed, UserError
+
+ROOT_CAUSE_GRACE_S = 2.0  # how long a channel error waits for the failure of the node it names
+
+
+async def awaitable(ref):
+    return await ref
+
+
+async def gather_named(refs: dict) -> dict:
+    names = list(refs)
+    results = await asyncio.gather(*(awaitable(refs[n]) for n in names), return_exceptions=True)
+    return dict(zip(names, results))
+
+
+async def gather_setups(refs: dict) -> dict:
+    """Like gather_named, but returns at the first failure: a node whose setup waits for a peer
+    (e.g. the weight push rendezvous, dataflow/weights/sync.py) would otherwise hold up the report of
+    that peer's failed setup until its own wait timed out."""
+    futures = {asyncio.ensure_future(awaitable(ref)): name for name, ref in refs.items()}
+    results, pending = {}, set(futures)
+    while pending and not any(failed(r) for r in results.values()):
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        results.update({futures[f]: result_of(f) for f in done})
+    discard(pending)
+    return results
+
+
+def result_of(fut: asyncio.Future) -> Any:
+    try:
+        return fut.result()
+    except BaseException as e:  # the actor died, or Ray could not run the call
+        return e
+
+
+def discard(futures) -> None:
+    """Drop the run() calls still out when a failure or Ctrl-C ends the run, without asyncio
+    logging "Task exception was never retrieved" for each actor that the shutdown kills."""
+    for fut in futures:
+        if not fut.done():
+            fut.cancel()
+        elif not fut.cancelled():
+            fut.exception()
+
+
+def failed(result: Any) -> bool:
+    return isinstance(result, BaseException) or (isinstance(result, dict) and result.get("status") == "failed")
+
+
+def is_echo(result: Any) -> bool:
+    """A node that failed only because a producer it reads from failed or died."""
+    return isinstance(result, dict) and result.get("status") == "failed" and result.get("channel_error", False)
+
+
+async def wait_for_root_cause(results: dict, running: dict) -> None:
+    """When every failure so far is a consumer's channel error, wait briefly for the failure of
+    the node it names (a killed actor is noticed by its consumers and the driver at about the
+    same time), so that node is reported instead of its echo downstream."""
+    deadline = time.monotonic() + ROOT_CAUSE_GRACE_S
+    while running and all(is_echo(r) for r in results.values() if failed(r)):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        done, _ = await asyncio.wait(running, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        results.update({running.pop(fut): result_of(fut) for fut in done})
+
+
+def raise_first_failure(results: dict) -> None:
+    """Raise for the root cause: a dead actor, else a node's own error, else a channel error."""
+    failures = [(name, r) for name, r in results.items() if failed(r)]
+    failures.sort(key=lambda f: 0 if isinstance(f[1], BaseException) else 2 if is_echo(f[1]) else 1)
+    for name, result in failures:
+        raise_if_failed(name, result)
+
+
+def raise_if_failed(name: str, result: Any) -> None:
+    if isinstance(result, BaseException):
+        summary = death_summary(result)
+        raise NodeFailed(name, summary)
+    if isinstance(result, dict) and result.get("status") == "failed":
+        if result.get("user_error"):  # a mistake the user can fix (missing file, bad setting)
+            raise UserError(f"node '{name}' ({result['phase']}): {result['message']}")
+        raise NodeFailed(name, f"{result['error']} (during {result['phase']})", result["traceback"], result["item"])
+
+
+def death_summary(e: BaseException) -> str:
+    from ray.exceptions import ActorDiedError, RayActorError
+
+    if isinstance(e, (ActorDiedError, RayActorError)):
+        text = str(e)
+        if "SIGKILL" in text or "killed" in text.lower() or "exit" in text.lower():
+            return "its process died (killed or crashed); see the node's log with --verbose"
+        return "its actor died: " + text.strip().splitlines()[0]
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"

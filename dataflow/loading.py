@@ -1,0 +1,97 @@
+"""Graph files: import one and build its Graph (load_graph), and print what it declares (describe).
+
+    load_graph(path, overrides) -> (graph, config)   user mistakes raise UserError, nothing started
+    describe(graph, config) -> str                   --describe: nodes, channels, placement, settings
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from dataflow import placement
+from dataflow.config import apply_overrides, flatten
+from dataflow.errors import ConfigError, UserError
+from dataflow.graph import Graph
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_graph(path: str, overrides: list[str] = ()) -> tuple[Graph, Any]:
+    """Import a graph file and build its Graph with --set overrides applied. Returns (graph, config)."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"{path}: no such graph file")
+    for p in (str(PROJECT_ROOT), str(file.resolve().parent)):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    module_name = f"dataflow_graph_{file.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise UserError(f"{path}:{e.lineno}: syntax error: {e.msg}\n    {(e.text or '').strip()}") from None
+    except Exception as e:
+        raise UserError(f"{_user_frame(e, file)}: {type(e).__name__}: {e}") from None
+    # Node classes defined in the graph file itself travel to the actors by value.
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(module)
+
+    config = getattr(module, "config", None)
+    if overrides:
+        if config is None or not dataclasses.is_dataclass(config):
+            raise ConfigError(f"{path}: --set given, but the graph file defines no `config` dataclass to set")
+        config = apply_overrides(config, list(overrides))
+    if hasattr(module, "build"):
+        try:
+            graph = module.build(config) if config is not None else module.build()
+        except UserError:
+            raise
+        except Exception as e:
+            raise UserError(f"{_user_frame(e, file)}: build() raised {type(e).__name__}: {e}") from None
+    elif isinstance(getattr(module, "graph", None), Graph):
+        graph = module.graph
+    else:
+        raise UserError(f"{path}: defines neither `build(config) -> Graph` nor `graph = Graph(...)`; add one")
+    if not isinstance(graph, Graph):
+        raise UserError(f"{path}: build() returned {type(graph).__name__}, expected a dataflow Graph")
+    graph.validate(source=path)
+    return graph, config
+
+
+def _user_frame(e: BaseException, file: Path) -> str:
+    """file:line of the deepest traceback frame inside the graph file (else the file)."""
+    where = str(file)
+    for frame in traceback.extract_tb(e.__traceback__):
+        if Path(frame.filename).resolve() == file.resolve():
+            where = f"{file}:{frame.lineno}"
+    return where
+
+
+def describe(graph: Graph, config: Any = None) -> str:
+    lines = [f"graph '{graph.name}'", "nodes:"]
+    for n in graph.nodes.values():
+        res = f"cpus={n.cpus:g} gpus={n.gpus:g}" + (f" pool={n.pool}" if n.pool else "")
+        lines.append(f"  {n.name:<12} {n.kind.__name__:<16} replicas={n.replicas} {res}"
+                     f"{'  (ends the run)' if n.ends_run else ''}")
+    lines.append("channels:")
+    for c in graph.channels.values():
+        src = ", ".join(f"{a}.{b}" for a, b in c.src)
+        dst = ", ".join(f"{a}.{b}" for a, b in c.dst)
+        lines.append(f"  {c.name:<12} {src} -> {dst}  capacity={c.capacity}{'  feedback' if c.feedback else ''}")
+    if graph.versioned_edges:
+        lines.append("versioned edges (latest wins):")
+        for e in graph.versioned_edges.values():
+            lines.append(f"  {e.name:<12} {e.src} -> {', '.join(e.dst)}")
+    lines.append("placement: " + placement.plan(graph).text())
+    if config is not None and dataclasses.is_dataclass(config):
+        lines.append("settings (--set key=value):")
+        lines += [f"  {k} = {v!r}" for k, v in flatten(config)]
+    return "\n".join(lines)

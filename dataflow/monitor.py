@@ -1,0 +1,176 @@
+"""The driver's view of a running graph: host events in, progress lines, metrics.jsonl, the trace
+and the end-of-run summary out (Monitor); which process hosts which replica, and its restarts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dataflow import checkpoint
+from dataflow.config import flatten
+from dataflow.failures import gather_named
+from dataflow.graph import Graph
+from dataflow.trace.collector import TraceCollector
+from dataflow.trace.tracer import Tracer
+
+if TYPE_CHECKING:
+    from dataflow.runtime import RunOptions
+
+
+@dataclass
+class RunSummary:
+    status: str
+    steps: int
+    seconds: float
+    run_dir: str
+    metrics_path: str
+    artifacts: dict = field(default_factory=dict)
+    report: str = ""
+    restarts: dict = field(default_factory=dict)
+    """Replica -> times its process died and it was restarted."""
+
+
+class Monitor:
+    """Turns host events into progress lines, metrics.jsonl and the trace/idle report."""
+
+    def __init__(self, graph: Graph, run_dir: Path, options: RunOptions, config: Any,
+                 resume: Path | None = None, resume_step: int = 0):
+        self.graph = graph
+        self.options = options
+        self.run_dir = run_dir
+        self.metrics_path = run_dir / "metrics.jsonl"
+        if resume is not None:  # keep the records up to the checkpoint's step, then append
+            checkpoint.continue_metrics(resume.parent.parent / "metrics.jsonl", self.metrics_path, resume_step)
+        self.metrics_file = open(self.metrics_path, "a" if resume is not None else "w")
+        self.checkpoint_requests: list[tuple[str, int]] = []
+        self.last_checkpoint: Path | None = resume
+        self.restarts: dict[str, int] = {}
+        self.pids: dict[str, int] = {}
+        self.acked: dict[str, tuple[int, int]] = {}  # replica -> (pid, seq) of the last event handled
+        self.trace = TraceCollector(enabled=options.trace_path is not None)
+        # Run-level counters (queue depths, staleness) live on a driver track of the same trace.
+        self.driver_tracer = Tracer("driver", enabled=options.trace_path is not None)
+        self.t_start = time.time()
+        self.t_running = None
+        self.step = resume_step
+        self.depths: dict[str, int] = {}
+        self.artifacts: dict[str, str] = {}
+        if config is not None and dataclasses.is_dataclass(config):
+            (run_dir / "config.json").write_text(json.dumps({k: _jsonable(v) for k, v in flatten(config)}, indent=1))
+
+    def processes(self, pids: dict) -> None:
+        """Which process hosts which replica: <run>/processes.json (for kill tests and operators)."""
+        self.pids.update(pids)
+        (self.run_dir / "processes.json").write_text(json.dumps(self.pids, indent=1))
+
+    def restarted(self, name: str, pid: int, state_dir: Path | None) -> None:
+        self.processes({name: pid})
+        record = {"time_s": round(time.time() - (self.t_running or self.t_start), 3), "node": "driver",
+                  "restarted": name, "state_from": str(state_dir) if state_dir else None,
+                  "restarts/total": sum(self.restarts.values()),
+                  **{f"restarts/{n}": k for n, k in self.restarts.items()}}
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
+
+    def started(self) -> None:
+        self.t_running = time.time()
+        self.say(f"[dataflow] graph '{self.graph.name}' running: {len(self.graph.nodes)} nodes, "
+                 f"start-up {self.t_running - self.t_start:.1f} s; metrics -> {self.metrics_path}")
+
+    def say(self, text: str) -> None:
+        if not self.options.quiet:
+            print(text, flush=True)
+
+    async def poll(self, hosts: dict) -> None:
+        replies = await gather_named({n: h.poll.remote(self.acked.get(n)) for n, h in hosts.items()})
+        depths: dict[str, int] = {}
+        for name, reply in replies.items():
+            if isinstance(reply, BaseException):
+                continue  # a dead host is reported by its run() result
+            self.trace.add(name, reply["trace"])
+            for key, value in reply["depths"].items():
+                ch = key.split(":", 1)[1]
+                depths[ch] = depths.get(ch, 0) + value
+            pid, seq = self.acked.get(name, (reply["pid"], -1))
+            if pid != reply["pid"]:  # a restarted process: its events count from 0
+                seq = -1
+            for event in reply["events"]:
+                if event["seq"] > seq:  # not handled yet (a lost reply's events come again)
+                    self._handle(name, event)
+                    seq = event["seq"]
+            self.acked[name] = (reply["pid"], seq)
+        self.depths = depths
+        if depths:
+            self.driver_tracer.counter("queue depth", **depths)
+            self.driver_tracer.counter("samples in flight", items=sum(depths.values()))
+        self.trace.add("driver", self.driver_tracer.drain(), node=False)
+
+    def _handle(self, name: str, event: dict) -> None:
+        kind = event["kind"]
+        if kind == "log":
+            self.say(f"[{name}] {event['text']}")
+        elif kind == "artifact":
+            self.artifacts[event["name"]] = event["path"]
+        elif kind == "checkpoint":
+            self.checkpoint_requests.append((name, event["step"]))
+        elif kind in ("step", "metrics"):
+            values = event["values"]
+            record = {"time_s": round(event["t"] - (self.t_running or self.t_start), 3), "node": name}
+            if kind == "step":
+                self.step = event["step"]
+                record["step"] = event["step"]
+            record.update({k: _jsonable(v) for k, v in values.items()})
+            record.update({f"queue/{ch}": d for ch, d in self.depths.items()})
+            self.metrics_file.write(json.dumps(record) + "\n")
+            self.metrics_file.flush()
+            if kind == "step":
+                self.say(self._progress_line(event["step"], values))
+                if "staleness/mean" in values:
+                    self.driver_tracer.counter("staleness", mean=values["staleness/mean"],
+                                               max=values.get("staleness/max", 0))
+
+    def _progress_line(self, step: int, values: dict) -> str:
+        parts = [f"step {step:>4}"]
+        keys = self.graph.progress or [k for k, v in values.items() if isinstance(v, (int, float))]
+        for key in keys:
+            if "±" in key:
+                a, b = key.split("±")
+                if a in values:
+                    parts.append(f"{a.split('/')[0]} {values[a]:.3f} ± {values.get(b, float('nan')):.3f}")
+            elif key in values:
+                v = values[key]
+                label = key.split("/")[0] if key.endswith("/mean") else key.split("/")[-1]
+                parts.append(f"{label} {v:.4g}" if isinstance(v, float) else f"{label} {v}")
+        if self.depths:
+            parts.append("queues " + " ".join(f"{c}:{d}" for c, d in self.depths.items()))
+        return " | ".join(parts)
+
+    def finish(self, status: str) -> RunSummary:
+        self.metrics_file.close()
+        seconds = time.time() - self.t_start
+        report = self.trace.report()
+        for label, k in self.trace.kernel_idle().items():
+            nvml = "n/a" if k["nvml_idle"] is None else f"{100 * k['nvml_idle']:.1f}%"
+            report += (f"\n  {label}: GPU idle {100 * k['kernels_idle']:.1f}% from kernel records (used above), "
+                       f"{nvml} from NVML samples, {100 * k['events_idle']:.1f}% from CUDA events around spans "
+                       f"(same window, {k['window_s']:.1f} s)")
+        if self.options.trace_path:
+            self.trace.write(self.options.trace_path)
+            self.artifacts["trace"] = self.options.trace_path
+        return RunSummary(status, self.step, seconds, str(self.run_dir), str(self.metrics_path),
+                          dict(self.artifacts), report, dict(self.restarts))
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, (int, float, str, bool)) or v is None:
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if hasattr(v, "item"):
+        return v.item()
+    return str(v)

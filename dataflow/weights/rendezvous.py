@@ -1,0 +1,35 @@
+"""Meeting points of a process group between node actors: a free port, a TCPStore, and what each end
+tells the others about its device (the weight push's group: sync.py; a multi-rank node's: multirank.py).
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a store or a group to listen on)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def device_info(device: str, model: torch.nn.Module | None = None) -> dict:
+    """What an end tells the others: {"device": "cuda" | "cpu", "uuid": its GPU's, or ""} (+ "dtype" of
+    `model`'s weights)."""
+    info = {"device": "cuda" if device.startswith("cuda") else "cpu", "uuid": ""}
+    if info["device"] == "cuda":
+        info["uuid"] = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    if model is not None:
+        info["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return info
+
+
+def tcp_store(host: str, port: int, is_master: bool, timeout: timedelta):
+    """The rendezvous TCPStore at host:port (is_master: hosted here); does not wait for the others."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, None, is_master, timeout, wait_for_workers=False)
