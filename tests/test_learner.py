@@ -402,3 +402,31 @@ def test_an_overflowing_log_ratio_is_clamped_not_a_skipped_minibatch(setup):
     assert stats["updates/skipped"] == 0 and math.isfinite(stats["losses/kl"])
     assert stats["losses/kl"] == pytest.approx(10.0 * len(samples[0]["response_ids"]) /
                                                sum(len(s["response_ids"]) for s in samples), rel=0.05)
+
+
+def test_settings_that_do_not_fit_together_are_clear_errors():
+    from dataflow.errors import UserError
+    from nodes.learner import check_config
+
+    def error(max_steps=None, **settings):
+        cfg = LearnerConfig(**{k: v for k, v in settings.items() if "." not in k})
+        for key, value in settings.items():
+            if "." in key:
+                sub, name = key.split(".")
+                setattr(getattr(cfg, sub), name, value)
+        with pytest.raises(UserError) as e:
+            check_config(cfg, max_steps)
+        return str(e.value)
+
+    assert "graphs/ppo.py" in error(algorithm="grpo", advantage="gae")
+    assert "learner-side advantage" in error(**{"kl.placement": "reward"})       # gae: the critic's GAE
+    assert "learner-side advantage" in error(overlong_buffer=2, max_response_tokens=8)
+    assert "max_response_tokens" in error(algorithm="grpo", advantage="dr_grpo")  # no constant to divide by
+    assert "max_response_tokens" in error(algorithm="grpo", overlong_buffer=4)
+    assert "dual_clip_c" in error(policy_loss="dual_clip", dual_clip_c=1.0)
+    assert "betas" in error(betas=[0.9])
+    assert "--max-steps" in error(**{"schedule.decay": "cosine"})
+    check_config(LearnerConfig(algorithm="grpo", advantage="dr_grpo", max_response_tokens=8), None)   # fits
+    cfg = LearnerConfig()
+    cfg.schedule.decay = "cosine"
+    check_config(cfg, 100)                              # decays over the run's max_steps
