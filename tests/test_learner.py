@@ -112,12 +112,12 @@ def test_grpo_advantages_are_group_normalised_per_token(setup):
     assert sum((a - mean) ** 2 for a in whitened) / (len(whitened) - 1) == pytest.approx(1.0, rel=1e-4)  # var + 1e-8
 
 
-def _float64_update(model, samples, tok, micro_batch_size, stale):
+def _float64_update(model, samples, tok, micro_batch_size, stale, **settings):
     """One ppo_update in float64 (SGD lr=1, so the weight change is exactly the clipped gradient);
     returns (weights, stats)."""
     m = fresh(model).double()
     cfg = LearnerConfig(minibatch_size=len(samples), ppo_epochs=2, micro_batch_size=micro_batch_size,
-                        entropy_coef=0.01, max_grad_norm=1e9)
+                        entropy_coef=0.01, max_grad_norm=1e9, **settings)
     cfg.kl.coef = 0.1
     opt = torch.optim.SGD(m.parameters(), lr=1.0)
     stats = ppo_update(m, opt, with_advantages([dict(s) for s in samples], cfg), 0.1, tok.pad_token_id, cfg,
@@ -125,14 +125,26 @@ def _float64_update(model, samples, tok, micro_batch_size, stale):
     return {k: v.clone() for k, v in m.state_dict().items()}, stats
 
 
-@pytest.mark.parametrize("stale", [False, True])
-def test_micro_batches_equal_the_whole_minibatch_in_float64(setup, stale):
+GRPO2 = dict(algorithm="grpo", group_size=2)
+
+
+@pytest.mark.parametrize("stale,settings", [
+    (False, {}), (True, {}),
+    (False, dict(loss_agg_mode="seq-mean-token-mean", policy_loss="dual_clip", **GRPO2)),
+    (True, dict(loss_agg_mode="seq-mean-token-sum", policy_loss="gspo", advantage="rloo", **GRPO2)),
+    (False, dict(advantage="dr_grpo", max_response_tokens=8, policy_loss="reinforce", **GRPO2)),
+    (False, dict(advantage="reinforce_pp", clip_eps_high=0.28, mask_truncated=True, overlong_buffer=2,
+                 max_response_tokens=4, **GRPO2)),
+])
+def test_micro_batches_equal_the_whole_minibatch_in_float64(setup, stale, settings):
     # Responses of different lengths and two failed samples: slices hold different numbers of
-    # valid tokens, which is what the token-share weighting has to get right.
+    # valid tokens, which is what the whole minibatch's normaliser has to get right, for every
+    # aggregation mode, policy loss and advantage estimator.
     tok, model, samples = setup
-    samples = [dict(s, failed=i in (1, 6)) for i, s in enumerate(samples)]
-    whole, whole_stats = _float64_update(model, samples, tok, 0, stale)
-    split, split_stats = _float64_update(model, samples, tok, 3, stale)  # 16 samples: 3+3+3+3+3+1
+    samples = [dict(s, failed=i in (1, 6), token_rewards=[0.1 * i] * len(s["response_ids"]))
+               for i, s in enumerate(samples)]
+    whole, whole_stats = _float64_update(model, samples, tok, 0, stale, **settings)
+    split, split_stats = _float64_update(model, samples, tok, 3, stale, **settings)  # 16 samples: 3+3+3+3+3+1
     for k in whole:
         assert torch.allclose(whole[k], split[k], rtol=0, atol=1e-12), k
     for k in ("losses/policy", "losses/kl", "entropy", "losses/approx_kl", "losses/clipfrac", "grad_norm"):
