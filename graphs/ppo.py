@@ -111,7 +111,7 @@ def wire_policy(cfg) -> int:
         node_cfg.policy = cfg.policy
     cfg.prompts.prompts_per_step = cfg.learner.prompts_per_step = cfg.prompts_per_step
     cfg.prompts.max_staleness = cfg.learner.max_staleness = cfg.max_staleness
-    cfg.learner.temperature = cfg.generator.temperature
+    cfg.learner.temperature = cfg.reference.temperature = cfg.generator.temperature
     cfg.learner.target_reward = cfg.target_reward
     if cfg.weight_transport == "auto":  # written back, so config.json records what ran
         one_gpu = cfg.placement == "colocated" and cfg.num_gpus == 1

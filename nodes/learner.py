@@ -7,9 +7,11 @@ Waits for: the complete batch of the step it is on.  Unblocked by: the critic / 
 Step k trains on exactly the prompts the source admitted for batch k (meta "batch"), so the
 staleness of every sample is k - sample.version <= max_staleness by construction (admission
 control in nodes/prompts.py); the learner reports it, and refuses a sample that breaks the bound.
-The step is a flat sequence of phases: collect -> advantages -> proximal log-probs (only when a
-sample is stale) -> PPO epochs over minibatches -> KL controller -> report -> checkpoint (every
-save_interval steps) -> publish. Collect keeps one copy of each prompt id (a prompt re-issued
+The step is a flat sequence of phases: collect -> old log-probs, advantages and PPO epochs over
+minibatches (rl/ppo_update.py) -> KL controller -> report -> checkpoint (every save_interval
+steps) -> publish. The algorithm variants (advantage estimators, policy losses, loss aggregation,
+KL placement, DAPO's shaping, the learning-rate schedule) are settings of LearnerConfig; their
+math is in rl/ (README "Algorithms"). Collect keeps one copy of each prompt id (a prompt re-issued
 after a node restart arrives twice). A minibatch update with a non-finite loss or gradient is
 skipped and logged; max_bad_updates of them in a row stop the run.
 """
@@ -30,14 +32,14 @@ from dataflow import Node
 from dataflow.channel import EndOfChannel
 from dataflow.errors import UserError
 from dataflow.weights.multirank import RANKS_EDGE, RankCommands
-from rl import policy
-from rl.models import pad_batch, save_policy, sequence_logprobs
-from rl.precision import Precision, autocast, compile_layers, compute_dtype, micro_slices, prepare_trained
 from dataflow.weights.sync import SYNC_EDGE, LearnerWeightSync, WeightSyncConfig
-from rl.kl import AdaptiveKLController, FixedKLController, kl_penalty
-from rl.advantages import grpo_advantages
-from rl.masked import masked_mean, masked_whiten
-from rl.losses import ppo_policy_loss
+from rl import policy
+from rl.kl import AdaptiveKLController, FixedKLController
+from rl.losses import PolicyLoss
+from rl.models import save_policy
+from rl.ppo_update import ppo_update, resolved_advantage, resolved_loss_agg_mode, step_advantages  # noqa: F401
+from rl.precision import Precision, compile_layers, compute_dtype, prepare_trained
+from rl.schedule import lr_multiplier
 
 
 @dataclass(kw_only=True)
@@ -49,7 +51,26 @@ class KLConfig:
     target: float = 0.1
     horizon: float = 10000.0
     estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token KL estimator used in the loss (k3 is unbiased and non-negative)."""
+    """Per-token KL estimator (rl/kl.kl_penalty; k3 is verl's low_var_kl: unbiased and non-negative)."""
+    placement: Literal["loss", "reward"] = "loss"
+    """loss: coef x KL(policy || reference) in the loss (GRPO's). reward: -coef x KL_t of the rollout
+    (old policy vs reference) folded into the rewards before the advantages, the adaptive controller
+    fed the rollout's mean per-sequence KL (verl's use_kl_in_reward; REINFORCE++). Needs a
+    learner-side advantage (not gae: the critic computes GAE before the learner sees the batch)."""
+    clamp: float = 10.0
+    """Each token's KL estimate is clamped to [-clamp, clamp] (verl's low_var_kl bound; 0 = off)."""
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    """Learning rate per learner step: lr x rl/schedule.lr_multiplier(step)."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 over this many steps."""
+    decay: Literal["constant", "linear", "cosine"] = "constant"
+    """After warmup: constant, or linear / cosine decay to min_lr_ratio x lr at total_steps."""
+    total_steps: int = 0
+    """Steps the decay spans (0 = the run's max_steps)."""
+    min_lr_ratio: float = 0.0
 
 
 @dataclass(kw_only=True)
@@ -74,13 +95,57 @@ class LearnerConfig:
     """auto: bf16 autocast over fp32 master weights on CUDA, fp32 on CPU; or bf16 / fp32 (rl/precision.py)."""
     compile: bool | None = None
     """torch.compile each decoder layer (None = on CUDA, one process; rl/precision.compile_layers)."""
+    weight_decay: float = 0.01
+    """AdamW's decoupled weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW's (beta1, beta2)."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    advantage: Literal["auto", "gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"] = "auto"
+    """gae: the critic's (PPO graph). grpo: group-normalised scores. dr_grpo: scores minus the group
+    mean, no std. rloo: leave-one-out baseline. reinforce_pp: whitened returns of the token rewards
+    (REINFORCE++). auto: gae in the PPO graph, grpo in the GRPO graph. README "Algorithms"."""
+    grpo_std_scaling: bool = True
+    """advantage=grpo: divide by the group's std (False: Dr. GRPO's unscaled advantage)."""
+    gamma: float = 1.0
+    """advantage=reinforce_pp: discount of the token rewards' returns."""
+    policy_loss: PolicyLoss = "ppo"
+    """ppo: clipped surrogate. dual_clip: also bounds negative-advantage tokens at dual_clip_c.
+    gspo: one sequence-level ratio. reinforce: importance-weighted, no clipping (rl/losses.policy_loss)."""
+    loss_agg_mode: Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                           "seq-mean-token-sum-norm"] = "auto"
+    """How token losses make a minibatch's loss (verl's names; rl/losses.agg_row_weights): token-mean,
+    seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO). auto:
+    seq-mean-token-mean for gspo, seq-mean-token-sum-norm for dr_grpo, else token-mean."""
+    loss_scale_factor: float = 0.0
+    """seq-mean-token-sum-norm's constant divisor (0 = max_response_tokens)."""
     clip_eps: float = 0.2
+    clip_eps_low: float | None = None
+    """Lower clip range 1 - clip_eps_low (None = clip_eps)."""
+    clip_eps_high: float | None = None
+    """Upper clip range 1 + clip_eps_high (None = clip_eps; DAPO's clip-higher: 0.28 with 0.2 low)."""
+    dual_clip_c: float = 3.0
+    """policy_loss=dual_clip: a negative-advantage token's loss is at most c x |A| (c > 1)."""
+    log_ratio_clamp: float = 20.0
+    """log(pi / pi_old) is clamped to [-x, x] before exp (verl's 20), so one float32 overflow cannot
+    make the minibatch's loss inf and skip it (0 = off)."""
     is_truncation: float = 2.0
     """Cap of the importance weight pi_old / pi_behaviour for stale samples (decoupled PPO)."""
     kl: KLConfig = field(default_factory=KLConfig)
     entropy_coef: float = 0.0
     max_grad_norm: float = 1.0
     whiten_advantages: bool = True
+    """advantage=gae: whiten the critic's advantages over the batch's tokens (verl's GAE). The
+    learner-side estimators are normalised already and are never whitened again."""
+    max_response_tokens: int = 0
+    """The generators' max_new_tokens (the graph should share it): overlong shaping's cap and
+    seq-mean-token-sum-norm's default divisor."""
+    overlong_buffer: int = 0
+    """DAPO's overlong shaping: over the last this many tokens before max_response_tokens the score
+    falls linearly by up to overlong_penalty (rl/shaping.overlong_penalty; 0 = off)."""
+    overlong_penalty: float = 1.0
+    mask_truncated: bool = False
+    """Leave responses that hit the length cap (no stop token) out of the loss (DAPO's overlong
+    filtering); they still count in their group's baseline."""
     temperature: float = 1.0
     """Sampling temperature of the generators (log-probs are computed at the same one)."""
     target_reward: float = 0.0
@@ -105,141 +170,33 @@ class LearnerConfig:
     seed: int = 0
 
 
-def step_advantages(samples: list[dict], c: LearnerConfig) -> list[list[float]]:
-    """Per-token advantages of each sample: the critic's (PPO) or group-normalised scores (GRPO)."""
-    if c.algorithm == "grpo":
-        scores = torch.tensor([s["score"] for s in samples], dtype=torch.float64)
-        per_seq = grpo_advantages(scores, group_size=c.group_size).tolist()
-        return [[a] * len(s["response_ids"]) for a, s in zip(per_seq, samples)]
-    return [s["advantages"] for s in samples]
-
-
-def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: int, c: LearnerConfig,
-               rng: random.Random, stale: bool, ranks=None) -> dict:
-    """PPO epochs over minibatches of `samples`; one gradient clip per optimizer step.
-
-    Each sample needs "advantage_tokens" (per response token), "logprobs" (behaviour),
-    "ref_logprobs", and "failed". Failed samples are masked out of every loss term.
-    An optimizer step whose loss or gradient norm is not finite is skipped (the weights and the
-    optimizer state stay as they were); "updates/skipped" counts them, "updates/skipped_last" is
-    the run of skipped steps at the end, "updates/skip_reason" says why (the first one).
-
-    Micro-batches (c.micro_batch_size): each minibatch is run in slices of that many samples whose
-    gradients accumulate before its one optimizer step. Every loss term is a mean over the valid
-    tokens of the whole minibatch, so micro-batch j's loss is weighted by n_j / n (its share of
-    those tokens): the summed gradient (and every reported stat) equals the unsplit minibatch's.
-    Forward/backward run under c.precision's autocast (rl/precision.py).
-
-    `ranks` (dataflow/weights/multirank.TrainRanks; every rank calls with the same samples and rng state):
-    each dp rank runs its share of every minibatch, weighted by its share of the minibatch's
-    tokens like a micro-batch (FSDP sums the gradients over dp), so the update equals one rank's.
-    """
-    keys = ("logprobs", "ref_logprobs", "advantage_tokens")
-    device = next(model.parameters()).device
-    amp = compute_dtype(c.precision, device)
-    full = pad_batch(samples, pad_id, token_keys=keys, device=device)
-    failed = torch.tensor([0.0 if s["failed"] else 1.0 for s in samples], device=device)
-    mask = full["response_mask"] * failed[:, None]
-    if ranks is not None:  # row len(samples): a mask-0 copy of row 0 that pads short dp shares
-        full = {k: torch.cat([v, v[:1]]) if torch.is_tensor(v) else v for k, v in full.items()}
-        mask = torch.cat([mask, torch.zeros_like(mask[:1])])
-    advantages = masked_whiten(full["advantage_tokens"], mask) if c.whiten_advantages else full["advantage_tokens"]
-    # Every epoch's sample order, drawn up front (the same rng draws as shuffling per epoch).
-    orders = []
-    for _ in range(c.ppo_epochs):
-        orders.append(list(range(len(samples))))
-        rng.shuffle(orders[-1])
-    # Proximal ("old") log-probs: the current weights' (decoupled PPO). When every sample came from
-    # the current weights, the behaviour log-probs are them (up to float noise). Otherwise the first
-    # minibatch of the first epoch needs no extra pass either: nothing has changed the weights
-    # before it, so its own forward pass gives them (taken there, detached). Only the other rows
-    # get a no-grad forward here; with one minibatch and one epoch (W1), none does. dp x tp ranks
-    # recompute every row: a dp rank's forward covers only its share of that minibatch, and the
-    # other shares' rows come back to it in later minibatches.
-    reuse_first = stale and ranks is None
-    old_logprobs, first_rows = full["logprobs"], set()
-    if stale:
-        old_logprobs = torch.zeros_like(full["logprobs"])
-        first_rows = set(orders[0][:c.minibatch_size]) if reuse_first else set()
-        rest = torch.tensor([i for i in range(len(samples)) if i not in first_rows], dtype=torch.long)
-        with torch.no_grad(), autocast(amp, device):
-            for sl in micro_slices(len(rest), c.micro_batch_size):
-                rows = rest[sl].to(device)
-                logprobs, _ = sequence_logprobs(model, full["input_ids"][rows], full["attention_mask"][rows],
-                                                mask[rows], temperature=c.temperature, with_entropy=False)
-                old_logprobs[rows] = logprobs.to(old_logprobs.dtype)
-    # Valid tokens per row, read once: the slice weights below are Python floats from these, and
-    # the per-slice stats stay on the device until the minibatch ends, so the GPU is waited for
-    # once per optimizer step, not once per micro-batch (the CPU keeps queueing kernels ahead).
-    row_tokens = mask.sum(1).tolist()
-    stat_keys = ("loss", "policy", "kl", "entropy", "approx_kl", "clipfrac", "is_weight")
-    stats: dict[str, list[float]] = {}
-    skipped, skipped_last, total, reason = 0, 0, 0, ""
-    model.train()
-    for epoch, order in enumerate(orders):
-        for start in range(0, len(order), c.minibatch_size):
-            mb_rows = torch.tensor(order[start:start + c.minibatch_size])
-            mb_tokens = max(sum(row_tokens[i] for i in mb_rows.tolist()), 1.0)
-            if ranks is not None:  # this dp rank's share (the tp ranks of a dp group: the same)
-                mb_rows = ranks.dp_share(mb_rows, pad_index=len(samples))
-            mb_idx = mb_rows.to(device)
-            optimizer.zero_grad(set_to_none=True)
-            total += 1
-            acc = torch.zeros(len(stat_keys), dtype=torch.float64, device=device)
-            # One autocast context per minibatch, not per micro-batch: autocast caches the bf16 copy
-            # of each fp32 weight until the context ends, so the weights are cast once per optimizer
-            # step (on W1, 16 micro-batches recast them 16 times). It ends before optimizer.step,
-            # which changes the weights. The loss math stays fp32/float64 under it (autocast lowers
-            # only matmul-like ops), and backward runs on autograd's own thread. Sharded (ranks):
-            # no cache, see rl/precision.autocast.
-            with autocast(amp, device, cache_weights=ranks is None):
-                for sl in micro_slices(len(mb_idx), c.micro_batch_size):
-                    idx = mb_idx[sl]
-                    # This slice's share of the minibatch's valid tokens (0 when all of them are failed);
-                    # a Python float (double), so the weighting adds no float32 rounding.
-                    weight = sum(row_tokens[i] for i in mb_rows[sl].tolist()) / mb_tokens
-                    logprobs, entropy = sequence_logprobs(model, full["input_ids"][idx], full["attention_mask"][idx],
-                                                          mask[idx], temperature=c.temperature,
-                                                          entropy_grad=c.entropy_coef != 0)
-                    if reuse_first and epoch == 0 and start == 0:   # see first_rows above
-                        old_logprobs[idx] = logprobs.detach().to(old_logprobs.dtype)
-                    pg_loss, pg_stats = ppo_policy_loss(
-                        logprobs, old_logprobs[idx], advantages[idx], mask[idx], c.clip_eps,
-                        behaviour_logprobs=full["logprobs"][idx] if stale else None,
-                        is_truncation=c.is_truncation if stale else None)
-                    kl = masked_mean(kl_penalty(logprobs, full["ref_logprobs"][idx], c.kl.estimator), mask[idx])
-                    ent = masked_mean(entropy, mask[idx])
-                    loss = (pg_loss + kl_coef * kl - c.entropy_coef * ent) * weight
-                    terms = (pg_loss, kl, ent, pg_stats["approx_kl"], pg_stats["clipfrac"], pg_stats["is_weight_mean"])
-                    acc[0] += loss.detach().double()
-                    acc[1:] += torch.stack([t.detach().double() for t in terms]) * weight
-                    # Always backward (on every rank alike: a collective under FSDP); a non-finite
-                    # loss makes the gradient non-finite, and the step is skipped below.
-                    loss.backward()
-                    del logprobs, entropy, loss
-            sums = dict(zip(stat_keys, acc.tolist()))   # the one wait for the GPU of this minibatch
-            if ranks is not None:  # the minibatch's stats: the dp shares' weighted parts add up
-                sums = ranks.sum_over_dp(sums)
-            finite = math.isfinite(sums["loss"])          # equal on every rank
-            grad_norm = torch.tensor(float("nan"))
-            if finite:
-                clip = torch.nn.utils.clip_grad_norm_ if ranks is None else ranks.clip_grad_norm_
-                grad_norm = clip(model.parameters(), c.max_grad_norm)  # ranks: the global norm
-            if finite and torch.isfinite(grad_norm):
-                optimizer.step()
-                skipped_last = 0
-            else:  # skip this optimizer step
-                optimizer.zero_grad(set_to_none=True)
-                skipped, skipped_last = skipped + 1, skipped_last + 1
-                reason = reason or (f"non-finite loss {sums['loss']} (policy {sums['policy']}, kl {sums['kl']})"
-                                    if not finite else f"non-finite gradient norm {grad_norm.item()}")
-            for k, v in {"losses/policy": sums["policy"], "losses/kl": sums["kl"], "entropy": sums["entropy"],
-                         "losses/approx_kl": sums["approx_kl"], "losses/clipfrac": sums["clipfrac"],
-                         "losses/is_weight": sums["is_weight"], "grad_norm": grad_norm.item()}.items():
-                stats.setdefault(k, []).append(v)
-    model.eval()
-    return {**{k: sum(v) / len(v) for k, v in stats.items()}, "updates/total": total,
-            "updates/skipped": skipped, "updates/skipped_last": skipped_last, "updates/skip_reason": reason}
+def check_config(c: LearnerConfig, max_steps: int | None) -> None:
+    """Raise UserError naming the setting when the learner's settings do not fit together."""
+    advantage = resolved_advantage(c)
+    if advantage == "gae" and c.algorithm != "ppo":
+        raise UserError("learner.advantage=gae needs the critic's values: run graphs/ppo.py, or pick grpo, "
+                        "dr_grpo, rloo or reinforce_pp")
+    if advantage == "gae" and (c.kl.placement == "reward" or c.overlong_buffer):
+        raise UserError("learner.kl.placement=reward and learner.overlong_buffer change the rewards, but with "
+                        "advantage=gae the critic has computed GAE from them before the learner sees the batch; "
+                        "use them with a learner-side advantage (grpo, dr_grpo, rloo, reinforce_pp)")
+    if resolved_loss_agg_mode(c) == "seq-mean-token-sum-norm" and not (c.loss_scale_factor or c.max_response_tokens) > 0:
+        raise UserError("learner.loss_agg_mode=seq-mean-token-sum-norm divides by a constant: set "
+                        "learner.loss_scale_factor or learner.max_response_tokens (the generators' max_new_tokens)")
+    if c.overlong_buffer and not 0 < c.overlong_buffer <= c.max_response_tokens:
+        raise UserError(f"learner.overlong_buffer={c.overlong_buffer} must be in (0, learner.max_response_tokens="
+                        f"{c.max_response_tokens}]; set max_response_tokens to the generators' max_new_tokens")
+    if c.policy_loss == "dual_clip" and not c.dual_clip_c > 1:
+        raise UserError(f"learner.dual_clip_c={c.dual_clip_c} must be > 1")
+    for name in ("clip_eps", "clip_eps_low", "clip_eps_high"):
+        if (getattr(c, name) or 0) < 0:
+            raise UserError(f"learner.{name}={getattr(c, name)} must be >= 0")
+    if len(c.betas) != 2 or not all(0 <= b < 1 for b in c.betas):
+        raise UserError(f"learner.betas={c.betas}: give two numbers in [0, 1), e.g. 0.9,0.999")
+    s = c.schedule
+    if s.decay != "constant" and not (s.total_steps or max_steps or 0) > s.warmup_steps:
+        raise UserError(f"learner.schedule.decay={s.decay} decays over the run's steps: set "
+                        f"learner.schedule.total_steps (> warmup_steps={s.warmup_steps}) or --max-steps")
 
 
 class Learner(RankCommands, Node):
@@ -275,7 +232,9 @@ class Learner(RankCommands, Node):
         else:  # sharded ranks stay eager (compiling FSDP2/TP layers is untried here)
             compile_layers(self.model, c.compile, self.ctx.device, compute_dtype(c.precision, self.ctx.device),
                            train=True)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr)
+        check_config(c, self.ctx.max_steps)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=tuple(c.betas),
+                                           weight_decay=c.weight_decay)
         self.kl_ctl = (AdaptiveKLController(c.kl.coef, c.kl.target, c.kl.horizon) if c.kl.kind == "adaptive"
                        else FixedKLController(c.kl.coef))
         self.rng = random.Random(c.seed)
@@ -322,6 +281,10 @@ class Learner(RankCommands, Node):
         c = self.config
         if op == "train":
             self.rng.setstate(args["rng"])      # every rank shuffles the minibatches alike
+            # The schedule is a function of the step (= the version trained from), so every rank
+            # and a resumed run (the version is in the checkpoint) set the same learning rate.
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr_at(args["version"] - 1)
             stats = await asyncio.to_thread(ppo_update, self.model, self.optimizer, args["samples"],
                                             args["kl_coef"], self.tokenizer.pad_token_id, c, self.rng,
                                             args["stale"], self.ranks)
@@ -338,6 +301,12 @@ class Learner(RankCommands, Node):
             self._pending_state = None
             return await asyncio.to_thread(self.ranks.load_full_state, self.model, self.optimizer, model, optimizer)
         raise ValueError(f"unknown learner command {op!r}")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of learner step `step` (0-based), learner.schedule over the run."""
+        c, s = self.config, self.config.schedule
+        return c.lr * lr_multiplier(step, s.warmup_steps, s.total_steps or self.ctx.max_steps or 0, s.decay,
+                                    s.min_lr_ratio)
 
     def _weights(self) -> dict:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
@@ -419,8 +388,6 @@ class Learner(RankCommands, Node):
             if max(staleness) > c.max_staleness:
                 raise RuntimeError(f"sample of version {min(s['version'] for s in samples)} reached learner "
                                    f"version {self.version}: staleness {max(staleness)} > max_staleness {c.max_staleness}")
-            for s, adv in zip(samples, step_advantages(samples, c)):
-                s["advantage_tokens"] = adv
             # Update -> report, under the state lock: a checkpoint sees a step whole or not at all.
             async with self.ctx.state_lock:
                 with self.ctx.span("train step", samples=len(samples), version=self.version):
@@ -429,14 +396,18 @@ class Learner(RankCommands, Node):
                                             version=self.version + 1)
                 self._count_bad_updates(stats)
                 kl_coef = self.kl_ctl.value
-                self.kl_ctl.update(stats["losses/kl"], len(samples))
+                # KL in the reward: the controller sees the rollout's KL (verl's apply_kl_penalty),
+                # in the loss: the policy's KL to the reference during the update.
+                in_reward = c.kl.placement == "reward"
+                self.kl_ctl.update(stats["kl/rollout"] if in_reward else stats["losses/kl"], len(samples))
                 self.version += 1
                 now = time.perf_counter()
                 ok = [s["score"] for s in samples if not s["failed"]]
                 mean = sum(ok) / max(len(ok), 1)
                 std = math.sqrt(sum((x - mean) ** 2 for x in ok) / max(len(ok), 1))
                 metrics = {
-                    "reward/mean": mean, "reward/std": std, "kl": stats["losses/kl"], "entropy": stats["entropy"],
+                    "reward/mean": mean, "reward/std": std, "kl": stats["kl/rollout" if in_reward else "losses/kl"],
+                    "entropy": stats["entropy"], "lr": self.lr_at(self.version - 1),
                     "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
                     "perf/samples_per_s": len(samples) / (now - t_last), "kl_coef": kl_coef,
                     "samples/failed": len(samples) - len(ok), "response_length/mean":

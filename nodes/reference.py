@@ -33,11 +33,16 @@ class ReferenceConfig:
     """auto: bf16 weights on CUDA (frozen, so no fp32 master copy is needed), fp32 on CPU."""
     compile: bool | None = None
     """torch.compile each decoder layer (None = on CUDA; rl/precision.compile_layers)."""
+    temperature: float = 1.0
+    """Temperature of the log-probs: the generators' sampling temperature, as the learner's (the
+    graph shares it), so the KL compares two distributions at the same temperature."""
 
 
-def add_logprobs(model, pad_id: int, items: list[dict], key: str, micro_batch_size: int = 0) -> None:
-    """Set samples[key] = per-token log-probs under `model` for every response of `items`,
-    `micro_batch_size` samples per forward pass (0 = all at once), in the model's own dtype."""
+def add_logprobs(model, pad_id: int, items: list[dict], key: str, micro_batch_size: int = 0,
+                 temperature: float = 1.0) -> None:
+    """Set samples[key] = per-token log-probs of softmax(logits / temperature) under `model` for
+    every response of `items`, `micro_batch_size` samples per forward pass (0 = all at once), in
+    the model's own dtype."""
     samples = [s for item in items for s in item["samples"]]
     device = next(model.parameters()).device
     batch = pad_batch(samples, pad_id, token_keys=(), device=device)
@@ -45,7 +50,8 @@ def add_logprobs(model, pad_id: int, items: list[dict], key: str, micro_batch_si
     with torch.no_grad():
         for sl in micro_slices(len(samples), micro_batch_size):
             logprobs, _ = sequence_logprobs(model, batch["input_ids"][sl], batch["attention_mask"][sl],
-                                            batch["response_mask"][sl], with_entropy=False)
+                                            batch["response_mask"][sl], temperature=temperature,
+                                            with_entropy=False)
             rows += unpad_tokens(logprobs, batch["response_mask"][sl])
     for s, row in zip(samples, rows):
         s[key] = row
@@ -68,6 +74,6 @@ class Reference(Node):
             items = [m.data for m in batch]
             with self.ctx.span("reference forward", items=len(items)):
                 await asyncio.to_thread(add_logprobs, self.model, self.tokenizer.pad_token_id, items,
-                                        "ref_logprobs", self.config.micro_batch_size)
+                                        "ref_logprobs", self.config.micro_batch_size, self.config.temperature)
             for msg, item in zip(batch, items):
                 await out.send(item, **msg.meta)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-
+from rl.masked import masked_whiten
 
 
 def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -49,35 +49,90 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
     return advantages, returns
 
 
+def _group_index(num: int, group_size: int | None, group_ids: torch.Tensor | None, device,
+                 caller: str) -> tuple[torch.Tensor, int]:
+    """(dense group index per sequence [N], number of groups) from blocks or ids."""
+    if (group_size is None) == (group_ids is None):
+        raise ValueError(f"{caller}: pass exactly one of group_size or group_ids")
+    if group_ids is None:
+        if num % group_size != 0:
+            raise ValueError(f"{caller}: {num} scores is not a multiple of group_size={group_size}; "
+                             "send whole groups")
+        group_ids = torch.arange(num, device=device) // group_size
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    return inverse, (int(inverse.max()) + 1 if inverse.numel() else 0)
+
+
+def _group_sums(values: torch.Tensor, inverse: torch.Tensor, num_groups: int) -> torch.Tensor:
+    return torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add(0, inverse, values)
+
+
 def grpo_advantages(scores: torch.Tensor, group_size: int | None = None,
                     group_ids: torch.Tensor | None = None, eps: float = 1e-6,
-                    normalize_std: bool = True) -> torch.Tensor:
+                    normalize_std: bool = True, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Group-relative advantage of each sequence: (score - group mean) / (group std + eps).
 
     Source: Shao et al. 2024, "DeepSeekMath" (arXiv 2402.03300), GRPO outcome supervision; std is
-    the unbiased sample std as in TRL's GRPOTrainer. normalize_std=False gives Dr. GRPO's
-    unscaled version (Liu et al. 2025, arXiv 2503.20783).
+    the unbiased sample std as in TRL's GRPOTrainer and verl's compute_grpo_outcome_advantage.
+    normalize_std=False gives Dr. GRPO's unscaled version (Liu et al. 2025, arXiv 2503.20783).
 
     scores: [N] one score per sequence. Groups are either consecutive blocks of `group_size`
-    (N must be a multiple) or given by `group_ids` [N] (any integers, any order). A group whose
-    scores are all equal (or of size 1) gets advantage 0 for every member. Returns [N].
+    (N must be a multiple) or given by `group_ids` [N] (any integers, any order). `valid` [N] bool
+    (default all): only valid members (e.g. not failed) make up a group's mean and std; the others
+    get advantage 0. A group whose valid scores are all equal (or of one member) gets advantage 0
+    for every member. Returns [N].
     """
-    if (group_size is None) == (group_ids is None):
-        raise ValueError("grpo_advantages: pass exactly one of group_size or group_ids")
     scores = scores.detach()
-    if group_ids is None:
-        if scores.numel() % group_size != 0:
-            raise ValueError(f"grpo_advantages: {scores.numel()} scores is not a multiple of "
-                             f"group_size={group_size}; send whole groups")
-        group_ids = torch.arange(scores.numel(), device=scores.device) // group_size
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-    zeros = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device)
-    counts = zeros.index_add(0, inverse, torch.ones_like(scores))
-    means = zeros.index_add(0, inverse, scores) / counts
-    centered = scores - means[inverse]
+    inverse, num_groups = _group_index(scores.numel(), group_size, group_ids, scores.device, "grpo_advantages")
+    ok = torch.ones_like(scores) if valid is None else valid.to(scores.dtype)
+    counts = _group_sums(ok, inverse, num_groups)
+    means = _group_sums(scores * ok, inverse, num_groups) / counts.clamp(min=1.0)
+    centered = (scores - means[inverse]) * ok
     if not normalize_std:
         return centered
-    sq = zeros.index_add(0, inverse, centered ** 2)
-    stds = torch.sqrt(sq / (counts - 1).clamp(min=1.0))
+    stds = torch.sqrt(_group_sums(centered ** 2, inverse, num_groups) / (counts - 1).clamp(min=1.0))
     return centered / (stds[inverse] + eps)
+
+
+def rloo_advantages(scores: torch.Tensor, group_size: int | None = None,
+                    group_ids: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """REINFORCE Leave-One-Out: each sequence's baseline is the mean of the OTHER members' scores.
+
+        A_i = r_i - 1/(k-1) sum_{j != i} r_j  =  k/(k-1) (r_i - mean_j r_j)      (k members)
+
+    Source: Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!"; Ahmadian et
+    al. 2024, "Back to Basics" (arXiv 2402.14740); verl's compute_rloo_outcome_advantage. Groups and
+    `valid` as grpo_advantages (only valid members count in k and the baseline; the others get 0);
+    a group with one valid member gets advantage 0. Returns [N].
+    """
+    scores = scores.detach()
+    inverse, num_groups = _group_index(scores.numel(), group_size, group_ids, scores.device, "rloo_advantages")
+    ok = torch.ones_like(scores) if valid is None else valid.to(scores.dtype)
+    counts = _group_sums(ok, inverse, num_groups)[inverse]
+    others_sum = _group_sums(scores * ok, inverse, num_groups)[inverse] - scores * ok
+    baseline = others_sum / (counts - 1).clamp(min=1.0)
+    return (scores - baseline) * ok * (counts > 1).to(scores.dtype)
+
+
+def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor,
+                            gamma: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: discounted returns of the per-token rewards, whitened over the whole batch.
+
+        G_t = r_t + gamma * G_{t'}      (t' = next valid token of the row; 0 after the last)
+        A_t = (G_t - mean(G)) / sqrt(var(G) + 1e-8)    over every valid token of the batch
+
+    Source: Hu et al. 2025, "REINFORCE++" (arXiv 2501.03262); verl's
+    compute_reinforce_plus_plus_outcome_advantage, OpenRLHF. The rewards normally carry the
+    per-token KL penalty (KL in the reward, rl/kl.kl_shaped_rewards) and the score on the last
+    token. token_rewards, mask: [B, T]; masked positions are skipped as in gae_advantages.
+    Returns (advantages, returns), 0 on masked positions.
+    """
+    mask = mask.to(token_rewards.dtype)
+    rewards = token_rewards.detach() * mask
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        valid = mask[:, t] > 0
+        running = torch.where(valid, rewards[:, t] + gamma * running, running)
+        returns[:, t] = running * mask[:, t]
+    return masked_whiten(returns, mask), returns

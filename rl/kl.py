@@ -12,28 +12,57 @@ import math
 
 import torch
 
+from rl.masked import masked_mean
 
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1",
+               clamp: float | None = 10.0, log_ratio_clamp: float | None = 20.0) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from log-probs of tokens sampled from pi.
 
         log_r = logp - ref_logp
-        k1 = log_r                      (unbiased, can be negative)
-        k2 = 0.5 * log_r^2              (biased, low variance)
-        k3 = exp(-log_r) - 1 + log_r    (unbiased, >= 0)
+        k1 = log_r                                  (unbiased, can be negative; verl "kl")
+        k2 = 0.5 * log_r^2                          (biased, low variance; verl "mse")
+        k3 = exp(-log_r') - 1 + log_r'              (unbiased, >= 0; verl "low_var_kl")
+             with log_r' = clamp(log_r, -log_ratio_clamp, log_ratio_clamp) so exp cannot overflow
+        each estimate is then clamped to [-clamp, clamp]   (clamp=None: off)
 
-    Source: J. Schulman, "Approximating KL Divergence" (2020, joschu.net/blog/kl-approx.html).
+    Source: J. Schulman, "Approximating KL Divergence" (2020, joschu.net/blog/kl-approx.html);
+    the clamps are verl's kl_penalty (20 inside, 10 outside): one token whose probability fell to
+    ~0 gives a finite, bounded penalty instead of an inf that would skip the whole minibatch.
     Returns the same shape as the inputs; mask it yourself.
     """
     log_ratio = logprobs - ref_logprobs
     if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio ** 2
-    if kind == "k3":
-        return torch.expm1(-log_ratio) + log_ratio
-    raise ValueError(f"kl_penalty: kind={kind!r}; use 'k1', 'k2' or 'k3'")
+        kl = log_ratio
+    elif kind == "k2":
+        kl = 0.5 * log_ratio ** 2
+    elif kind == "k3":
+        if log_ratio_clamp is not None:
+            log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
+        kl = torch.expm1(-log_ratio) + log_ratio
+    else:
+        raise ValueError(f"kl_penalty: kind={kind!r}; use 'k1', 'k2' or 'k3'")
+    return kl.clamp(-clamp, clamp) if clamp is not None else kl
 
 
+def sequence_kl(kl: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence mean of a per-token KL estimate over its valid tokens [B] (0 for an empty row).
+
+    What verl's adaptive controller is fed with KL in the reward (apply_kl_penalty: the batch mean
+    of these is `current_kl`)."""
+    return masked_mean(kl, mask, dim=1)
+
+
+def kl_shaped_rewards(token_rewards: torch.Tensor, kl: torch.Tensor, kl_coef: float,
+                      mask: torch.Tensor) -> torch.Tensor:
+    """r'_t = r_t - kl_coef * kl_t on every valid token, 0 elsewhere: KL in the reward.
+
+    Source: Ziegler et al. 2019 (arXiv 1909.08593), R = r - beta * log(pi / pi_ref), per token as
+    in verl's apply_kl_penalty (token_level_rewards = token_level_scores - beta * kld) and
+    OpenRLHF's REINFORCE++. token_rewards, kl, mask: [B, T].
+    """
+    mask = mask.to(kl.dtype)
+    return (token_rewards.to(kl.dtype) - kl_coef * kl) * mask
 
 
 def per_token_rewards(score: torch.Tensor, kl: torch.Tensor, kl_coef: float,

@@ -11,6 +11,12 @@ from __future__ import annotations
 import torch
 
 
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """sum(x * mask), over all elements (dim=None) or along `dim`."""
+    x = x * mask.to(x.dtype)
+    return x.sum() if dim is None else x.sum(dim)
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """sum(x * mask) / sum(mask), over all elements (dim=None) or along `dim`.
 

@@ -103,16 +103,21 @@ def test_grpo_advantages_are_group_normalised_per_token(setup):
         else:
             assert advs[i][0] == pytest.approx(-advs[i + 1][0]) and (advs[i][0] > 0) == (a > b)
         assert len(advs[i]) == len(samples[i]["response_ids"])
-    ppo = step_advantages(samples, LearnerConfig(algorithm="ppo"))
-    assert ppo == [s["advantages"] for s in samples]
+    ppo = step_advantages(samples, LearnerConfig(algorithm="ppo", whiten_advantages=False))
+    assert ppo == [pytest.approx(s["advantages"], abs=1e-7) for s in samples]
+    # gae: whitened over the batch's tokens (verl's GAE); the group estimators never are
+    whitened = [a for row in step_advantages(samples, LearnerConfig(algorithm="ppo")) for a in row]
+    mean = sum(whitened) / len(whitened)
+    assert mean == pytest.approx(0.0, abs=1e-9)
+    assert sum((a - mean) ** 2 for a in whitened) / (len(whitened) - 1) == pytest.approx(1.0, rel=1e-4)  # var + 1e-8
 
 
-def _float64_update(model, samples, tok, micro_batch_size, stale):
+def _float64_update(model, samples, tok, micro_batch_size, stale, **settings):
     """One ppo_update in float64 (SGD lr=1, so the weight change is exactly the clipped gradient);
     returns (weights, stats)."""
     m = fresh(model).double()
     cfg = LearnerConfig(minibatch_size=len(samples), ppo_epochs=2, micro_batch_size=micro_batch_size,
-                        entropy_coef=0.01, max_grad_norm=1e9)
+                        entropy_coef=0.01, max_grad_norm=1e9, **settings)
     cfg.kl.coef = 0.1
     opt = torch.optim.SGD(m.parameters(), lr=1.0)
     stats = ppo_update(m, opt, with_advantages([dict(s) for s in samples], cfg), 0.1, tok.pad_token_id, cfg,
@@ -120,14 +125,26 @@ def _float64_update(model, samples, tok, micro_batch_size, stale):
     return {k: v.clone() for k, v in m.state_dict().items()}, stats
 
 
-@pytest.mark.parametrize("stale", [False, True])
-def test_micro_batches_equal_the_whole_minibatch_in_float64(setup, stale):
+GRPO2 = dict(algorithm="grpo", group_size=2)
+
+
+@pytest.mark.parametrize("stale,settings", [
+    (False, {}), (True, {}),
+    (False, dict(loss_agg_mode="seq-mean-token-mean", policy_loss="dual_clip", **GRPO2)),
+    (True, dict(loss_agg_mode="seq-mean-token-sum", policy_loss="gspo", advantage="rloo", **GRPO2)),
+    (False, dict(advantage="dr_grpo", max_response_tokens=8, policy_loss="reinforce", **GRPO2)),
+    (False, dict(advantage="reinforce_pp", clip_eps_high=0.28, mask_truncated=True, overlong_buffer=2,
+                 max_response_tokens=4, **GRPO2)),
+])
+def test_micro_batches_equal_the_whole_minibatch_in_float64(setup, stale, settings):
     # Responses of different lengths and two failed samples: slices hold different numbers of
-    # valid tokens, which is what the token-share weighting has to get right.
+    # valid tokens, which is what the whole minibatch's normaliser has to get right, for every
+    # aggregation mode, policy loss and advantage estimator.
     tok, model, samples = setup
-    samples = [dict(s, failed=i in (1, 6)) for i, s in enumerate(samples)]
-    whole, whole_stats = _float64_update(model, samples, tok, 0, stale)
-    split, split_stats = _float64_update(model, samples, tok, 3, stale)  # 16 samples: 3+3+3+3+3+1
+    samples = [dict(s, failed=i in (1, 6), token_rewards=[0.1 * i] * len(s["response_ids"]))
+               for i, s in enumerate(samples)]
+    whole, whole_stats = _float64_update(model, samples, tok, 0, stale, **settings)
+    split, split_stats = _float64_update(model, samples, tok, 3, stale, **settings)  # 16 samples: 3+3+3+3+3+1
     for k in whole:
         assert torch.allclose(whole[k], split[k], rtol=0, atol=1e-12), k
     for k in ("losses/policy", "losses/kl", "entropy", "losses/approx_kl", "losses/clipfrac", "grad_norm"):
@@ -295,3 +312,133 @@ def test_compiled_layers_make_the_same_update_as_eager(setup, capsys):
         assert torch.allclose(eager[k], compiled[k], rtol=0, atol=1e-5), k
     for k in ("losses/policy", "losses/kl", "entropy", "grad_norm"):
         assert compiled_stats[k] == pytest.approx(eager_stats[k], rel=1e-4, abs=1e-6), k
+
+
+# --- issue 17's four bugs: each test fails on the learner before the fix -------------------------
+
+def _crafted(tok, model, lengths, scores, failed=()):
+    """Samples of one prompt with responses of the given lengths and scores; behaviour and
+    reference log-probs are the model's own (full softmax, T=1), so with identical weights every
+    importance ratio is 1 and the policy loss is -sum(A) / tokens."""
+    prompt = tok("1 2 3")["input_ids"]
+    digits = tok.convert_tokens_to_ids(["4", "5", "6", "7"])
+    samples = [{"prompt_ids": prompt, "response_ids": [digits[j % 4] for j in range(n)], "score": float(score),
+                "failed": i in failed, "finished": True, "advantages": [0.0] * n, "token_rewards": [0.0] * n}
+               for i, (n, score) in enumerate(zip(lengths, scores))]
+    add_logprobs(model, tok.pad_token_id, [{"samples": samples}], "logprobs")
+    add_logprobs(model, tok.pad_token_id, [{"samples": samples}], "ref_logprobs")
+    return samples
+
+
+def _policy_loss_at_identical_weights(model, tok, samples, cfg):
+    m = fresh(model)
+    stats = ppo_update(m, torch.optim.SGD(m.parameters(), lr=0.0), with_advantages(samples, cfg), 0.0,
+                       tok.pad_token_id, cfg, random.Random(0), stale=False)
+    return stats
+
+
+def test_grpo_advantages_are_not_whitened_again_over_tokens(setup):
+    # Groups of 2, scores [1, 0 | 1, 1], lengths [1, 3 | 2, 2]: advantages [[0.707], [-0.707 x3],
+    # [0, 0], [0, 0]], so the token-mean policy loss is -(0.707 - 3 x 0.707) / 8 = 0.177. Whitened
+    # again over the tokens ([[1.768], [-1.061 x3], [0.354 x2] x2]) it was 0, and the group with
+    # no signal was pushed up, by length.
+    tok, model, _ = setup
+    samples = _crafted(tok, model, [1, 3, 2, 2], [1, 0, 1, 1])
+    cfg = LearnerConfig(algorithm="grpo", group_size=2, minibatch_size=4)
+    cfg.kl.coef = 0.0
+    advs = step_advantages(samples, cfg)
+    assert advs[0] == pytest.approx([0.5 ** 0.5], abs=1e-5) and advs[1] == pytest.approx([-0.5 ** 0.5] * 3, abs=1e-5)
+    assert advs[2] == advs[3] == [0.0, 0.0]
+    stats = _policy_loss_at_identical_weights(model, tok, samples, cfg)
+    assert stats["losses/policy"] == pytest.approx(2 * 0.5 ** 0.5 / 8, abs=1e-5)
+
+
+def test_a_failed_sample_is_not_part_of_its_groups_baseline(setup):
+    # Group [1, 1, failed, 1]: the valid members all scored 1, so their advantage is 0 (it was 0.5:
+    # the failed sample's 0 score pulled the group mean down).
+    tok, model, _ = setup
+    samples = _crafted(tok, model, [2, 3, 2, 1], [1, 1, 0, 1], failed=(2,))
+    cfg = LearnerConfig(algorithm="grpo", group_size=4, whiten_advantages=False)
+    assert all(a == 0.0 for row in step_advantages(samples, cfg) for a in row)
+    for advantage in ("dr_grpo", "rloo"):
+        cfg.advantage = advantage
+        assert all(a == 0.0 for row in step_advantages(samples, cfg) for a in row), advantage
+
+
+@pytest.mark.parametrize("sampling", [{"min_new_tokens": 2}, {"top_k": 4}])
+def test_old_logprobs_are_the_learners_own_so_the_ratio_is_one_at_identical_weights(setup, sampling):
+    # The generator's behaviour log-probs come from the distribution it sampled: <eos> masked
+    # before min_new_tokens, or renormalised over the top_k tokens. Used as the old log-probs they
+    # gave a ratio of 0.169 / 0.603 with identical weights; recomputed by the learner it is 1.
+    tok, model, _ = setup
+    task = make_task("copy", 3)
+    ids = [tok(p["prompt"])["input_ids"] for p in task.take(8)]
+    samples = sample_responses(model, tok, ids, task.max_new_tokens, seed=1, **sampling)
+    items = [{"samples": samples}]
+    add_logprobs(model, tok.pad_token_id, items, "ref_logprobs")
+    behaviour = [v for s in samples for v in s["logprobs"]]
+    add_logprobs(model, tok.pad_token_id, items, "full")
+    assert max(abs(a - b) for a, b in zip(behaviour, [v for s in samples for v in s["full"]])) > 0.01
+    for s in samples:
+        s.update(score=1.0, failed=False, advantages=[1.0] * len(s["response_ids"]))
+    cfg = LearnerConfig(minibatch_size=4, ppo_epochs=1, whiten_advantages=False)  # 2 minibatches
+    stats = _policy_loss_at_identical_weights(model, tok, samples, cfg)
+    assert stats["losses/approx_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert stats["losses/clipfrac"] == 0.0
+
+
+def test_reference_logprobs_are_at_the_sampling_temperature(setup):
+    # The learner's log-probs are at the sampling temperature; the reference's were at T=1, so with
+    # policy = reference the KL at T=0.7 was 0.079 instead of 0.
+    tok, model, samples = setup
+    samples = [dict(s) for s in samples]
+    add_logprobs(model, tok.pad_token_id, [{"samples": samples}], "ref_logprobs", temperature=0.7)
+    add_logprobs(model, tok.pad_token_id, [{"samples": samples}], "logprobs", temperature=0.7)
+    cfg = LearnerConfig(minibatch_size=len(samples), ppo_epochs=1, temperature=0.7)
+    stats = _policy_loss_at_identical_weights(model, tok, samples, cfg)
+    assert stats["losses/kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_an_overflowing_log_ratio_is_clamped_not_a_skipped_minibatch(setup):
+    # Tokens whose policy log-prob lies 100 below the reference's: k3's exp(ref - logp) overflows
+    # float32 to inf and the minibatch was skipped; with the log ratio clamped at 20 and the
+    # estimate at 10 (verl's bounds) the update goes through.
+    tok, model, samples = setup
+    samples = with_advantages([dict(s) for s in samples], LearnerConfig())
+    samples[0]["ref_logprobs"] = [v + 100.0 for v in samples[0]["ref_logprobs"]]
+    cfg = LearnerConfig(minibatch_size=len(samples), ppo_epochs=2, kl=LearnerConfig().kl)
+    cfg.kl.coef, cfg.kl.estimator = 0.1, "k3"
+    m = fresh(model)
+    stats = ppo_update(m, torch.optim.SGD(m.parameters(), lr=1e-3), samples, 0.1, tok.pad_token_id, cfg,
+                       random.Random(0), stale=False)
+    assert stats["updates/skipped"] == 0 and math.isfinite(stats["losses/kl"])
+    assert stats["losses/kl"] == pytest.approx(10.0 * len(samples[0]["response_ids"]) /
+                                               sum(len(s["response_ids"]) for s in samples), rel=0.05)
+
+
+def test_settings_that_do_not_fit_together_are_clear_errors():
+    from dataflow.errors import UserError
+    from nodes.learner import check_config
+
+    def error(max_steps=None, **settings):
+        cfg = LearnerConfig(**{k: v for k, v in settings.items() if "." not in k})
+        for key, value in settings.items():
+            if "." in key:
+                sub, name = key.split(".")
+                setattr(getattr(cfg, sub), name, value)
+        with pytest.raises(UserError) as e:
+            check_config(cfg, max_steps)
+        return str(e.value)
+
+    assert "graphs/ppo.py" in error(algorithm="grpo", advantage="gae")
+    assert "learner-side advantage" in error(**{"kl.placement": "reward"})       # gae: the critic's GAE
+    assert "learner-side advantage" in error(overlong_buffer=2, max_response_tokens=8)
+    assert "max_response_tokens" in error(algorithm="grpo", advantage="dr_grpo")  # no constant to divide by
+    assert "max_response_tokens" in error(algorithm="grpo", overlong_buffer=4)
+    assert "dual_clip_c" in error(policy_loss="dual_clip", dual_clip_c=1.0)
+    assert "betas" in error(betas=[0.9])
+    assert "--max-steps" in error(**{"schedule.decay": "cosine"})
+    check_config(LearnerConfig(algorithm="grpo", advantage="dr_grpo", max_response_tokens=8), None)   # fits
+    cfg = LearnerConfig()
+    cfg.schedule.decay = "cosine"
+    check_config(cfg, 100)                              # decays over the run's max_steps

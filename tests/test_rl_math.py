@@ -294,13 +294,20 @@ def test_kl_penalty_entropy_logprobs():
 
     lp = torch.randn(4, 6, generator=gen, dtype=torch.float64)
     ref = torch.randn(4, 6, generator=gen, dtype=torch.float64)
+    lp[0, 0], ref[0, 1] = -150.0, -150.0               # |log ratio| ~ 150: exp overflows float32
+    ref[0, 2] = 0.6                                      # k3's exp(-d) ~ 30: over the 10 clamp
     for kind, f in {"k1": lambda d: d, "k2": lambda d: 0.5 * d * d,
-                    "k3": lambda d: math.exp(-d) - 1 + d}.items():
-        out = kl_penalty(lp, ref, kind)
+                    "k3": lambda d: math.exp(-min(max(d, -20), 20)) - 1 + min(max(d, -20), 20)}.items():
+        out = kl_penalty(lp, ref, kind)                  # verl's clamps: 20 inside k3, 10 outside
+        unclamped = kl_penalty(lp, ref, kind, clamp=None, log_ratio_clamp=None)
         for b in range(4):
             for t in range(6):
-                assert out[b, t].item() == pytest.approx(f(lp[b, t].item() - ref[b, t].item()),
-                                                         abs=1e-12)
+                d = lp[b, t].item() - ref[b, t].item()
+                assert out[b, t].item() == pytest.approx(min(max(f(d), -10.0), 10.0), abs=1e-12)
+                if kind != "k3" or abs(d) < 20:
+                    expect = f(d) if kind != "k3" else math.exp(-d) - 1 + d
+                    assert unclamped[b, t].item() == pytest.approx(expect, rel=1e-12, abs=1e-12)
+        assert torch.isfinite(kl_penalty(lp.float(), ref.float(), kind)).all()
     with pytest.raises(ValueError, match="k1"):
         kl_penalty(lp, ref, "k4")
 
@@ -354,3 +361,236 @@ def test_token_logprobs_compiled_kernel_matches_the_eager_chunks():
     assert all(_compiled_fns.get(name) is not None for name in ("stats1", "grad1"))  # really compiled
     for eager, compiled in zip(*results):
         assert torch.allclose(eager, compiled, rtol=0, atol=1e-5)
+
+
+# --- issue 20: loss aggregation, policy-loss variants, advantage estimators, shaping, schedule ----
+
+from rl.advantages import reinforce_pp_advantages, rloo_advantages  # noqa: E402
+from rl.kl import kl_shaped_rewards, sequence_kl  # noqa: E402
+from rl.losses import agg_loss, agg_row_weights, policy_loss  # noqa: E402
+from rl.schedule import lr_multiplier  # noqa: E402
+from rl.shaping import overlong_penalty  # noqa: E402
+
+AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+
+def ref_agg(loss, mask, mode, scale=None):
+    """verl's agg_loss, as loops over the valid tokens (fully masked rows not counted)."""
+    rows = [[v for v, m in zip(lr, mr) if m > 0] for lr, mr in zip(loss, mask)]
+    rows = [r for r in rows if r]
+    if not rows:
+        return 0.0
+    if mode == "token-mean":
+        return sum(sum(r) for r in rows) / sum(len(r) for r in rows)
+    if mode == "seq-mean-token-mean":
+        return sum(sum(r) / len(r) for r in rows) / len(rows)
+    if mode == "seq-mean-token-sum":
+        return sum(sum(r) for r in rows) / len(rows)
+    return sum(sum(r) for r in rows) / scale
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_agg_loss_matches_loop_and_splits_add_up_to_the_whole(mode, seed):
+    loss, mask, gen = random_batch(seed, batch=7, left_pad=seed == 0)
+    scale = 9.0 if mode == "seq-mean-token-sum-norm" else None
+    whole = agg_loss(loss, mask, mode, scale)
+    assert whole.item() == pytest.approx(ref_agg(loss.tolist(), mask.tolist(), mode, scale), abs=1e-12)
+    # Micro-batches / dp shares: each part sums its rows with the WHOLE batch's row weights; any
+    # partition of the rows adds up to the unsplit loss (a per-part mean would not).
+    weights = agg_row_weights(mask, mode, scale)
+    perm = torch.randperm(7, generator=gen)
+    parts = [perm[:3], perm[3:4], perm[4:]]
+    from rl.losses import weighted_token_sum
+    split = sum(weighted_token_sum(loss[p], mask[p], weights[p]) for p in parts)
+    assert split.item() == pytest.approx(whole.item(), abs=1e-12)
+    if mode != "token-mean":   # a per-part token mean differs: what the normaliser must avoid
+        assert agg_loss(loss, mask, "token-mean").item() != pytest.approx(whole.item(), abs=1e-6)
+    assert agg_loss(loss, torch.zeros_like(mask), mode, scale).item() == 0.0
+
+
+def test_agg_row_weights_need_a_constant_for_sum_norm():
+    with pytest.raises(ValueError, match="scale_factor"):
+        agg_row_weights(torch.ones(2, 3), "seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="token-mean"):
+        agg_row_weights(torch.ones(2, 3), "seq-sum")
+
+
+def ref_token_loss(kind, r, a, lo, hi, c):
+    clipped = max(-a * r, -a * min(max(r, 1 - lo), 1 + hi))
+    if kind == "reinforce":
+        return -a * r
+    if kind == "dual_clip" and a < 0:
+        return min(clipped, -a * c)
+    return clipped
+
+
+def ref_policy_loss(kind, logp, old, adv, mask, mode, lo, hi, c):
+    """Per-token losses from plain floats (gspo: the paper's sequence ratio s_i on every token)."""
+    losses = []
+    for b in range(len(logp)):
+        valid = [t for t in range(len(logp[b])) if mask[b][t] > 0]
+        seq_r = math.exp(sum(logp[b][t] - old[b][t] for t in valid) / len(valid)) if valid else 1.0
+        row = []
+        for t in range(len(logp[b])):
+            r = seq_r if kind == "gspo" else math.exp(logp[b][t] - old[b][t])
+            row.append(ref_token_loss("ppo" if kind == "gspo" else kind, r, adv[b][t], lo, hi, c))
+        losses.append(row)
+    return ref_agg(losses, mask, mode, 9.0)
+
+
+@pytest.mark.parametrize("kind", ["ppo", "dual_clip", "gspo", "reinforce"])
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_policy_loss_variants_match_loop(kind, mode):
+    adv, mask, gen = random_batch(4, batch=7)
+    adv = adv * 2
+    old = -torch.rand(adv.shape, generator=gen, dtype=torch.float64) * 3
+    logp = (old + 0.4 * torch.randn(adv.shape, generator=gen, dtype=torch.float64)).requires_grad_()
+    if kind == "gspo":     # one advantage per sequence, as GSPO assumes
+        adv = adv[:, :1].expand_as(adv).contiguous()
+    if kind == "dual_clip":  # row 2: ratios e^1.5 = 4.5 > c = 3 with negative advantages
+        logp = (logp.detach() + 1.5 * torch.nn.functional.one_hot(torch.tensor(2), 7)[:, None]).requires_grad_()
+        adv[2] = -adv[2].abs()
+    lo, hi = 0.2, 0.28     # DAPO's clip-higher
+    weights = agg_row_weights(mask, mode, 9.0)
+    loss, stats = policy_loss(logp, old, adv, mask, weights, kind, lo, hi, dual_clip_c=3.0)
+    ref = ref_policy_loss(kind, logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), mode, lo, hi, 3.0)
+    assert loss.item() == pytest.approx(ref, abs=1e-12)
+    ratios = [math.exp(a - b) for lr, orow, mr in zip(logp.tolist(), old.tolist(), mask.tolist())
+              for a, b, m in zip(lr, orow, mr) if m > 0]
+    assert stats["approx_kl"].item() == pytest.approx(sum(r - 1 - math.log(r) for r in ratios) / len(ratios), abs=1e-12)
+    if kind == "ppo":
+        outside = sum(r < 1 - lo or r > 1 + hi for r in ratios) / len(ratios)
+        assert stats["clipfrac"].item() == pytest.approx(outside, abs=1e-12) and outside > 0
+    if kind == "dual_clip":
+        assert stats["clipfrac_lower"].item() > 0
+    if kind == "gspo":
+        # The gradient is the paper's: d/d logp_it of -A_i clip(s_i) with s_i = exp(mean_t log r_it),
+        # computed by autograd on the sequence form in float64.
+        loss.backward()
+        x = logp.detach().clone().requires_grad_()
+        n = mask.sum(1).clamp(min=1)
+        s = torch.exp(((x - old) * mask).sum(1) / n)
+        a = adv[:, 0]
+        seq_loss = torch.max(-a * s, -a * s.clamp(1 - lo, 1 + hi))
+        # each sequence's loss sits on each of its n_i tokens: its weight is the row's w_i * n_i
+        (seq_loss * weights * mask.sum(1)).sum().backward()
+        torch.testing.assert_close(logp.grad, x.grad * mask, rtol=0, atol=1e-12)
+
+
+def test_dual_clip_bounds_the_loss_of_negative_advantages():
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    logp = torch.tensor([[2.0, 2.0, -2.0]], dtype=torch.float64, requires_grad=True)   # ratio e^2 = 7.4
+    adv = torch.tensor([[-1.0, 1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.float64)
+    loss, stats = policy_loss(logp, old, adv, mask, agg_row_weights(mask, "token-mean"), "dual_clip")
+    loss.backward()
+    # token 0: -A r = 7.4 > c |A| = 3 -> the bound, no gradient; token 1: clipped at 1.2 (A > 0)
+    assert loss.item() == pytest.approx((3.0 - 1.2 + 0.8) / 3)
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] == 0
+    assert stats["clipfrac_lower"].item() == pytest.approx(1 / 3)
+
+
+def test_log_ratio_clamp_keeps_an_overflow_finite():
+    old = torch.zeros(2, 2)
+    logp = torch.tensor([[150.0, 0.0], [0.0, 0.0]], requires_grad=True)   # exp(150) overflows float32
+    adv, mask = -torch.ones(2, 2), torch.ones(2, 2)
+    weights = agg_row_weights(mask, "token-mean")
+    for kind in ("reinforce", "dual_clip"):
+        loss, _ = policy_loss(logp, old, adv, mask, weights, kind)
+        assert torch.isfinite(loss)
+        loss, _ = policy_loss(logp, old, adv, mask, weights, kind, log_ratio_clamp=None)
+        assert kind == "dual_clip" or not torch.isfinite(loss)
+
+
+def ref_rloo(scores, groups, valid):
+    out = []
+    for i, (s, g) in enumerate(zip(scores, groups)):
+        others = [x for j, (x, h) in enumerate(zip(scores, groups)) if h == g and j != i and valid[j]]
+        out.append(s - sum(others) / len(others) if valid[i] and others else 0.0)
+    return out
+
+
+def test_rloo_and_grpo_leave_invalid_members_out():
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.rand(12, generator=gen, dtype=torch.float64)
+    valid = torch.ones(12, dtype=torch.bool)
+    valid[[1, 6, 7, 8]] = False                        # group 2 keeps a single valid member (9..11: 9)
+    valid[10], valid[11] = False, False
+    groups = [i // 4 for i in range(12)]
+    rloo = rloo_advantages(scores, group_size=4, valid=valid)
+    torch.testing.assert_close(rloo, torch.tensor(ref_rloo(scores.tolist(), groups, valid.tolist()),
+                                                  dtype=torch.float64), rtol=0, atol=1e-12)
+    assert rloo[8:].abs().sum() == 0
+    kept = [i for i in range(12) if valid[i]]
+    grpo = grpo_advantages(scores, group_size=4, valid=valid)
+    ref = ref_grpo([scores[i].item() for i in kept], [groups[i] for i in kept], 1e-6, True)
+    torch.testing.assert_close(grpo[kept], torch.tensor(ref, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert grpo[~valid].abs().sum() == 0
+    # all valid: RLOO = k/(k-1) x (r - group mean), verl's form
+    full = rloo_advantages(scores, group_size=4)
+    centered = grpo_advantages(scores, group_size=4, normalize_std=False)
+    torch.testing.assert_close(full, centered * 4 / 3, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_pp_matches_loop(gamma):
+    rewards, mask, _ = random_batch(6)
+    adv, ret = reinforce_pp_advantages(rewards, mask, gamma)
+    rl, ml = rewards.tolist(), mask.tolist()
+    ref_ret = [[0.0] * len(r) for r in rl]
+    for b in range(len(rl)):
+        running = 0.0
+        for t in reversed([t for t in range(len(rl[b])) if ml[b][t] > 0]):
+            running = rl[b][t] + gamma * running
+            ref_ret[b][t] = running
+    vals = [ref_ret[b][t] for b in range(len(rl)) for t in range(len(rl[b])) if ml[b][t] > 0]
+    mean = sum(vals) / len(vals)
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1) + 1e-8)
+    ref_adv = [[(ref_ret[b][t] - mean) / std if ml[b][t] > 0 else 0.0 for t in range(len(rl[b]))]
+               for b in range(len(rl))]
+    torch.testing.assert_close(ret, torch.tensor(ref_ret, dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(adv, torch.tensor(ref_adv, dtype=torch.float64), rtol=0, atol=1e-10)
+
+
+def test_kl_in_the_reward_and_sequence_kl():
+    kl, mask, gen = random_batch(8)
+    rewards = torch.randn(kl.shape, generator=gen, dtype=torch.float64)
+    shaped = kl_shaped_rewards(rewards, kl, 0.05, mask)
+    per_seq = sequence_kl(kl, mask)
+    for b in range(kl.shape[0]):
+        valid = [t for t in range(kl.shape[1]) if mask[b, t] > 0]
+        for t in range(kl.shape[1]):
+            expect = rewards[b, t].item() - 0.05 * kl[b, t].item() if t in valid else 0.0
+            assert shaped[b, t].item() == pytest.approx(expect, abs=1e-12)
+        expect = sum(kl[b, t].item() for t in valid) / len(valid) if valid else 0.0
+        assert per_seq[b].item() == pytest.approx(expect, abs=1e-12)
+
+
+def test_overlong_penalty_matches_dapo():
+    lengths = torch.tensor([0, 10, 12, 13, 15, 16, 20])
+    pen = overlong_penalty(lengths, max_len=16, buffer_len=4, penalty_factor=0.5)
+    # L_exp = 12: 0 up to 12 tokens, then -(L - 12) / 4 x 0.5
+    expect = [0.0, 0.0, 0.0, -0.125, -0.375, -0.5, -1.0]
+    assert pen.tolist() == pytest.approx(expect, abs=1e-12)
+    with pytest.raises(ValueError, match="buffer_len"):
+        overlong_penalty(lengths, max_len=16, buffer_len=17)
+
+
+@pytest.mark.parametrize("decay", ["constant", "linear", "cosine"])
+def test_lr_multiplier_matches_transformers_schedules(decay):
+    transformers = pytest.importorskip("transformers")
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=1.0)
+    make = {"constant": lambda: transformers.get_constant_schedule_with_warmup(opt, 5),
+            "linear": lambda: transformers.get_linear_schedule_with_warmup(opt, 5, 30),
+            "cosine": lambda: transformers.get_cosine_schedule_with_warmup(opt, 5, 30)}[decay]
+    peer = make().lr_lambdas[0]
+    for step in range(31):
+        assert lr_multiplier(step, 5, 30, decay) == pytest.approx(peer(step), abs=1e-12), step
+    # past total_steps the factor stays at its end value (transformers' cosine would rise again)
+    assert lr_multiplier(34, 5, 30, decay) == (1.0 if decay == "constant" else 0.0)
+    # with a floor: m + (1 - m) x shape
+    p = (20 - 5) / 25
+    shape = {"constant": 1.0, "linear": 1 - p, "cosine": 0.5 * (1 + math.cos(math.pi * p))}[decay]
+    assert lr_multiplier(20, 5, 30, decay, min_lr_ratio=0.1) == pytest.approx(0.1 + 0.9 * shape, abs=1e-12)
