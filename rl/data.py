@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -42,6 +43,7 @@ from typing import Literal, Sequence
 import numpy as np
 
 from dataflow.errors import UserError
+
 
 class DatasetError(UserError, ValueError):
     """A malformed prompt dataset; the message starts with where: "path:line:" or "path row N:"."""
@@ -56,7 +58,9 @@ class DataConfig:
     """Field of the answer, dotted for nested ("reward_model.ground_truth"); empty = "answer",
     else reward_model.ground_truth, else none."""
     skip_bad_lines: bool = False
+    """Skip (and count) bad rows instead of stopping with where they are."""
     system_prompt: str = ""
+    """Put first in every chat that has no system message of its own."""
     apply_chat_template: bool = False
     """Render string prompts too, as one user message (chat prompts always are)."""
     max_prompt_tokens: int = 0
@@ -77,17 +81,23 @@ RENDER_KEYS = ("prompt_key", "answer_key", "system_prompt", "apply_chat_template
 class Prompts:
     """A file's usable rows: prompts[i] (a string or a list of messages) and fields[i] (a dict)."""
     path: str
+    by_line: bool
+    """JSONL: positions are line numbers (1-based); else row indices (0-based)."""
     prompts: list = field(default_factory=list)
     fields: list = field(default_factory=list)
+    positions: list = field(default_factory=list)
     skipped: int = 0
-    where_of: list = field(default_factory=list)
-    """Per row, where it came from (see DatasetError)."""
 
     def __len__(self) -> int:
         return len(self.prompts)
 
     def where(self, i: int) -> str:
-        return self.where_of[i]
+        """Where row i came from, as DatasetError messages start."""
+        return _where(self.path, self.by_line, self.positions[i])
+
+
+def _where(path: str, by_line: bool, position) -> str:
+    return f"{path}:{position}" if by_line else f"{path} row {position}"
 
 
 def _flag(setting: str, key: str, value: str) -> str:
@@ -111,7 +121,7 @@ def _get(row: dict, dotted: str):
     return value
 
 
-def _check_row(raw, cfg) -> tuple[object, dict] | str:
+def _check_row(raw, cfg, setting: str) -> tuple[object, dict] | str:
     """(prompt, fields) of a parsed row, or what is wrong with it."""
     key = cfg.prompt_key
     if not isinstance(raw, dict):
@@ -138,12 +148,13 @@ def _check_row(raw, cfg) -> tuple[object, dict] | str:
                 and "ground_truth" in raw["reward_model"]:
             fields["answer"] = raw["reward_model"]["ground_truth"]   # verl's layout
     except KeyError:
-        return f'missing answer field "{cfg.answer_key}" (answer_key)'
+        return f'missing answer field "{cfg.answer_key}" ({setting}.answer_key)'
     return prompt, fields
 
 
 def _jsonl_lines(path: str):
-    """(line number, parsed object or None, problem) per non-blank line, with the json module."""
+    """(line number, parsed object or None, problem) per non-blank line, with the json module
+    ("line:column" in place of the number for malformed JSON)."""
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
             if not raw.strip():
@@ -159,8 +170,8 @@ def _jsonl_lines(path: str):
                 yield f"{line_no}:{e.colno}", None, f"invalid JSON ({e.msg}); write one JSON object per line"
 
 
-def _read_rows(path: str, fmt: str) -> list[tuple[str, object, str | None]]:
-    """(where, parsed row, problem) for every row of a file."""
+def _read_rows(path: str, fmt: str):
+    """(position, parsed row, problem) for every row of a file (positions as in Prompts)."""
     import pyarrow as pa
 
     if fmt == "parquet":
@@ -169,7 +180,7 @@ def _read_rows(path: str, fmt: str) -> list[tuple[str, object, str | None]]:
             rows = pq.read_table(path).to_pylist()
         except (pa.ArrowException, OSError) as e:
             raise DatasetError(f"{path}: not a readable parquet file ({e})") from None
-        return [(f"{path} row {i}", row, None) for i, row in enumerate(rows)]
+        return ((i, row, None) for i, row in enumerate(rows))
     if fmt == "json":
         try:
             with open(path, encoding="utf-8") as f:
@@ -182,15 +193,17 @@ def _read_rows(path: str, fmt: str) -> list[tuple[str, object, str | None]]:
         if not isinstance(rows, list):
             raise DatasetError(f"{path}: a .json file must hold an array of row objects (or one object per "
                                f"line), not a {type(rows).__name__}")
-        return [(f"{path} row {i}", row, None) for i, row in enumerate(rows)]
+        return ((i, row, None) for i, row in enumerate(rows))
     import pyarrow.json as pj
     try:   # fast path: pyarrow (lines of the whole file must parse and agree on types)
         rows = pj.read_json(path, read_options=pj.ReadOptions(block_size=1 << 24)).to_pylist()
     except (pa.ArrowException, UnicodeDecodeError, OSError):
-        return [(f"{path}:{n}", row, problem) for n, row, problem in _jsonl_lines(path)]
+        return _jsonl_lines(path)
     with open(path, "rb") as f:   # pyarrow skips blank lines: number the others
         lines = [n for n, raw in enumerate(f, start=1) if raw.strip()]
-    return [(f"{path}:{n}", row, None) for n, row in zip(lines, rows)]
+    if len(lines) != len(rows):   # a line pyarrow and Python disagree is blank: the exact path
+        return _jsonl_lines(path)
+    return zip(lines, rows, itertools.repeat(None))
 
 
 def _format(path: str) -> str:
@@ -221,17 +234,17 @@ def load_prompts(path: str, cfg=None, setting: str = "prompts") -> Prompts:
     fmt = _format(path)
     if fmt == "tokens":
         raise DatasetError(f"{path}: a token file holds tokenized prompts; open it with open_prompts")
-    out = Prompts(path)
-    for where, raw, problem in _read_rows(path, fmt):
-        checked = _check_row(raw, cfg) if problem is None else problem
+    out = Prompts(path, by_line=fmt == "jsonl")
+    for position, raw, problem in _read_rows(path, fmt):
+        checked = _check_row(raw, cfg, setting) if problem is None else problem
         if isinstance(checked, str):
             if not cfg.skip_bad_lines:
-                raise DatasetError(f"{where}: {checked}; {_skip_hint(setting)}")
+                raise DatasetError(f"{_where(path, out.by_line, position)}: {checked}; {_skip_hint(setting)}")
             out.skipped += 1
             continue
         out.prompts.append(checked[0])
         out.fields.append(checked[1])
-        out.where_of.append(where)
+        out.positions.append(position)
     if not out.prompts:
         raise DatasetError(f"{path}: no usable rows ({out.skipped} skipped)")
     return out

@@ -87,7 +87,7 @@ def test_bad_rows_name_file_line_column_and_the_setting_that_skips(tmp_path):
     path.write_bytes(b"\n".join(lines))
     got = data.load_prompts(str(path), data.DataConfig(skip_bad_lines=True))
     assert got.skipped == 5 and got.prompts == ["copy 1 2 :", "ok"]
-    assert got.where_of == [f"{path}:1", f"{path}:8"]
+    assert [got.where(i) for i in range(2)] == [f"{path}:1", f"{path}:8"]
     with pytest.raises(data.DatasetError, match="no such file"):
         data.load_prompts(str(tmp_path / "absent.jsonl"))
     (tmp_path / "d.csv").write_text("prompt\nx\n")
