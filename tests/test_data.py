@@ -129,6 +129,12 @@ def test_chat_prompts_render_with_the_template_and_system_prompt(tmp_path, model
     assert enc.message(2)["prompt"] == "<|im_start|>system\nyou are terse<|im_end|>\n<|im_start|>user\ncopy 1 2 :" \
                                        "<|im_end|>\n<|im_start|>assistant\n"
 
+    # a template's own check (e.g. "roles must alternate") rejects a row: a bad row like any other
+    tok.chat_template = "{% if messages[0].role == 'system' %}{{ raise_exception('no system role') }}{% endif %}x"
+    with pytest.raises(data.DatasetError, match=rf"^{path}:2: the chat template rejects this prompt \(no system role\)"):
+        data.open_prompts(str(path), data.DataConfig(), tok, model_dir)
+    assert len(data.open_prompts(str(path), data.DataConfig(skip_bad_lines=True), tok, model_dir)) == 2
+
 
 def test_chat_prompts_need_a_template_and_a_tokenizer(tmp_path):
     bare = tmp_path / "bare"
