@@ -37,7 +37,7 @@ from dataflow.channel import EndOfChannel, WouldBlock
 from dataflow.errors import UserError
 from rl import policy
 from rl.decoding import StaticDecoder, sample_key, unsupported_reason
-from rl.models import sample_responses
+from rl.models import cut_at_stop_strings, sample_responses
 from dataflow.weights.sync import SYNC_EDGE, GeneratorWeightSync, WeightSyncConfig
 
 
@@ -50,7 +50,16 @@ class GeneratorConfig:
     max_new_tokens: int = 8
     """Longest response in tokens."""
     min_new_tokens: int = 0
-    """<eos> is masked out (of the sampled distribution and its log-probs) before this many tokens."""
+    """Every stop token is masked out (of the sampled distribution and its log-probs) before this
+    many tokens."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Ids that end a response, besides the tokenizer's eos and every eos id of the model's
+    generation_config.json (always on; rl/policy.stop_token_ids). The stop token stays in the
+    trained response."""
+    stop_strings: list[str] = field(default_factory=list)
+    """Texts that end a response: after generation, a response is cut after the token that
+    completes the first one (rl/models.cut_at_stop_strings; the tokens past it were generated and
+    are dropped). Prefer stop_token_ids where the stop is one token: it saves that compute."""
     temperature: float = 1.0
     top_k: int = 0
     """Sample from the k most likely tokens (0 = all)."""
@@ -124,6 +133,11 @@ class Generator(Node):
         c = self.config
         self.prompts_per_call = prompts_per_call(c, self.ctx.device)  # the HF loop's; the decoder's below
         self.model, self.tokenizer = policy.load(c.policy)
+        self.stop_ids = policy.stop_token_ids(self.model, self.tokenizer, c.stop_token_ids)
+        if self.stop_ids != [self.tokenizer.eos_token_id] or c.stop_strings:
+            self.ctx.log(f"generator: responses stop at ids {self.stop_ids} "
+                         f"{self.tokenizer.convert_ids_to_tokens(self.stop_ids)}"
+                         + (f" and strings {c.stop_strings}" if c.stop_strings else ""))
         # Cast before the weight sync's setup: it tells the learner the dtype to push in.
         self.model.to(self.ctx.device, dtype=resolve_dtype(c.dtype, self.ctx.device)).eval()
         self.version = 0
@@ -147,7 +161,7 @@ class Generator(Node):
                              f"{room / 2**30:.1f} GiB left; set generator.prompts_per_call to choose")
         self.decoder = StaticDecoder(
             self.model, self.prompts_per_call * c.group_size, self.max_prompt + c.max_new_tokens,
-            eos_id=self.tokenizer.eos_token_id, max_new_tokens=c.max_new_tokens,
+            eos_id=self.stop_ids, max_new_tokens=c.max_new_tokens,
             min_new_tokens=c.min_new_tokens, temperature=c.temperature, top_k=c.top_k,
             seed=c.seed, cuda_graphs=c.cuda_graphs, compile_layers=c.compile)
 
@@ -158,11 +172,21 @@ class Generator(Node):
             await self._run_continuous()
 
     def _tokenize(self, msg) -> list[int]:
-        ids = self.tokenizer(msg.data["prompt"])["input_ids"]
+        # The prompt source sends the ids when it has the policy's tokenizer (chat template
+        # rendered, truncated: nodes/prompts.py); else the text is tokenized here.
+        ids = msg.data.get("prompt_ids") or self.tokenizer(msg.data["prompt"])["input_ids"]
         if self.decoder is not None and len(ids) > self.max_prompt:
             raise UserError(f"generator: prompt {msg.data['id']} has {len(ids)} tokens, more than "
                             f"generator.max_prompt_tokens={self.max_prompt}; raise it")
         return ids
+
+    def _stop_strings(self, sample: dict) -> dict:
+        return cut_at_stop_strings(sample, self.tokenizer, self.config.stop_strings)
+
+    @staticmethod
+    def _fields(msg) -> dict:
+        # every sample carries its prompt_ids: the item need not carry them again
+        return {k: v for k, v in msg.data.items() if k != "prompt_ids"}
 
     async def _run_continuous(self):
         c, dec = self.config, self.decoder
@@ -226,12 +250,12 @@ class Generator(Node):
                             break
                         for (n, j), sample in await asyncio.to_thread(dec.step):
                             group = groups[n]
-                            group[1][j] = sample
+                            group[1][j] = self._stop_strings(sample)
                             group[2] -= 1
                             if group[2] == 0:
                                 del groups[n]
                                 msg = group[0]
-                                item = ({**msg.data, "version": self.version, "samples": group[1]},
+                                item = ({**self._fields(msg), "version": self.version, "samples": group[1]},
                                         {**msg.meta, "version": self.version})
                                 if ready or not emit(item):   # keep the order of completion
                                     ready.append(item)
@@ -247,8 +271,8 @@ class Generator(Node):
                 with self.ctx.span("generate", prompts=len(batch), version=self.version):
                     samples = await asyncio.to_thread(
                         sample_responses, self.model, self.tokenizer, repeated, c.max_new_tokens,
-                        c.temperature, c.top_k or None, rng, None, c.min_new_tokens)
+                        c.temperature, c.top_k or None, rng, None, c.min_new_tokens, self.stop_ids)
             for i, msg in enumerate(batch):
-                group = samples[i * c.group_size:(i + 1) * c.group_size]
-                item = {**msg.data, "version": self.version, "samples": group}
+                group = [self._stop_strings(s) for s in samples[i * c.group_size:(i + 1) * c.group_size]]
+                item = {**self._fields(msg), "version": self.version, "samples": group}
                 await out.send(item, **{**msg.meta, "version": self.version})

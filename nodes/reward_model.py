@@ -47,14 +47,28 @@ def load_reward_model(path: str):
     return model
 
 
+def last_token_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B] logit of each row at its last real token, found from the attention mask. transformers'
+    own pooling takes the last token that is not pad_token_id, which misses a response's final
+    eos when pad == eos (a pad-less tokenizer given its eos as pad, rl/policy.py): so models with
+    the usual `score` head run trunk + head here and pick the column themselves."""
+    mask = attention_mask.long()
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    head = getattr(model, "score", None)
+    if base is None or head is None:   # another head layout: transformers' pooling
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0]
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    hidden = base(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
+    last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(-1)
+    return head(hidden[torch.arange(len(last), device=last.device), last])[:, 0]
+
+
 def score_items(model, pad_id: int, items: list[dict], scale: float, shift: float) -> None:
     """Set score / token_rewards / failed on every response of `items` (right-aligned batch)."""
     samples = [s for item in items for s in item["samples"]]
     batch = pad_batch(samples, pad_id, token_keys=(), device=next(model.parameters()).device)
-    # pad_batch right-pads responses; the classifier pools the last non-pad token per row, which
-    # transformers finds from pad_token_id, so the model config must carry it.
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+        logits = last_token_logits(model, batch["input_ids"], batch["attention_mask"])
     for s, value in zip(samples, logits.float().tolist()):
         value = value * scale + shift
         s["failed"] = not math.isfinite(value)
@@ -71,11 +85,14 @@ class RewardModel(Node):
 
     async def setup(self):
         self.model = load_reward_model(self.config.path).to(self.ctx.device).eval()
-        pad = self.model.config.pad_token_id
-        if pad is None:
-            raise UserError(f"reward_model.path={self.config.path}: config has no pad_token_id; set it to the "
-                            "tokenizer's pad id so the last real token can be found")
-        self.pad_id = pad
+        # with a `score` head any id pads: the last real token is found from the lengths
+        # (last_token_logits); other heads pool by transformers' rule, which needs pad_token_id
+        self.pad_id = self.model.config.pad_token_id
+        if self.pad_id is None:
+            if getattr(self.model, "score", None) is None:
+                raise UserError(f"reward_model.path={self.config.path}: config has no pad_token_id; set it to "
+                                "the tokenizer's pad id so the last real token can be found")
+            self.pad_id = 0
 
     async def run(self):
         c = self.config

@@ -24,6 +24,9 @@ Sampling noise is counter-based: token t of sample j of prompt id p under seed s
 hashed from (s, p, j, t, vocab index) (Gumbel-max == sampling from the softmax), so a response does
 not depend on which batch, slot, replica or restart produced it. The behaviour log-probs are those of
 the distribution actually sampled (temperature, top_k, <eos> masked before min_new_tokens).
+
+Stop tokens: `eos_id` is one id or several (a Llama 3 / Qwen2.5-Instruct generation_config.json
+lists a few); a sequence ends at the first of any of them, and "<eos>" in this file means any.
 """
 
 from __future__ import annotations
@@ -63,14 +66,19 @@ def gumbel_noise(keys: torch.Tensor, steps: torch.Tensor, vocab_hash: torch.Tens
 
 def sample_tokens(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor,
                   vocab_hash: torch.Tensor, temperature: float, top_k: int,
-                  eos_id: int, min_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  eos_id: int | torch.Tensor, min_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B], behaviour log-probs [B]) for float32 logits [B, V]; steps [B] = tokens already
     generated per row (the noise counter, and what min_new_tokens compares with). Only tensor ops:
-    capturable in a CUDA graph. temperature 0: greedy, log-probs of the temperature-1 distribution."""
+    capturable in a CUDA graph. temperature 0: greedy, log-probs of the temperature-1 distribution.
+    eos_id: one id, or a long tensor of stop ids on the logits' device (all masked before
+    min_new_tokens)."""
     if min_new_tokens > 0:
         block = steps < min_new_tokens
         logits = logits.clone()
-        logits[:, eos_id] = torch.where(block, float("-inf"), logits[:, eos_id])
+        if isinstance(eos_id, torch.Tensor):
+            logits[:, eos_id] = torch.where(block[:, None], float("-inf"), logits[:, eos_id])
+        else:
+            logits[:, eos_id] = torch.where(block, float("-inf"), logits[:, eos_id])
     if temperature > 0:
         logits = logits / temperature
         if top_k and top_k < logits.shape[-1]:
@@ -142,11 +150,12 @@ def _flash_with_kvcache():
 class StaticDecoder:
     """Slots of a static KV cache, continuously refilled. Not thread-safe: one caller at a time.
 
-        dec = StaticDecoder(model, num_slots=256, max_len=384, eos_id=2, max_new_tokens=256)
+        dec = StaticDecoder(model, num_slots=256, max_len=384, eos_id=[2, 7], max_new_tokens=256)
         dec.add([(prompt_ids, tag, key), ...])   # prefill into free slots (key: sample_key(...))
         while dec.active: done = dec.step(8)     # [(tag, sample dict)] of the finished sequences
 
     A sample dict is {"prompt_ids", "response_ids", "logprobs", "finished"} as sample_responses'.
+    `eos_id`: the stop token id, or a list of them (every one ends a sequence).
     `attention`: "auto" (flash-attn when importable on CUDA, else sdpa), "sdpa" or "flash".
     `cuda_graphs`: None = on CUDA. `compile_sampler`: torch.compile the sampling ops (CUDA; falls
     back to eager if compiling fails): unfused, the per-vocab noise costs ~15 passes over [B, V].
@@ -154,7 +163,7 @@ class StaticDecoder:
     here, on a dummy step; if that fails, the layers run eagerly and one line is printed.
     """
 
-    def __init__(self, model: nn.Module, num_slots: int, max_len: int, *, eos_id: int,
+    def __init__(self, model: nn.Module, num_slots: int, max_len: int, *, eos_id: int | list[int],
                  max_new_tokens: int, min_new_tokens: int = 0, temperature: float = 1.0,
                  top_k: int = 0, seed: int = 0, cuda_graphs: bool | None = None,
                  attention: str = "auto", compile_sampler: bool | None = None,
@@ -164,7 +173,10 @@ class StaticDecoder:
             raise ValueError(f"StaticDecoder: unsupported model: {reason}")
         self.model = model
         self.num_slots, self.max_len = num_slots, max_len
-        self.eos_id, self.max_new_tokens = eos_id, max_new_tokens
+        self.stop_ids = [int(eos_id)] if isinstance(eos_id, int) else [int(i) for i in eos_id]
+        if not self.stop_ids:
+            raise ValueError("StaticDecoder: eos_id is an empty list; give at least one stop id")
+        self.eos_id, self.max_new_tokens = self.stop_ids[0], max_new_tokens
         self.min_new_tokens = min(min_new_tokens, max_new_tokens)
         self.temperature, self.top_k, self.seed = temperature, top_k or 0, seed
         self._cuda_graphs, self._compile, self._sync_every = cuda_graphs, compile_sampler, sync_every
@@ -215,6 +227,11 @@ class StaticDecoder:
         self.positions = torch.arange(L, **z)
         vocab = self.model.lm_head.weight.shape[0]     # the logits' width (config.vocab_size may differ)
         self.vocab_hash = _fmix32(_fmix32(torch.arange(vocab, **z) ^ 0x9E3779B9))
+        if max(self.stop_ids) >= vocab or min(self.stop_ids) < 0:
+            raise ValueError(f"StaticDecoder: stop ids {self.stop_ids} outside the vocabulary of {vocab}")
+        self.stop_tensor = torch.tensor(self.stop_ids, **z)
+        self.is_stop = torch.zeros(vocab, device=device, dtype=torch.bool)   # a lookup: capturable
+        self.is_stop[self.stop_tensor] = True
         self.slots: list = [None] * S              # (tag, prompt_ids) per busy slot
         # host-side upper bound of each slot's length, without reading the device: prompt length
         # at admission + decode steps since (slots that finished early only stay below it)
@@ -339,7 +356,7 @@ class StaticDecoder:
         """Sample for `rows` and advance their state where `live` (all tensor ops)."""
         steps = self.n_gen[rows]
         tok, lp = (sampler or self._sampler)(logits, self.keys[rows], steps, self.vocab_hash,
-                                             self.temperature, self.top_k, self.eos_id,
+                                             self.temperature, self.top_k, self.stop_tensor,
                                              self.min_new_tokens)
         col = steps.clamp(max=self.max_new_tokens - 1)
         self.out_tokens[rows, col] = torch.where(live, tok, self.out_tokens[rows, col])
@@ -347,7 +364,7 @@ class StaticDecoder:
         self.last[rows] = torch.where(live, tok, self.last[rows])
         n_gen = steps + live.long()
         self.n_gen[rows] = n_gen
-        self.alive[rows] = live & (tok != self.eos_id) & (n_gen < self.max_new_tokens)
+        self.alive[rows] = live & ~self.is_stop[tok] & (n_gen < self.max_new_tokens)
 
     def _step(self, B: int, L: int | None = None) -> None:
         rows, live = self.slot_ids[:B], self.alive[:B].clone()
@@ -467,7 +484,7 @@ class StaticDecoder:
             response = tokens[i][:n_gen[i]]
             out.append((tag, {"prompt_ids": prompt, "response_ids": response,
                               "logprobs": logp[i][:n_gen[i]],
-                              "finished": bool(response) and response[-1] == self.eos_id}))
+                              "finished": bool(response) and response[-1] in self.stop_ids}))
             self.slots[s] = None
         self.lengths[idx] = 0      # free slots decode harmlessly at position 0 until refilled
         return out
@@ -507,8 +524,10 @@ def decode_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int
                      max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                      seed: int = 0, keys: list[tuple[int, int]] | None = None,
                      min_new_tokens: int = 0, num_slots: int | None = None,
-                     decoder: StaticDecoder | None = None, **decoder_kwargs) -> list[dict]:
+                     decoder: StaticDecoder | None = None, stop_ids: list[int] | None = None,
+                     **decoder_kwargs) -> list[dict]:
     """sample_responses' result with a StaticDecoder: one sample per prompt, in order.
+    stop_ids: every id that ends a response (default the tokenizer's eos).
     keys[i] = (prompt id, sample index) names prompt i's noise (default (i, 0)); with fewer
     slots than prompts, slots are refilled as sequences finish. `decoder`: reuse one (its
     sampling settings win; it must be idle)."""
@@ -516,7 +535,7 @@ def decode_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int
     if decoder is None:
         decoder = StaticDecoder(
             model, num_slots or len(prompt_ids_list),
-            max(len(p) for p in prompt_ids_list) + max_new_tokens, eos_id=tokenizer.eos_token_id,
+            max(len(p) for p in prompt_ids_list) + max_new_tokens, eos_id=stop_ids or tokenizer.eos_token_id,
             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
             temperature=temperature, top_k=top_k or 0, seed=seed, **decoder_kwargs)
     decoder.refresh()

@@ -185,7 +185,8 @@ def _cache_kwarg(model: nn.Module, out) -> dict:
 def sample_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int]],
                      max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                      generator: torch.Generator | None = None,
-                     seed: int | None = None, min_new_tokens: int = 0) -> list[dict]:
+                     seed: int | None = None, min_new_tokens: int = 0,
+                     stop_ids: list[int] | None = None) -> list[dict]:
     """Sample one response per prompt with a KV cache, in a hand loop.
 
     Why not model.generate: on the 2-core CPU both take the same time within noise (batch
@@ -205,11 +206,15 @@ def sample_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int
     The fast path for Llama/Qwen2 (static KV cache, CUDA graphs) is rl/decoding.py.
     Sampling is over the whole vocab, so a response may contain any id, <pad>'s included: take
     masks from pad_batch, never from `ids != pad_id`.
+    `stop_ids`: every id that ends a response (default: the tokenizer's eos; rl/policy.py
+    stop_token_ids collects them); "<eos>" above means any of them.
     """
     if generator is None and seed is not None:
         generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    stop_ids = list(stop_ids) if stop_ids else [tokenizer.eos_token_id]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    stops = torch.tensor(stop_ids, dtype=torch.long, device=device)
     num = len(prompt_ids_list)
     prompt_len = max(len(p) for p in prompt_ids_list)
     input_ids = torch.full((num, prompt_len), pad_id, dtype=torch.long)
@@ -229,7 +234,7 @@ def sample_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int
     for step in range(max_new_tokens):
         logits = out.logits[:, -1].float()
         if step < min_new_tokens:
-            logits[:, eos_id] = float("-inf")
+            logits[:, stops] = float("-inf")
         if temperature > 0:
             logits = logits / temperature
             if top_k is not None and top_k < logits.shape[-1]:
@@ -245,7 +250,7 @@ def sample_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int
         tokens.append(token)
         logprobs.append(logprob)
         step_mask = alive.long()[:, None]              # finished rows feed pads, masked out
-        alive = alive & (token != eos_id)
+        alive = alive & ~torch.isin(token, stops)
         if step == max_new_tokens - 1 or not alive.any():
             break
         attention_mask = torch.cat([attention_mask, step_mask], dim=1)
@@ -259,10 +264,38 @@ def sample_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int
     samples = []
     for i, prompt in enumerate(prompt_ids_list):
         response = tokens[i]
-        length = response.index(eos_id) + 1 if eos_id in response else len(response)
+        # the first stop token ends it: finished rows were fed pads after it (maybe a stop id too)
+        ends = [t for t, tok in enumerate(response) if tok in stop_ids]
+        length = ends[0] + 1 if ends else len(response)
         samples.append({"prompt_ids": list(prompt), "response_ids": response[:length],
-                        "logprobs": logprobs[i][:length], "finished": eos_id in response})
+                        "logprobs": logprobs[i][:length], "finished": bool(ends)})
     return samples
+
+
+def cut_at_stop_strings(sample: dict, tokenizer, stop_strings: list[str]) -> dict:
+    """`sample` ended at its first stop string: the shortest prefix of response_ids whose decoded
+    text contains one of `stop_strings` (the token completing it stays, as a stop token does), with
+    its logprobs, finished=True. Unchanged when no stop string occurs.
+
+    Checked on the decoded text after generation (the decoders stop only at token ids), so tokens
+    past the stop string were generated and are dropped here; a prefix search takes O(log n)
+    decodes. Special tokens are decoded too, so a stop string may name one."""
+    response = sample["response_ids"]
+
+    def stops_within(k: int) -> bool:
+        text = tokenizer.decode(response[:k], skip_special_tokens=False)
+        return any(s in text for s in stop_strings)
+
+    if not stop_strings or not response or not stops_within(len(response)):
+        return sample
+    lo, hi = 1, len(response)            # the shortest k with stops_within(k): it holds at hi
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if stops_within(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return {**sample, "response_ids": response[:lo], "logprobs": sample["logprobs"][:lo], "finished": True}
 
 
 def pad_batch(samples: list[dict], pad_id: int, token_keys: tuple[str, ...] = ("logprobs",),

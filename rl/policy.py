@@ -1,5 +1,17 @@
 """Where a policy comes from: a local HF model directory, or a random-init model for the built-in
-tasks. Generator, reference, learner and critic all load the same PolicySpec, so they start equal."""
+tasks. Generator, reference, learner and critic all load the same PolicySpec, so they start equal.
+
+Pad token. Many Llama-family tokenizers ship without one, and every node that batches sequences
+(generator's HF loop, reference, critic, learner) pads. A tokenizer without a pad token gets its
+eos token as pad (what verl's `set_pad_token_id` and TRL's examples do), else its unk token. This
+is safe here because no mask is ever taken from `ids == pad_id`: rl/models.pad_batch builds the
+attention and response masks from the sequence lengths, so a real eos at the end of a response
+stays a trained token even where it equals the pad id (tests/test_data.py checks it).
+
+Stop tokens. Generation stops at every id of `stop_token_ids`: the tokenizer's eos, every eos id
+of the model's generation_config.json (Llama 3 and Qwen2.5-Instruct list several; a converted
+tokenizer may name a different eos than the model was tuned to emit), and the ids a user adds.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +19,7 @@ from dataclasses import dataclass, field
 
 from dataflow.errors import UserError
 from rl.models import ModelConfig, build_policy, load_policy
-from rl.tasks import build_tokenizer
+from rl import tasks
 
 
 @dataclass(kw_only=True)
@@ -18,12 +30,66 @@ class PolicySpec:
     """Shape of the random-init model used when `path` is empty (built-in tasks)."""
 
 
+def ensure_pad_token(tokenizer) -> str | None:
+    """Give `tokenizer` a pad token if it has none (eos, else unk; module docstring); returns the
+    token chosen, None if it had one. Raises UserError if it has neither eos nor unk."""
+    if tokenizer.pad_token_id is not None:
+        return None
+    for name in ("eos_token", "unk_token"):
+        token = getattr(tokenizer, name)
+        if token is not None:
+            tokenizer.pad_token = token
+            return token
+    raise UserError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no pad, eos or unk token to pad "
+                    "with; add \"pad_token\" to its tokenizer_config.json")
+
+
+def load_tokenizer(spec: PolicySpec):
+    """The policy's tokenizer (the built-in one for an empty path), with a pad token."""
+    if not spec.path:
+        return tasks.build_tokenizer()
+    try:
+        tokenizer = tasks.load_tokenizer(spec.path)
+    except (FileNotFoundError, OSError, ValueError) as e:
+        raise UserError(f"policy.path={spec.path}: {e}") from None
+    ensure_pad_token(tokenizer)
+    return tokenizer
+
+
 def load(spec: PolicySpec):
-    """(model, tokenizer). Never downloads; a missing or incomplete directory is a UserError."""
+    """(model, tokenizer), the tokenizer with a pad token. Never downloads; a missing or
+    incomplete directory is a UserError."""
     if spec.path:
         try:
-            return load_policy(spec.path)
+            model, tokenizer = load_policy(spec.path)
         except (FileNotFoundError, OSError, ValueError) as e:
             raise UserError(f"policy.path={spec.path}: {e}") from None
-    tokenizer = build_tokenizer()
+        ensure_pad_token(tokenizer)
+        return model, tokenizer
+    tokenizer = tasks.build_tokenizer()
     return build_policy(spec.model, tokenizer), tokenizer
+
+
+def _as_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def stop_token_ids(model, tokenizer, extra: list[int] | tuple[int, ...] = ()) -> list[int]:
+    """Every id generation stops at, in order, without repeats: the tokenizer's eos, the eos ids of
+    the model's generation config (generation_config.json when the directory has one, else
+    config.json's eos_token_id) and `extra`. Ids outside the model's vocabulary are a UserError."""
+    generation_config = getattr(model, "generation_config", None)
+    ids = _as_ids(tokenizer.eos_token_id) + _as_ids(getattr(generation_config, "eos_token_id", None)) \
+        + _as_ids(list(extra))
+    ids = list(dict.fromkeys(ids))
+    vocab = model.get_output_embeddings().weight.shape[0]
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise UserError(f"stop token ids {bad} are outside the model's vocabulary of {vocab} "
+                        "(generation_config.json eos_token_id or generator.stop_token_ids)")
+    if not ids:
+        raise UserError("no stop token: the tokenizer has no eos token and the model's generation config "
+                        "names none; set generator.stop_token_ids=[ID]")
+    return ids

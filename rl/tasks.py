@@ -1,4 +1,4 @@
-"""Built-in synthetic tasks, their tokenizer, and JSONL prompt datasets. No network.
+"""Built-in synthetic tasks and their tokenizer. No network. (Prompt datasets: rl/data.py.)
 
 A task turns a seed into an endless, deterministic stream of prompt records
 `{"prompt": "copy 3 1 4 :", "answer": "3 1 4", "task": "copy"}` and scores a response text by a
@@ -26,9 +26,6 @@ early <eos> loses credit) and never explores it at position k + 1 again.
 
 from __future__ import annotations
 
-from dataflow.errors import UserError
-
-import json
 import os
 import random
 from dataclasses import dataclass
@@ -175,47 +172,3 @@ def token_rewards(fields: dict, response_tokens: list[str]) -> list[float]:
     for i, credit in zip(content, _position_credits(fields["answer"].split(), words)):
         rewards[i] = credit
     return rewards
-
-
-# ---------------------------------------------------------------------------------------------
-# JSONL prompt datasets
-# ---------------------------------------------------------------------------------------------
-
-class DatasetError(UserError, ValueError):
-    """A malformed prompt dataset; the message starts with "path:line:"."""
-
-
-def load_jsonl(path: str, skip_bad: bool = False) -> tuple[list[dict], int]:
-    """Read prompt records, one JSON object per line, each with a non-empty string "prompt".
-
-    Other fields (e.g. "answer") are kept and passed to reward functions. Blank lines are
-    ignored. A malformed line raises DatasetError("path:line: what is wrong; what to do"), or with
-    skip_bad=True is skipped and counted. Returns (records, num_skipped).
-    """
-    if not os.path.isfile(path):
-        raise DatasetError(f"{path}: no such file; pass the path of a .jsonl prompt dataset")
-    records, num_skipped = [], 0
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            problem = None
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                problem = f"invalid JSON ({e.msg} at column {e.colno}); write one JSON object per line"
-            else:
-                if not isinstance(record, dict):
-                    problem = (f"expected a JSON object, got {type(record).__name__}; "
-                               'write {"prompt": "..."}')
-                elif "prompt" not in record:
-                    problem = 'missing "prompt" field; add "prompt": "<text>" to the object'
-                elif not isinstance(record["prompt"], str) or not record["prompt"].strip():
-                    problem = '"prompt" must be a non-empty string'
-            if problem is None:
-                records.append(record)
-            elif skip_bad:
-                num_skipped += 1
-            else:
-                raise DatasetError(f"{path}:{line_no}: {problem} (or load with skip_bad=True)")
-    return records, num_skipped

@@ -1,7 +1,6 @@
-"""rl/tasks.py: the default task needs the prompt, determinism, tokenizer, JSONL datasets."""
+"""rl/tasks.py: the default task needs the prompt, determinism, tokenizer. (Datasets: tests/test_data.py.)"""
 
 import itertools
-import json
 import random
 from collections import Counter
 
@@ -114,30 +113,3 @@ def test_tokenizer_round_trip_and_save_load(tmp_path):
     assert (loaded.pad_token_id, loaded.eos_token_id, len(loaded)) == (0, 2, len(tok))
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         tasks.load_tokenizer(str(tmp_path / "missing"))
-
-
-def test_load_jsonl_errors_and_skip(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    lines = [json.dumps({"prompt": "copy 1 2 :", "answer": "1 2"}),
-             "",
-             "{not json",
-             json.dumps(["a list"]),
-             json.dumps({"question": "no prompt"}),
-             json.dumps({"prompt": ""}),
-             json.dumps({"prompt": "ok", "extra": 1})]
-    path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(tasks.DatasetError, match=rf"^{path}:3: invalid JSON"):
-        tasks.load_jsonl(str(path))
-    records, skipped = tasks.load_jsonl(str(path), skip_bad=True)
-    assert skipped == 4
-    assert [r["prompt"] for r in records] == ["copy 1 2 :", "ok"]
-    assert records[0]["answer"] == "1 2"
-
-    for bad, message in [(json.dumps(["x"]), "expected a JSON object"),
-                         (json.dumps({"q": 1}), 'missing "prompt"'),
-                         (json.dumps({"prompt": 3}), "non-empty string")]:
-        path.write_text(json.dumps({"prompt": "fine"}) + "\n" + bad + "\n")
-        with pytest.raises(tasks.DatasetError, match=rf"{path}:2: .*{message}"):
-            tasks.load_jsonl(str(path))
-    with pytest.raises(tasks.DatasetError, match="no such file"):
-        tasks.load_jsonl(str(tmp_path / "absent.jsonl"))
