@@ -1,6 +1,7 @@
 """`python -m dataflow.run GRAPH.py [--set k=v]... [--address A] [--max-steps N] [--describe]`.
 
-Exit status: 0 done, 1 a node failed, 2 a user mistake (graph file, --set, inputs), 130 interrupted.
+Exit status: 0 done, 1 a node failed or the run stalled, 2 a user mistake (graph file, --set,
+inputs), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import signal
 import sys
 
 from dataflow.errors import NodeFailed, UserError
+from dataflow.stall import RunStalled
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -21,7 +23,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                "  python -m dataflow.run graphs/ppo.py\n"
                "  python -m dataflow.run graphs/grpo.py --set task.name=reverse --max-steps 50\n"
                "  python -m dataflow.run graphs/ppo.py --describe\n"
-               "Exit status: 0 done, 1 a node failed, 2 bad input, 130 interrupted.",
+               "Exit status: 0 done, 1 a node failed or the run stalled, 2 bad input, 130 interrupted.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("graph", help="graph file: defines build(config) -> Graph (and a `config` dataclass), or `graph`")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -106,11 +108,22 @@ def _run_with_signals(make_coro, graph_file: str = "GRAPH.py") -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RunStalled as e:
+        print(f"\n{e.report}", file=sys.stderr)
+        print(f"[dataflow] stopped: the run stalled at {', '.join(e.roots)}: {e.summary}\n"
+              "  (stall_timeout_s and stall_action='warn' on the Graph change when and whether a stall stops the run)",
+              file=sys.stderr)
+        return 1
     print(summary.report)
     print(f"[dataflow] {summary.status}: {summary.steps} steps in {summary.seconds:.1f} s")
+    for note in summary.notes:
+        print(f"  {note}")
     restarts = getattr(summary, "restarts", None)
     if restarts:
         print("  restarted after their process died: " + ", ".join(f"{n} x{k}" for n, k in restarts.items()))
+    if summary.alerts:
+        print("  went wrong along the way (see metrics.jsonl): "
+              + ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.alerts.items()))
     print(f"  metrics: {summary.metrics_path}")
     for name, path in summary.artifacts.items():
         print(f"  {name}: {path}")
