@@ -72,8 +72,12 @@ class Monitor:
         self._polls: dict[str, asyncio.Future] = {}  # replica -> its poll() in flight
         self._alert_totals: dict[tuple[str, str], float] = {}  # (key, replica) -> latest running total
         self._alert_counts: dict[str, float] = {}  # key -> sum of the amounts reported
+        # The run's settings, which --resume starts from (dataflow/resume.py): here and in every
+        # checkpoint's manifest.
+        self.settings: dict | None = None
         if config is not None and dataclasses.is_dataclass(config):
-            (run_dir / "config.json").write_text(json.dumps({k: _jsonable(v) for k, v in flatten(config)}, indent=1))
+            self.settings = {k: _jsonable(v) for k, v in flatten(config)}
+            (run_dir / "config.json").write_text(json.dumps(self.settings, indent=1))
 
     def processes(self, pids: dict) -> None:
         """Which process hosts which replica: <run>/processes.json (for kill tests and operators)."""
@@ -228,6 +232,8 @@ def _jsonable(v: Any) -> Any:
         return v
     if isinstance(v, (list, tuple)):
         return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
     if hasattr(v, "item"):
         return v.item()
     return str(v)

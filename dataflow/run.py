@@ -44,16 +44,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--verbose", action="store_true", help="also show the node actors' own logs")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue from a checkpoint (DIR = <run>/checkpoints/step_<k>, or a run directory: "
-                        "its latest checkpoint); --max-steps counts from the start of the original run")
+                        "its latest checkpoint) with the run's recorded settings, each --set changing only what "
+                        "it names; --max-steps counts from the start of the original run")
+    p.add_argument("--allow-changed-settings", action="store_true",
+                   help="with --resume: accept a --set that changes what the run is (batch, group size, model, "
+                        "task or data, reward), which is refused otherwise")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from dataflow.resume import load_for_resume
     from dataflow.runtime import RunOptions, describe, load_graph, run_graph
 
     try:
-        graph, config = load_graph(args.graph, args.overrides)
+        if args.resume:  # the run's own settings, and a checkpoint that is intact
+            graph, config, checkpoint = load_for_resume(args.graph, args.overrides, args.resume,
+                                                        args.allow_changed_settings)
+            args.resume = str(checkpoint)
+        else:
+            graph, config = load_graph(args.graph, args.overrides)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -103,7 +113,7 @@ def _run_with_signals(make_coro, graph_file: str = "GRAPH.py") -> int:
         last = getattr(e, "last_checkpoint", None)
         if last:
             print(f"  last checkpoint: {last}\n  continue with: python -m dataflow.run {graph_file} --resume {last} "
-                  "(and the same --set options)", file=sys.stderr)
+                  "(it keeps the run's settings)", file=sys.stderr)
         return 1
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -33,6 +33,7 @@ from dataflow.launch import clock_offset, shutdown, start_ray, stop_all, wiring
 from dataflow.loading import describe, load_graph
 from dataflow.monitor import Monitor, RunSummary
 from dataflow.restarts import restart, restartable
+from dataflow.resume import checkpoint_to_resume
 from dataflow.stall import StallWatch
 
 __all__ = ["RunOptions", "RunSummary", "describe", "load_graph", "run_graph"]
@@ -59,7 +60,7 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
 
     resume, resume_step = None, 0
     if options.resume:
-        resume = checkpoint.resolve(options.resume)
+        resume = checkpoint_to_resume(options.resume)  # intact, or a UserError naming the one to use
         manifest = checkpoint.read_manifest(resume)
         if manifest.get("graph") != graph.name:
             raise UserError(f"--resume {resume}: a checkpoint of graph '{manifest.get('graph')}', not '{graph.name}'")
@@ -174,7 +175,8 @@ async def _save_checkpoint(graph: Graph, hosts: dict, monitor: Monitor, step: in
     first = [n for n in hosts if graph.nodes[n.split("[")[0]].ends_run]
     path, error = None, None
     try:
-        path = await checkpoint.save(hosts, first, monitor.run_dir, step, {"graph": graph.name, "reason": reason},
+        manifest = {"graph": graph.name, "reason": reason, **({"settings": monitor.settings} if monitor.settings else {})}
+        path = await checkpoint.save(hosts, first, monitor.run_dir, step, manifest,
                                      after_first=lambda: monitor.poll(hosts), previous=monitor.last_checkpoint)
     except Exception as e:
         error = f"checkpoint of step {step} failed: {type(e).__name__}: {e}"

@@ -28,6 +28,8 @@ class Tally(Node):
                 self.step += 1
                 self.total += msg.data["value"]
                 go_on = await self.ctx.step_done({"total": self.total})
+            if self.ctx.checkpoint_due(self.step):
+                await self.ctx.checkpoint(self.step)
             if not go_on:
                 return
 
@@ -40,6 +42,8 @@ class Config:
 
 
 config = Config()
+# What a resumed run may not change without --allow-changed-settings (dataflow/resume.py).
+defines_the_run = ("counter.count",)
 
 
 def build(config: Config) -> Graph:
