@@ -120,18 +120,18 @@ def _run_with_signals(make_coro, graph_file: str = "GRAPH.py") -> int:
         return 2
     except RunStalled as e:
         print(f"\n{e.report}", file=sys.stderr)
-        print(f"[dataflow] stopped: the run stalled at {', '.join(e.roots)}: {e.summary}\n"
-              "  (stall_timeout_s and stall_action='warn' on the Graph change when and whether a stall stops the run)",
+        print(f"[dataflow] stopped: the run stalled; root of the wait: {', '.join(e.roots)} (Graph(stall_timeout_s=..., "
+              "stall_action='warn') in the graph file: when a stall stops the run, or that it only warns)",
               file=sys.stderr)
         return 1
     print(summary.report)
     print(f"[dataflow] {summary.status}: {summary.steps} steps in {summary.seconds:.1f} s")
-    for note in summary.notes:
+    for note in getattr(summary, "notes", ()):
         print(f"  {note}")
     restarts = getattr(summary, "restarts", None)
     if restarts:
         print("  restarted after their process died: " + ", ".join(f"{n} x{k}" for n, k in restarts.items()))
-    if summary.alerts:
+    if getattr(summary, "alerts", None):
         print("  went wrong along the way (see metrics.jsonl): "
               + ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.alerts.items()))
     print(f"  metrics: {summary.metrics_path}")

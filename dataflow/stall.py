@@ -87,9 +87,9 @@ def wait_graph(graph: Graph, states: dict[str, dict | None]) -> dict[str, Wait]:
                 w.what.append(f"busy in '{span}' {since(t0)}")
             elif kind == "wait_input":
                 s = stats.get(channel, {})
-                open_ = [p for p in producers.get(channel, ())]
-                w.what.append(f"waits for input on '{channel}' ({s.get('depth', 0)} buffered, "
-                              f"{s.get('producers_open', '?')} producers open: {', '.join(open_) or 'none'}) {since(t0)}")
+                open_ = list(producers.get(channel, ()))
+                w.what.append(f"waits for input on '{channel}' ({s.get('depth', 0)} buffered; "
+                              f"producer{'s' if len(open_) != 1 else ''}: {', '.join(open_) or 'none'}) {since(t0)}")
                 feedback = graph.channels[channel].feedback if channel in graph.channels else False
                 w.on.update({p: feedback for p in open_})
             else:

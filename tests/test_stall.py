@@ -75,7 +75,7 @@ def test_a_version_wait_that_closes_a_cycle_is_the_root_of_a_deadlock():
     text = stall.report(waits, roots, cycle, "headline")
     assert "waits for 'policy' version >= 1 (has 0) from trainer: staleness admission of batch 0 " \
            "(max_staleness=-1) for 100 s   <- root" in text, text
-    assert "waits for input on 'prompts' (0 buffered, 1 producers open: prompts)" in text, text
+    assert "waits for input on 'prompts' (0 buffered; producer: prompts)" in text, text
 
 
 def test_a_busy_node_that_everyone_ends_up_waiting_for_is_the_root():
@@ -114,8 +114,9 @@ def test_a_node_that_never_sends_stops_the_run_naming_it(capsys, ray_instance, t
     assert rc == 1, err
     assert "[dataflow] stalled: no step for" in err
     assert "source  running its own code (in no channel, version or push wait)   <- root" in err, err
-    assert "sink    waits for input on 'numbers' (0 buffered, 1 producers open: source)" in err, err
-    assert "[dataflow] stopped: the run stalled at source: source running its own code" in err, err
+    assert "sink    waits for input on 'numbers' (0 buffered; producer: source)" in err, err
+    assert "root of the wait: source running its own code" in err, err
+    assert "[dataflow] stopped: the run stalled; root of the wait: source (Graph(stall_timeout_s=" in err, err
     assert "Traceback" not in err
     assert seconds < 60, seconds
 
@@ -124,7 +125,8 @@ def test_a_node_blocking_its_event_loop_is_named_and_does_not_freeze_the_driver(
     rc, out, err, seconds = main(capsys, STALLS, "--set", "case=blocks_loop", "--set", "stall_timeout_s=2",
                                  "--out", tmp_path)
     assert rc == 1, err
-    assert "[dataflow] stopped: the run stalled at source: source does not answer the driver" in err, err
+    assert "root of the wait: source does not answer the driver" in err, err
+    assert "[dataflow] stopped: the run stalled; root of the wait: source (" in err, err
     assert seconds < 60, seconds
 
 
