@@ -106,13 +106,10 @@ class Monitor:
         """Handle every host's events since the last poll. One poll per host is in flight at a
         time: a host whose event loop is blocked (a node that never awaits) does not hold up the
         others, the progress lines or the stall check (dataflow/stall.py); its events come later."""
-        fresh = []
         for name, host in hosts.items():
             if name not in self._polls:
                 self._polls[name] = asyncio.ensure_future(awaitable(host.poll.remote(self.acked.get(name))))
-                fresh.append(self._polls[name])
-        if fresh:
-            await asyncio.wait(fresh, timeout=POLL_TIMEOUT_S)
+        await asyncio.wait(self._polls.values(), timeout=POLL_TIMEOUT_S)
         replies = {n: result_of(f) for n, f in self._polls.items() if f.done()}
         for name in replies:
             del self._polls[name]

@@ -134,10 +134,20 @@ def roots_of(waits: dict[str, Wait]) -> tuple[list[str], list[str]]:
             continue
         closing = [r for r in scc if any(component[t] == i and loops for t, loops in waits[r].on.items())]
         roots += closing or scc
-        cycle += scc
+        cycle += _in_wait_order((closing or scc)[0], set(scc), waits)
     if not roots:  # nothing waits on anyone: every node is busy (or finished)
         roots = [r for r, w in waits.items() if not w.finished]
     return roots, cycle
+
+
+def _in_wait_order(start: str, members: set[str], waits: dict[str, Wait]) -> list[str]:
+    """The cycle's replicas from `start`, each followed by one it waits for, back to `start`."""
+    order, current = [start], start
+    while True:
+        current = next((t for t in waits[current].on if t in members and t not in order[1:]), start)
+        order.append(current)
+        if current == start or len(order) > len(members):
+            return order
 
 
 def _strongly_connected(waits: dict[str, Wait]) -> list[list[str]]:

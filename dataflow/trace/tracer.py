@@ -24,6 +24,8 @@ cost of a few additions per span, the aggregates behind the end-of-run table:
     Measured against a CUDA-graph ground truth (bench/gpu_idle_check.py, H200): kernel records
     within ~1 point; NVML 2x too busy on launch-bound tiny kernels (22.6% vs 10.6%) and a few
     points too idle on back-to-back matmuls; span events count launch gaps as busy.
+It also knows which spans are open right now (open_spans()): what the process is doing or waiting
+for at this instant, which the driver's stall diagnosis reads (dataflow/stall.py).
 With `enabled=True` (`--trace`) it also records Chrome trace events: X slices on named tracks
 ("compute" for work, "io" for waits), C counters and instants.
 
