@@ -51,8 +51,9 @@ async def start_ray(graph: Graph, options: RunOptions) -> bool:
     if address:
         kwargs["runtime_env"] = {"env_vars": env, "working_dir": str(PROJECT_ROOT),
                                  "excludes": ["runs/", ".git/", ".venv/", ".whl/", "**/__pycache__/"]}
-        await probe_address(address)
-        await join_in_thread(address, kwargs)
+        where = "--address" if options.address else "RAY_ADDRESS"
+        await probe_address(address, where)
+        await join_in_thread(address, kwargs, where)
     else:
         # Logical CPUs: a node's `cpus` is a share, so a 2-core laptop can still host the whole graph.
         needed = math.ceil(placement.plan(graph).cpus)
@@ -67,12 +68,11 @@ def _host_port(address: str) -> tuple[str, int] | None:
     return (m.group(1), int(m.group(2))) if m else None
 
 
-async def probe_address(address: str) -> None:
+async def probe_address(address: str, where: str = "--address") -> None:
     """A TCP connect to the cluster's address (Ray's GCS port): UserError if nothing answers."""
     target = _host_port(address)
     if target is None:
         return  # "auto" and the like: ray.init finds the cluster (or says it found none)
-    where = "--address" if not os.environ.get("RAY_ADDRESS") or address != os.environ["RAY_ADDRESS"] else "RAY_ADDRESS"
     advice = ("start the cluster there (`ray start --head --port=PORT`), or pass the address its head "
               "printed; without --address a local Ray is started")
     try:
@@ -84,7 +84,7 @@ async def probe_address(address: str) -> None:
     writer.close()
 
 
-async def join_in_thread(address: str, kwargs: dict) -> None:
+async def join_in_thread(address: str, kwargs: dict, where: str = "--address") -> None:
     """ray.init(address) in a daemon thread, awaited here: a cancel (Ctrl-C, SIGTERM) ends the wait
     at once; a handshake that does not complete within JOIN_TIMEOUT_S is a UserError."""
     import ray
@@ -103,11 +103,12 @@ async def join_in_thread(address: str, kwargs: dict) -> None:
     try:
         await asyncio.wait_for(asyncio.shield(done), JOIN_TIMEOUT_S)
     except asyncio.TimeoutError:
-        raise UserError(f"--address {address}: something answers there, but joining it as a Ray cluster did "
+        raise UserError(f"{where} {address}: something answers there, but joining it as a Ray cluster did "
                         f"not complete within {JOIN_TIMEOUT_S:g} s (is it a Ray head's GCS port, of the same "
                         f"Ray version, {ray.__version__}?)") from None
-    except ConnectionError as e:
-        raise UserError(f"--address {address}: {str(e).strip().splitlines()[0]}") from None
+    except Exception as e:  # no cluster there, another Ray version, ...: the user's to fix
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UserError(f"{where} {address}: joining the Ray cluster failed: {type(e).__name__}: {first}") from None
 
 
 @contextlib.contextmanager
