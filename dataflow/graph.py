@@ -27,6 +27,12 @@ from typing import Any
 from dataflow.errors import GraphError
 from dataflow.node import Node
 
+# Counters of trouble the user must see without opening metrics.jsonl (Graph.alerts): failed and
+# timed-out rewards, skipped data lines, channel items dropped undecoded, restarted processes.
+DEFAULT_ALERTS = {"reward/failed_total": "total", "reward/timeouts_total": "total", "reward/failed": "count",
+                  "data/skipped_lines": "total", "channel/bad_items/": "total", "restarts/total": "total",
+                  "prompts/duplicates_dropped": "total"}
+
 
 def _caller_location() -> str:
     """file:line of the first frame outside this module (where the user declared the thing)."""
@@ -112,6 +118,19 @@ class Graph:
     dies (0 = a death stops the run)."""
     drop_bad_items: bool = False
     """Drop (and count) channel items that fail to decode instead of failing the consumer."""
+    stall_timeout_s: float | None = None
+    """Seconds without a step after which the run counts as stalled and the driver prints what
+    every node waits for (dataflow/stall.py). None = max(300 s, 5 x the slowest step so far);
+    a negative value turns the check off. A deadlock (every node waiting, nothing moving) is
+    reported after 20 s whatever this is."""
+    stall_action: str = "stop"
+    """On a stall: "stop" ends the run (exit 1) naming the node(s) at the root of the wait;
+    "warn" prints the same report once per stall timeout and keeps waiting."""
+    alerts: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_ALERTS))
+    """Counters of things that went wrong, by metric key (or a prefix ending in "/"): any that is
+    non-zero is shown on every progress line and in the final summary, not only in metrics.jsonl
+    (dataflow/monitor.py). "total": a running total each replica reports (its latest value counts);
+    "count": an amount per report (they add up)."""
     _problems: list[str] = field(default_factory=list, repr=False)
 
     def node(self, name: str, kind: type, config: Any = None, *, cpus: float = 1.0,
@@ -184,6 +203,8 @@ class Graph:
     def validate(self, source: str = "graph") -> None:
         """Raise GraphError listing every problem (file:line, node/channel, what to change)."""
         problems = list(self._problems)
+        if self.stall_action not in ("stop", "warn"):
+            problems.append(f"{source}: stall_action must be 'stop' or 'warn' (got {self.stall_action!r})")
         if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 0:
             problems.append(f"{source}: keep_checkpoints must be an integer >= 0 (got {self.keep_checkpoints!r}); "
                             "0 keeps every checkpoint")

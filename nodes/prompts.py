@@ -110,7 +110,7 @@ class PromptSource(Node):
             yield from make_task(c.task, c.num_digits, seed=c.seed).prompts()
             return
         passes = itertools.count() if c.epochs == 0 else range(c.epochs)
-        for epoch in passes:
+        for epoch in passes if len(self.data) else ():  # (no rows: nothing to repeat, and never a busy loop)
             if c.shuffle:
                 yield from np.random.default_rng([c.seed, epoch]).permutation(len(self.data)).tolist()
             else:
@@ -131,13 +131,22 @@ class PromptSource(Node):
         start = max(self.start, self.ctx.latest_version("policy") * c.prompts_per_step)
         for index, row in itertools.islice(enumerate(self._stream()), start, None):
             if index % c.prompts_per_step == 0 or index == start:
-                await self.ctx.wait_version("policy", index // c.prompts_per_step - c.max_staleness)
+                await self.ctx.wait_version("policy", index // c.prompts_per_step - c.max_staleness,
+                                            why=f"staleness admission of batch {index // c.prompts_per_step} "
+                                                f"(max_staleness={c.max_staleness})")
             await self._send(index, row)
             self.sent = index + 1
         # The data is exhausted (a JSONL file's last epoch). Stay up until the learner has trained
         # every complete batch sent: until then a restarted node's prompts must be re-issued, and
         # returning would close the channel they go out on. (A last, partial batch is never trained.)
-        await self.ctx.wait_version("policy", max(self.sent, start) // c.prompts_per_step)
+        await self.ctx.wait_version("policy", max(self.sent, start) // c.prompts_per_step,
+                                    why="its data has ended; it stays up until the learner has trained every batch sent")
+        if not self.rows:
+            return f"the data ran out at once: {c.path} has no usable prompts"
+        return (f"the data ran out: {c.path} has {len(self.rows)} usable prompts, read "
+                f"{'once' if c.epochs == 1 else f'{c.epochs} times'} (prompts.epochs={c.epochs}): "
+                f"{self.sent // c.prompts_per_step} batches of prompts_per_step={c.prompts_per_step}; "
+                "--set prompts.epochs=0 repeats the data until max steps")
 
     async def on_restart(self, replica: str) -> None:
         """`replica` died: the prompts it held (taken, in its queues, being generated) are lost.
