@@ -5,10 +5,9 @@
      │  └─ dropped ────┼──────────────── (refill: one more prompt each) ◄┘                       │
      └─────────────────┴─────────────────── policy (versioned, latest wins) ◄────────────────────┘
 
-The filter (nodes/group_filter.py) drops the groups whose responses all scored alike (GRPO's
-advantages are zero there) and tells the prompt source, which sends one more prompt into the same
-batch for each: every learner step trains on prompts_per_step groups with a learning signal (DAPO,
-arXiv 2503.14476; verl's filter_groups). Its counts are in metrics.jsonl (filter/*).
+The filter (nodes/group_filter.py) drops the groups whose responses all scored alike and the prompt
+source refills their batch, so every step trains on prompts_per_step groups with a learning signal
+(DAPO, arXiv 2503.14476; verl's filter_groups). Its counts are in metrics.jsonl (filter/*).
 """
 
 from __future__ import annotations
@@ -32,12 +31,10 @@ class DAPOGraphConfig(RLHFConfig):
     group_size: int = 8
     """Responses per prompt; advantages are normalised within each group."""
     prompts_per_step: int = 16
-    """Groups with a learning signal per learner step."""
     rules: ClassVar[tuple] = RLHFConfig.rules + (
         check(lambda c: None if c.group_size >= 2 else f"group_size={c.group_size}: a group filter needs >= 2"),
         share("group_size", "generator.group_size", "learner.group_size"),
         share("prompts_per_step", "filter.prompts_per_step"),
-        share("learner.record_prompt_ids", "filter.record_prompt_ids"),
     )
 
 

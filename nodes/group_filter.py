@@ -73,6 +73,7 @@ class GroupFilter(Node):
         self.dropped: dict[int, list[int]] = {}  # batch not yet trained -> prompt ids dropped
         self.surplus = 0
         self.progress = 0  # decisions made: a snapshot's "progress", and the version published
+        self.full: list[int] = []  # batches filled since the last report
 
     def state_dict(self) -> dict:
         # A checkpoint: nothing (after --resume the source sends the untrained batches afresh);
@@ -110,16 +111,21 @@ class GroupFilter(Node):
             return None
         kept.append(pid)
         if len(kept) == c.prompts_per_step:
-            self._report(batch)
+            self.full.append(batch)
         return True
 
-    def _report(self, batch: int) -> None:
+    def _report(self) -> None:
+        for batch in self.full:
+            self.ctx.metrics(self._record(batch))
+        self.full.clear()
+
+    def _record(self, batch: int) -> dict:
         kept, dropped = self.kept[batch], self.dropped[batch]
         record = {"filter/batch": batch, "filter/kept_groups": len(kept), "filter/dropped_groups": len(dropped),
                   "filter/prompts_per_step": len(kept) + len(dropped), "filter/surplus_groups": self.surplus}
         if self.config.record_prompt_ids:
             record.update({"filter/kept_ids": list(kept), "filter/dropped_ids": list(dropped)})
-        self.ctx.metrics(record)
+        return record
 
     def _snapshot_state(self) -> dict:
         return {"progress": self.progress, "surplus": self.surplus,
@@ -153,6 +159,7 @@ class GroupFilter(Node):
                 state = self._snapshot_state() if self.progress != before else None
             if state is not None:  # before anything leaves: a restarted filter decides alike
                 await asyncio.to_thread(checkpoint.write_snapshot, self.ctx.run_dir, self.ctx.full_name, state)
+            self._report()
             if refill:
                 await self._publish_dropped()
             for msg in forward:

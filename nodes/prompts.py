@@ -83,7 +83,10 @@ class PromptSource(Node):
     def state_dict(self) -> dict:
         # The first prompt of the first batch not yet trained; batches in flight are regenerated.
         step = self.ctx.checkpoint_step
-        return {"position": min(self.sent_for.get(step, [self.sent])), "batch": step}
+        position = min(self.sent_for.get(step, [self.sent]))
+        # Without refills batch `step` starts at step x prompts_per_step; with them, say which batch.
+        return {"position": position} if position == step * self.config.prompts_per_step else \
+            {"position": position, "batch": step}
 
     def load_state_dict(self, state: dict) -> None:
         self.start = state["position"]

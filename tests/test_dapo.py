@@ -50,6 +50,7 @@ def test_filter_decisions_are_kept_per_prompt_and_a_full_batch_takes_no_more():
     assert f._decide(0, 11, group(0, 1)) is False         # a re-issued copy of a dropped group
     assert f._decide(0, 10, group(1, 1)) is True          # a re-issued copy of a kept one: forwarded again
     assert f._decide(0, 12, group(1, 0)) is True          # the batch is full now
+    f._report()
     assert ctx.records == [{"filter/batch": 0, "filter/kept_groups": 2, "filter/dropped_groups": 1,
                             "filter/prompts_per_step": 3, "filter/surplus_groups": 0,
                             "filter/kept_ids": [10, 12], "filter/dropped_ids": [11]}]
@@ -68,7 +69,7 @@ def test_dapo_trains_every_step_on_full_batches_of_informative_groups(tmp_path):
     pps = 4
     graph, config = load_graph(str(ROOT / "graphs/dapo.py"), [
         f"prompts_per_step={pps}", "group_size=4", "learner.minibatch_size=16", "learner.record_prompt_ids=true",
-        "channel_capacity=16"])
+        "filter.record_prompt_ids=true", "channel_capacity=16"])
     summary = asyncio.run(run_graph(graph, RunOptions(max_steps=3, out_dir=str(tmp_path), quiet=True), config))
     assert summary.status == "max steps reached", summary.status
     records = [json.loads(line) for line in Path(summary.metrics_path).read_text().splitlines()]
@@ -93,3 +94,35 @@ def test_dapo_trains_every_step_on_full_batches_of_informative_groups(tmp_path):
     dropped = {i for b in filtered.values() for i in b["filter/dropped_ids"]}
     assert not dropped & set(trained)
     assert all(r["filter/surplus_groups"] == 0 for r in filtered.values())
+
+
+@pytest.mark.usefixtures("ray_instance")
+def test_dapo_killed_filter_and_reference_keep_every_step_full_and_every_prompt_once(tmp_path):
+    """kill -9 of the filter (it comes back with its snapshot of decisions) and then of the reference
+    (the prompts of the untrained batches are re-issued through the filter): every step still
+    trains on prompts_per_step groups the filter kept, no prompt twice, none it dropped."""
+    import signal
+
+    from dataflow.runtime import RunOptions, load_graph
+    from tests.conftest import run_in_thread, wait_until
+
+    pps, run_dir = 4, tmp_path / "run"
+    graph, config = load_graph(str(ROOT / "graphs/dapo.py"), [
+        f"prompts_per_step={pps}", "group_size=4", "learner.minibatch_size=16", "learner.record_prompt_ids=true",
+        "filter.record_prompt_ids=true", "channel_capacity=16", "generator.prompts_per_call=2"])
+    thread, outcome = run_in_thread(graph, config, RunOptions(max_steps=7, out_dir=str(run_dir), quiet=True))
+    records = lambda: [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
+        if (run_dir / "metrics.jsonl").exists() else []  # noqa: E731
+    steps = lambda: [r for r in records() if "step" in r]  # noqa: E731
+    for node, after in (("filter", 2), ("reference", 4)):
+        wait_until(lambda: len(steps()) >= after, 300, f"step {after}", thread, outcome)
+        os.kill(json.loads((run_dir / "processes.json").read_text())[node], signal.SIGKILL)
+    thread.join(600)
+    assert outcome.get("summary") is not None and outcome["summary"].status == "max steps reached", outcome
+    assert [r["restarted"] for r in records() if r.get("restarted")] == ["filter", "reference"]
+    trained = [r["prompt_ids"] for r in steps()]
+    assert len(trained) == 7 and all(len(ids) == pps for ids in trained)
+    flat = [i for ids in trained for i in ids]
+    assert len(flat) == len(set(flat))
+    dropped = {i for r in records() if "filter/batch" in r for i in r["filter/dropped_ids"]}
+    assert not dropped & set(flat)
