@@ -54,9 +54,13 @@ def graph_overrides(args, model: str, train: str, on_gpu: bool) -> list[str]:
     if ppo:
         sets += [f"critic.minibatch_size={samples}"]
     else:
-        sets += [f"group_size={args.group}"]
+        # Group-normalised scores only, as TRL's scale_rewards="group" (the learner whitens them
+        # again over tokens by default: issue 17, bug 1).
+        sets += [f"group_size={args.group}", "learner.whiten_advantages=false"]
     if on_gpu:
         sets += ["placement=colocated", "num_gpus=1"]
+    else:  # the decoder's CPU default is 32 prompts' slots of 1024 + new tokens: 3 GB of fp32 KV cache here
+        sets += [f"generator.prompts_per_call={prompts}", "generator.max_prompt_tokens=128"]
     return sets + args.set
 
 
@@ -92,11 +96,27 @@ class CheckpointClock:
         return self.saved[step] - self.began.get(step, self.saved[step])
 
 
+def render_prompts(model_dir: str, src: str, dst: Path) -> str:
+    """A copy of the JSONL `src` whose chat prompts are rendered with the model's template."""
+    from transformers import AutoTokenizer
+    from tools import heldout
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    with open(src) as f, open(dst, "w") as out:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                out.write(json.dumps({**row, "prompt": heldout.render(tokenizer, row["prompt"])}) + "\n")
+    return str(dst)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--algo", choices=("grpo", "ppo"), default="grpo")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more graph settings")
     p.add_argument("--trace", action="store_true", help="write trace.json and the idle report (item 7)")
+    p.add_argument("--render-prompts", action="store_true",
+                   help="train on a copy of the data with the chat template rendered into string prompts "
+                        "(for an engine without chat-prompt support, before issue 17's prompts land)")
     add_common_args(p, TINY)
     args = p.parse_args()
     apply_tiny(args)
@@ -109,6 +129,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
     model, train, val = prepare(args, args.algo)
+    if args.render_prompts:
+        train = render_prompts(model, train, out / "train_rendered.jsonl")
     t_ready = time.time()   # model and data exist: the clock of the run starts here
     sets = graph_overrides(args, model, train, on_gpu)
     log(args.algo, "graph settings: " + " ".join(sets))
