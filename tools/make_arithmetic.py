@@ -8,16 +8,18 @@ row per problem: {"prompt": [{"role": "user", "content": "What is 47 + 38? ..."}
 answer rl/rewards.py's math_reward checks. Deterministic: the same seed gives the same files,
 byte for byte. The two splits never share a problem (the pair of operands and the operator).
 
-Why this task (measured on SmolLM2-135M-Instruct, greedy, its chat template; README "A real
-model"): a verifiable task needs a base accuracy that is low but not zero, so GRPO's groups see
-some correct answers to learn from, and room to at least double. 2-digit addition and subtraction
-(a, b in 10..99, a >= b for subtraction so answers are never negative) is within reach of a
-135M model: it answers some correctly and misses carries and borrows. The instruction asks for the
-number alone: without it the model often writes a restated sum, code, or nothing numeric, so most
-of what it would learn is the format; with it, nearly every response ends with a number and the
-reward measures arithmetic. \\boxed{} is not asked for: the base model never uses it (0% in it),
-and a reward that needs a box trains the format first. The held-out judge
-(tools/heldout.py) scores the last number of the response, whatever its format.
+Why this task: a verifiable task needs a base accuracy that is low but not zero, so GRPO's groups
+see some correct answers to learn from, and room to at least double. 2-digit addition and
+subtraction (a, b in 10..99, a >= b for subtraction so answers are never negative) is within
+reach of a 135M model: it gets some right and misses carries and borrows. Measured here
+(SmolLM2-135M-Instruct, greedy, its chat template, the first 200 held-out problems of seed 0, at
+most 32 new tokens, CPU): 8.0% correct (the same under math_reward); 60% of the responses hit the
+32-token cap: despite "Answer with only the number." the model often explains ("To solve this,
+we need to combine ..."), so with a larger cap it scores somewhat more (the shared notes give
+~15% without the instruction and a larger cap). What GRPO can gain is then both arithmetic and
+answering briefly; the held-out judge (tools/heldout.py) scores only the last number of the
+response, whatever its format, so a format alone earns nothing. \\boxed{} is not asked for: the
+base model never writes it (0% in it), and a reward that needs a box trains the format first.
 """
 
 from __future__ import annotations
