@@ -49,10 +49,27 @@ class PackedBatch:
     seq_lens: list[int]
     """Tokens of each row (prompt + response), in packing order."""
     padded_shape: tuple[int, int]
+    row_of: torch.Tensor
+    """[N] long: each packed token's row, as a position in `rows`."""
+    columns: slice
+    """The padded batch's columns the rows use (padded_columns): the width of take_rows / to_rows."""
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the forward pass processes: N, all of them real."""
         return self.input_ids.shape[1]
+
+    def take_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows' [b, t] part of a padded [B, T] tensor (rows in packing order, t = columns):
+        the per-row layout the loss math runs in, so per-sequence terms (GSPO's ratio, the
+        seq-mean aggregations' row weights) see one row per sequence, not one pack."""
+        return x[torch.as_tensor(self.rows, device=x.device)][:, self.columns]
+
+    def to_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """Packed [1, N] values in take_rows' [b, t] layout, 0 elsewhere (differentiable: an
+        out-of-place scatter, so the loss's gradient flows back into the packed forward)."""
+        dst = values.new_zeros((len(self.rows), self.columns.stop - self.columns.start))
+        return dst.index_put((self.row_of, self.index % self.padded_shape[1] - self.columns.start), values[0])
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """The packed [1, N] view of a padded [B, T] per-token tensor (a gather: a new tensor)."""
@@ -92,9 +109,11 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_ma
         bad = rows_t[r[first][resp[first] > 0]].tolist()
         raise ValueError(f"pack_rows: rows {bad[:8]} have an empty prompt (the response starts at the row's "
                          "first token); every sample needs at least one prompt token (e.g. <bos>)")
+    columns = slice(int(c.min()), int(c.max()) + 1) if len(c) else slice(0, num_cols)
     return PackedBatch(input_ids=input_ids.reshape(-1)[flat][None], position_ids=positions[None],
                        response_mask=resp[None], index=flat, rows=rows_t.tolist(),
-                       seq_lens=mask.sum(1).tolist(), padded_shape=(num_rows, num_cols))
+                       seq_lens=mask.sum(1).tolist(), padded_shape=(num_rows, num_cols), row_of=r,
+                       columns=columns)
 
 
 def pack_samples(samples: list[dict], pad_id: int, token_keys: tuple[str, ...] = (),
@@ -133,11 +152,24 @@ class PaddedRows:
     rows: list[int]
     padded_shape: tuple[int, int]
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the forward pass processes: b x t, padding included."""
+        return self.input_ids.numel()
+
     def take(self, x: torch.Tensor) -> torch.Tensor:
         if tuple(x.shape[:2]) != self.padded_shape:
             raise ValueError(f"PaddedRows.take: tensor of shape {tuple(x.shape)}; the rows come from a "
                              f"padded batch of shape {self.padded_shape}")
         return x[self.index][:, self.columns]
+
+    def take_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """PackedBatch.take_rows: here the micro-batch's own layout already (= take)."""
+        return self.take(x)
+
+    def to_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """PackedBatch.to_rows: the values are in that layout already."""
+        return values
 
     def put(self, dst: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         cols = torch.arange(self.columns.start, self.columns.stop, device=dst.device)
