@@ -58,8 +58,8 @@ class CriticConfig:
     into each minibatch's one optimizer step, same result as unsplit; 0 = no split)."""
     max_tokens_per_micro_batch: int = 0
     """Tokens per pass on each GPU instead of a row count, in the value pass and in training (as
-    learner.max_tokens_per_micro_batch: one of the two must be 0; training balances the rows over
-    dp ranks by tokens, the value pass splits each rank's contiguous share)."""
+    learner.max_tokens_per_micro_batch: one of the two must be 0; rows balanced over dp ranks by
+    tokens)."""
     packing: bool = False
     """Run each pass packed, without padding (as learner.packing); "critic/padding_frac" reports
     the padding of the value and training passes since the last report."""
@@ -151,31 +151,32 @@ def critic_update(model, optimizer, samples: list[dict], pad_id: int, c: CriticC
 
 def advantages_for(model, items: list[dict], pad_id: int, c: CriticConfig, device, ranks=None) -> dict:
     """Values of the items' samples, then GAE advantages and returns, written into each sample
-    ("values", "advantages", "returns": per response token); returns mean stats. `ranks`: each
-    dp rank computes its share of the rows, gathered over dp (every rank ends with all of them)."""
+    ("values", "advantages", "returns": per response token); returns mean stats and the passes'
+    tokens. `ranks`: each dp rank computes the values of its rows (rank_micro_batches: with a token
+    budget balanced over ranks, every rank running as many passes), summed over dp (a row's values
+    come from one rank, zeros from the others), so every rank ends with all of them."""
     samples = [s for item in items for s in item["samples"]]
     batch = pad_batch(samples, pad_id, token_keys=("token_rewards",), device=device)
     lengths = sample_lengths(samples)
-    rows = list(range(len(samples)))
-    if ranks is not None:  # padded with row 0, dropped after the gather
-        rows = ranks.dp_share(torch.tensor(rows), pad_index=0).tolist()
-    values = torch.zeros((len(rows), batch["input_ids"].shape[1]), device=batch["input_ids"].device)
+    num = len(samples)
+    if ranks is not None:  # row `num`: a copy of row 0 that pads short dp shares (its values dropped)
+        batch = {k: torch.cat([v, v[:1]]) if torch.is_tensor(v) else v for k, v in batch.items()}
+        lengths.append(lengths[0])
+    values = torch.zeros(batch["input_ids"].shape, device=batch["input_ids"].device)
     amp = compute_dtype(c.precision, device)
     processed = 0
     with torch.no_grad(), autocast(amp, device):
-        # passes over positions in this rank's share (a pad row may repeat row 0)
-        for positions in rank_micro_batches(range(len(rows)), [lengths[i] for i in rows], c.max_tokens_per_micro_batch,
-                                            c.micro_batch_size, "packed" if c.packing else "padded",
-                                            setting="critic.max_tokens_per_micro_batch"):
-            part = micro_batch(batch, [rows[k] for k in positions], c.packing)
-            cols = torch.arange(part.columns.start, part.columns.stop, device=values.device)
-            values[torch.tensor(positions, device=values.device)[:, None], cols[None]] = \
-                part.to_rows(micro_batch_values(model, part)).float()
+        for rows in rank_micro_batches(range(num), lengths, c.max_tokens_per_micro_batch, c.micro_batch_size,
+                                       "packed" if c.packing else "padded", ranks, pad_index=num,
+                                       setting="critic.max_tokens_per_micro_batch"):
+            part = micro_batch(batch, rows, c.packing)
+            part.put(values, micro_batch_values(model, part).float())
             processed += part.num_tokens
-    tokens = {"critic/tokens_processed": processed, "critic/tokens_real": sum(p + r for p, r in lengths)}
     if ranks is not None:
-        values = ranks.gather_over_dp(values)[:len(samples)]
-        tokens["critic/tokens_processed"] = int(ranks.sum_over_dp({"p": processed})["p"])   # every share's passes
+        values = ranks.gather_over_dp(values).view(ranks.dp_size, *values.shape).sum(0)[:num]
+        processed = int(ranks.sum_over_dp({"p": processed})["p"])   # every rank's passes
+        batch = {k: v[:num] if torch.is_tensor(v) else v for k, v in batch.items()}
+    tokens = {"critic/tokens_processed": processed, "critic/tokens_real": sum(map(sum, lengths[:num]))}
     mask = batch["response_mask"]
     values = values * mask
     advantages, returns = gae_advantages(batch["token_rewards"], values, mask, c.gamma, c.lam)

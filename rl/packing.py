@@ -256,12 +256,7 @@ def packed_values(value_model: nn.Module, packed: PackedBatch) -> torch.Tensor:
     """values [1, N] of rl/models.ValueModel on a packed batch: values[0, t] = the value head on the
     hidden state at t - 1 of the same row, 0 at each row's first token (ValueModel.forward, packed).
     The dtype is ValueModel's: float32 out of bf16 autocast, float64 for a float64 model."""
-    hidden = value_model.backbone(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                                  attention_mask=None, use_cache=False).last_hidden_state
-    v = value_model.value_head(hidden).squeeze(-1)
-    v = v if v.dtype == torch.float64 else v.float()
-    shifted = torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
-    return shifted * (packed.position_ids > 0)              # a row's first token: no state before it
+    return value_model(packed.input_ids, None, position_ids=packed.position_ids)
 
 
 def varlen_attention_available(device) -> str:

@@ -244,3 +244,54 @@ def test_ppo_graph_packed_everywhere_reports_no_padding(tmp_path):
     # the end-of-run table: every node's padding over the run
     assert "padding (of the tokens processed): " in summary.report
     assert all(f"{node} 0.0%" in summary.report for node in ("learner", "reference", "critic")), summary.report
+
+
+def _dp_critic(tok, samples, ranks=None, **settings):
+    """A value pass (2 samples per item), then one critic_update, in float64 (tests/test_multirank)."""
+    from nodes.critic import CriticConfig, advantages_for, critic_update
+    from tests.test_multirank import _critic_samples, _fresh_critic
+
+    model = _fresh_critic(tok)
+    if ranks is not None:
+        ranks.shard(model)
+    cfg = CriticConfig(epochs=2, minibatch_size=6, max_grad_norm=0.05, lr=1e-2, **settings)
+    samples = _critic_samples(samples)
+    items = [{"samples": [dict(s) for s in samples[i:i + 2]]} for i in range(0, len(samples), 2)]
+    value_stats = advantages_for(model, items, tok.pad_token_id, cfg, "cpu", ranks)
+    stats = critic_update(model, torch.optim.AdamW(model.parameters(), lr=cfg.lr), samples, tok.pad_token_id, cfg,
+                          random.Random(0), ranks)
+    return model, [s["values"] for item in items for s in item["samples"]], {**value_stats, **stats}
+
+
+def _dp_critic_worker(rank, layout, port, tmp, tok, samples, settings):
+    import torch.distributed as dist
+
+    from tests.test_multirank import _join_gloo
+
+    ranks = _join_gloo(rank, layout, port)
+    model, values, stats = _dp_critic(tok, samples, ranks, **settings)
+    weights, _ = ranks.full_state(model)
+    with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump({"weights": weights, "values": values, "stats": stats}, f)
+    dist.destroy_process_group()
+
+
+def test_critic_as_two_dp_ranks_with_a_token_budget_and_packing_equals_one_rank(tmp_path):
+    # The value pass's rows balanced over the ranks by tokens (each rank runs as many passes, a
+    # rank short of rows runs the pad row), summed over dp; training as the learner's.
+    from dataflow.weights.layout import ParallelLayout
+    from tests.test_multirank import _free_port, _samples
+
+    tok, samples = _samples()
+    want_model, want_values, want_stats = _dp_critic(tok, samples)
+    budget = 2 * max(p + r for p, r in sample_lengths(samples))
+    settings = dict(max_tokens_per_micro_batch=budget, packing=True)
+    mp.start_processes(_dp_critic_worker, args=(ParallelLayout(dp=2), _free_port(), str(tmp_path), tok, samples,
+                                                settings), nprocs=2, start_method="fork")
+    records = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+    for k, v in want_model.state_dict().items():
+        assert torch.allclose(records[0]["weights"][k], v, rtol=0, atol=1e-10), k
+    for r in records:
+        assert all(a == pytest.approx(b, abs=1e-6) for x, y in zip(r["values"], want_values) for a, b in zip(x, y))
+        assert r["stats"]["critic/value_loss"] == pytest.approx(want_stats["critic/value_loss"], rel=1e-9)
+        assert r["stats"]["critic/tokens_real"] == want_stats["critic/tokens_real"]
