@@ -6,7 +6,10 @@ response tokens, no padding), position_ids restarting at 0 for every row, and `i
 position in the padded [B, T] batch each packed token came from. Any padded per-token tensor packs
 with `take` (behaviour / ref log-probs, advantages, loss masks) and packed results go back with
 `put`, so the loss math of rl/losses and rl/masked runs unchanged on [1, N] tensors: a token mean
-over a mask is the same number whatever the layout. Token alignment is models.py's: a value at
+over a mask is the same number whatever the layout. Per-sequence terms (GSPO's ratio, the
+seq-mean loss aggregations) need one row per sequence: to_rows lays packed results out as the
+rows' [b, t] block of the padded batch (differentiably) and take_rows cuts the same block from
+padded tensors; PaddedRows has both too (identity / take), so the learner's loss runs unchanged. Token alignment is models.py's: a value at
 packed column t concerns input_ids[0, t] (a log-prob from the logits at t - 1 of the same row; a
 value from the hidden state at t - 1); a row's first token is a prompt token and never gets one.
 
