@@ -75,6 +75,7 @@ class Monitor:
         # The run's settings, which --resume starts from (dataflow/resume.py): here and in every
         # checkpoint's manifest.
         self.settings: dict | None = None
+        self.padding_tokens: dict[str, float] = {}  # "<node>/tokens_processed|real" summed: padding in the summary
         if config is not None and dataclasses.is_dataclass(config):
             self.settings = {k: _jsonable(v) for k, v in flatten(config)}
             (run_dir / "config.json").write_text(json.dumps(self.settings, indent=1))
@@ -150,6 +151,8 @@ class Monitor:
                 self.step = event["step"]
                 record["step"] = event["step"]
             record.update({k: _jsonable(v) for k, v in values.items()})
+            for k in (k for k in values if k.endswith(("/tokens_processed", "/tokens_real"))):
+                self.padding_tokens[k] = self.padding_tokens.get(k, 0) + values[k]
             record.update({f"queue/{ch}": d for ch, d in self.depths.items()})
             self._count_alerts(name, values)
             self.metrics_file.write(json.dumps(record) + "\n")
@@ -213,6 +216,11 @@ class Monitor:
             report += (f"\n  {label}: GPU idle {100 * k['kernels_idle']:.1f}% from kernel records (used above), "
                        f"{nvml} from NVML samples, {100 * k['events_idle']:.1f}% from CUDA events around spans "
                        f"(same window, {k['window_s']:.1f} s)")
+        padding = {k.split("/")[0]: 1 - self.padding_tokens.get(k.replace("processed", "real"), 0) / v
+                   for k, v in self.padding_tokens.items() if k.endswith("/tokens_processed") and v}
+        if padding:
+            report += "\n  padding (of the tokens processed): " + ", ".join(
+                f"{n} {100 * f:.1f}%" for n, f in padding.items())
         if self.options.trace_path:
             self.trace.write(self.options.trace_path)
             self.artifacts["trace"] = self.options.trace_path

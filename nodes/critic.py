@@ -28,8 +28,10 @@ from dataflow import Node, checkpoint
 from dataflow.errors import UserError
 from dataflow.weights.multirank import CRITIC_RANKS_EDGE, RankCommands
 from rl import policy
+from rl.microbatch import check_micro_batch_settings, padding_metrics, rank_micro_batches, sample_lengths
 from rl.models import ValueModel, pad_batch, unpad_tokens
-from rl.precision import Precision, autocast, compile_layers, compute_dtype, micro_slices, prepare_trained
+from rl.packing import micro_batch, micro_batch_values, use_varlen_attention
+from rl.precision import Precision, autocast, compile_layers, compute_dtype, prepare_trained
 from rl.advantages import gae_advantages
 from rl.masked import masked_mean
 from rl.losses import value_loss
@@ -54,6 +56,13 @@ class CriticConfig:
     micro_batch_size: int = 0
     """Samples per forward/backward pass, in the value pass and in training (gradients accumulate
     into each minibatch's one optimizer step, same result as unsplit; 0 = no split)."""
+    max_tokens_per_micro_batch: int = 0
+    """Tokens per pass on each GPU instead of a row count, in the value pass and in training (as
+    learner.max_tokens_per_micro_batch: one of the two must be 0; rows balanced over dp ranks by
+    tokens)."""
+    packing: bool = False
+    """Run each pass packed, without padding (as learner.packing); "critic/padding_frac" reports
+    the padding of the value and training passes since the last report."""
     precision: Precision = "auto"
     """auto: bf16 autocast over fp32 master weights on CUDA, fp32 on CPU (rl/precision.py)."""
     compile: bool | None = None
@@ -85,6 +94,8 @@ def critic_update(model, optimizer, samples: list[dict], pad_id: int, c: CriticC
     losses, clipfracs = [], []
     device = next(model.parameters()).device
     amp = compute_dtype(c.precision, device)
+    layout = "packed" if c.packing else "padded"
+    tokens = [0, 0]                     # processed, real: every dp rank's passes
     model.train()
     for _ in range(c.epochs):
         order = list(range(len(samples)))
@@ -95,26 +106,34 @@ def critic_update(model, optimizer, samples: list[dict], pad_id: int, c: CriticC
             mask = batch["response_mask"]
             row_tokens = mask.sum(1).tolist()   # read once: slice weights are Python floats from these
             mb_tokens = max(sum(row_tokens), 1.0)
-            rows = torch.arange(len(mb))
+            lengths = sample_lengths(mb)
             if ranks is not None:  # row len(mb): a mask-0 copy of row 0 that pads short dp shares
                 batch = {k: torch.cat([v, v[:1]]) if torch.is_tensor(v) else v for k, v in batch.items()}
                 mask = torch.cat([mask, torch.zeros_like(mask[:1])])
                 row_tokens.append(0.0)
-                rows = ranks.dp_share(rows, pad_index=len(mb))
+                lengths.append(lengths[0])
+            parts = rank_micro_batches(range(len(mb)), lengths, c.max_tokens_per_micro_batch, c.micro_batch_size,
+                                       layout, ranks, pad_index=len(mb), setting="critic.max_tokens_per_micro_batch")
             optimizer.zero_grad(set_to_none=True)
             acc = torch.zeros(2, dtype=torch.float64, device=device)  # read once per minibatch (as ppo_update)
+            processed, real = 0, 0
             # per minibatch: weights cast to bf16 once (as ppo_update)
             with autocast(amp, device, cache_weights=ranks is None):
-                for sl in micro_slices(len(rows), c.micro_batch_size):
-                    idx = rows[sl]
-                    weight = sum(row_tokens[i] for i in idx.tolist()) / mb_tokens  # a double: no fp32 rounding
-                    values = model(batch["input_ids"][idx], batch["attention_mask"][idx])
-                    loss, stats = value_loss(values, batch["values"][idx], batch["returns"][idx], mask[idx],
-                                             c.value_clip)
+                for rows in parts:
+                    # value_loss is a token mean: weighted by the pass's share of the minibatch's
+                    # valid tokens (micro_batch_weights), the passes add up to the unsplit loss
+                    weight = sum(row_tokens[i] for i in rows) / mb_tokens  # a double: no fp32 rounding
+                    part = micro_batch(batch, rows, c.packing)
+                    processed += part.num_tokens
+                    real += sum(sum(lengths[i]) for i in rows if i != len(mb))
+                    values = micro_batch_values(model, part)
+                    loss, stats = value_loss(values, part.take(batch["values"]), part.take(batch["returns"]),
+                                             part.take(mask), c.value_clip)
                     (loss * weight).backward()
                     acc += torch.stack([loss.detach().double(), stats["clipfrac"].double()]) * weight
                     del values, loss
             sums = dict(zip(("loss", "clipfrac"), acc.tolist()))
+            sums.update(processed=processed, real=real)
             if ranks is None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), c.max_grad_norm)
             else:  # the global norm over the mesh; the dp shares' weighted stats add up
@@ -123,33 +142,49 @@ def critic_update(model, optimizer, samples: list[dict], pad_id: int, c: CriticC
             optimizer.step()
             losses.append(sums["loss"])
             clipfracs.append(sums["clipfrac"])
+            tokens[0] += int(sums["processed"])
+            tokens[1] += int(sums["real"])
     model.eval()
-    return {"critic/value_loss": sum(losses) / len(losses), "critic/clipfrac": sum(clipfracs) / len(clipfracs)}
+    return {"critic/value_loss": sum(losses) / len(losses), "critic/clipfrac": sum(clipfracs) / len(clipfracs),
+            "critic/tokens_processed": tokens[0], "critic/tokens_real": tokens[1]}
 
 
 def advantages_for(model, items: list[dict], pad_id: int, c: CriticConfig, device, ranks=None) -> dict:
     """Values of the items' samples, then GAE advantages and returns, written into each sample
-    ("values", "advantages", "returns": per response token); returns mean stats. `ranks`: each
-    dp rank computes its share of the rows, gathered over dp (every rank ends with all of them)."""
+    ("values", "advantages", "returns": per response token); returns mean stats and the passes'
+    tokens. `ranks`: each dp rank computes the values of its rows (rank_micro_batches: with a token
+    budget balanced over ranks, every rank running as many passes), summed over dp (a row's values
+    come from one rank, zeros from the others), so every rank ends with all of them."""
     samples = [s for item in items for s in item["samples"]]
     batch = pad_batch(samples, pad_id, token_keys=("token_rewards",), device=device)
-    rows = torch.arange(len(samples), device=batch["input_ids"].device)
-    if ranks is not None:  # padded with row 0, dropped after the gather
-        rows = ranks.dp_share(rows, pad_index=0)
-    values = torch.zeros((len(rows), batch["input_ids"].shape[1]), device=rows.device)
+    lengths = sample_lengths(samples)
+    num = len(samples)
+    if ranks is not None:  # row `num`: a copy of row 0 that pads short dp shares (its values dropped)
+        batch = {k: torch.cat([v, v[:1]]) if torch.is_tensor(v) else v for k, v in batch.items()}
+        lengths.append(lengths[0])
+    values = torch.zeros(batch["input_ids"].shape, device=batch["input_ids"].device)
     amp = compute_dtype(c.precision, device)
+    processed = 0
     with torch.no_grad(), autocast(amp, device):
-        for sl in micro_slices(len(rows), c.micro_batch_size):
-            values[sl] = model(batch["input_ids"][rows[sl]], batch["attention_mask"][rows[sl]]).float()
+        for rows in rank_micro_batches(range(num), lengths, c.max_tokens_per_micro_batch, c.micro_batch_size,
+                                       "packed" if c.packing else "padded", ranks, pad_index=num,
+                                       setting="critic.max_tokens_per_micro_batch"):
+            part = micro_batch(batch, rows, c.packing)
+            part.put(values, micro_batch_values(model, part).float())
+            processed += part.num_tokens
     if ranks is not None:
-        values = ranks.gather_over_dp(values)[:len(samples)]
+        values = ranks.gather_over_dp(values).view(ranks.dp_size, *values.shape).sum(0)[:num]
+        processed = int(ranks.sum_over_dp({"p": processed})["p"])   # every rank's passes
+        batch = {k: v[:num] if torch.is_tensor(v) else v for k, v in batch.items()}
+    tokens = {"critic/tokens_processed": processed, "critic/tokens_real": sum(map(sum, lengths[:num]))}
     mask = batch["response_mask"]
     values = values * mask
     advantages, returns = gae_advantages(batch["token_rewards"], values, mask, c.gamma, c.lam)
     for key, tensor in (("values", values), ("advantages", advantages), ("returns", returns)):
         for s, row in zip(samples, unpad_tokens(tensor, mask)):
             s[key] = row
-    return {"critic/values": masked_mean(values, mask).item(), "critic/returns": masked_mean(returns, mask).item()}
+    return {"critic/values": masked_mean(values, mask).item(), "critic/returns": masked_mean(returns, mask).item(),
+            **tokens}
 
 
 class Critic(RankCommands, Node):
@@ -172,10 +207,16 @@ class Critic(RankCommands, Node):
         elif self.ctx.num_replicas > 1:
             raise UserError(f"node '{self.ctx.name}' has {self.ctx.num_replicas} replicas but critic.dp x "
                             f"critic.tp = 1; declare it with replicas=dp*tp")
+        try:
+            check_micro_batch_settings("critic", c.micro_batch_size, c.max_tokens_per_micro_batch)
+        except ValueError as e:
+            raise UserError(str(e)) from None
         base, self.tokenizer = policy.load(c.policy)
         self.model = ValueModel.from_policy(base, gradient_checkpointing=c.gradient_checkpointing)
         prepare_trained(self.model, self.ctx.device, c.precision)  # fp32 masters (rl/precision.py)
         self.model.eval()
+        if c.packing:  # before TP / FSDP and compile, which wrap the layers
+            self.ctx.log(f"packed passes, attention: {use_varlen_attention(self.model, self.ctx.device)}")
         if self.ranks is not None:  # TP over "tp", then FSDP2 over "dp" (dataflow/weights/layout.py)
             try:
                 self.ranks.shard(self.model)
@@ -188,6 +229,7 @@ class Critic(RankCommands, Node):
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr)
         self.rng = random.Random(c.seed)
         self.pending: list[tuple[int, dict]] = []  # (prompt id, sample) not yet trained on
+        self.tokens = [0, 0]  # processed, real: the passes since the last padding report
         self.progress = 0  # training passes done (a restart loads the snapshot or checkpoint with more)
         self._saved = None          # dp x tp: (model, optimizer) gathered for state_dict()
         self._pending_state = None  # dp x tp: a loaded (model, optimizer), spread over the ranks in run()
@@ -265,7 +307,8 @@ class Critic(RankCommands, Node):
         async for batch in inp.batches(c.items_per_call, 0.01):
             items = [m.data for m in batch]
             with self.ctx.span("value forward", items=len(items)):
-                await self._all("values", items=items)
+                value_stats = await self._all("values", items=items)
+            self._count_tokens(value_stats)
             for msg, item in zip(batch, items):
                 await out.send(item, **msg.meta)
             self.pending += [(item["id"], s) for item in items for s in item["samples"]]
@@ -278,4 +321,11 @@ class Critic(RankCommands, Node):
                     with self.ctx.span("critic train", samples=len(train)):
                         stats = await self._all("train", samples=train, rng=self.rng.getstate())
                     await self._snapshot()
-                self.ctx.metrics(stats)
+                self._count_tokens(stats)
+                self.ctx.metrics({**stats, **padding_metrics(*self.tokens, "critic")})
+                self.tokens = [0, 0]
+
+    def _count_tokens(self, stats: dict) -> None:
+        """Add a pass's tokens (its stats' critic/tokens_*) to those of the next padding report."""
+        self.tokens[0] += stats.pop("critic/tokens_processed")
+        self.tokens[1] += stats.pop("critic/tokens_real")

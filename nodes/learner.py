@@ -36,7 +36,9 @@ from dataflow.weights.sync import SYNC_EDGE, LearnerWeightSync, WeightSyncConfig
 from rl import policy
 from rl.kl import AdaptiveKLController, FixedKLController
 from rl.losses import PolicyLoss
+from rl.microbatch import check_micro_batch_settings, enable_gradient_checkpointing
 from rl.models import save_policy
+from rl.packing import use_varlen_attention
 from rl.ppo_update import ppo_update, resolved_advantage, resolved_loss_agg_mode, step_advantages  # noqa: F401
 from rl.precision import Precision, compile_layers, compute_dtype, prepare_trained
 from rl.schedule import lr_multiplier
@@ -91,10 +93,24 @@ class LearnerConfig:
     """Samples per forward/backward pass; their gradients accumulate into each minibatch's one
     optimizer step, with the same result as the whole minibatch at once (0 = the whole minibatch).
     Bounds memory: the logits of a sample are (prompt + response) x vocab floats (W1: 0.16 GB)."""
+    max_tokens_per_micro_batch: int = 0
+    """Tokens per forward/backward pass on each GPU instead of a row count (verl's
+    ppo_max_token_len_per_gpu; 0 = use micro_batch_size, which must then be 0 if this is set):
+    rows balanced over dp ranks by tokens, as many passes as the longest rank needs, the same
+    loss as unsplit. Counted as the pass runs: prompt + response tokens packed, rows x (longest
+    prompt + longest response) padded. Must be at least the longest prompt + response."""
+    packing: bool = False
+    """Run each pass packed: rows end to end without padding, attention kept within each row
+    (flash-attn's varlen kernel when installed, else flex_attention on CUDA, sdpa's block mask on
+    CPU; rl/packing.py); the same gradients as padded. "learner/padding_frac" reports padding."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them (less memory,
+    about one more forward of time; rl/microbatch.enable_gradient_checkpointing)."""
     precision: Precision = "auto"
     """auto: bf16 autocast over fp32 master weights on CUDA, fp32 on CPU; or bf16 / fp32 (rl/precision.py)."""
     compile: bool | None = None
-    """torch.compile each decoder layer (None = on CUDA, one process; rl/precision.compile_layers)."""
+    """torch.compile each decoder layer (None = on CUDA, one process, without gradient_checkpointing,
+    whose pairing with compile is untried; rl/precision.compile_layers)."""
     weight_decay: float = 0.01
     """AdamW's decoupled weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -173,6 +189,10 @@ class LearnerConfig:
 def check_config(c: LearnerConfig, max_steps: int | None) -> None:
     """Raise UserError naming the setting when the learner's settings do not fit together."""
     advantage = resolved_advantage(c)
+    try:
+        check_micro_batch_settings("learner", c.micro_batch_size, c.max_tokens_per_micro_batch)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     if advantage == "gae" and c.algorithm != "ppo":
         raise UserError("learner.advantage=gae needs the critic's values: run graphs/ppo.py, or pick grpo, "
                         "dr_grpo, rloo or reinforce_pp")
@@ -224,15 +244,20 @@ class Learner(RankCommands, Node):
         self.model, self.tokenizer = policy.load(c.policy)
         # fp32 master weights even from a bf16 checkpoint (precision.prepare_trained).
         prepare_trained(self.model, self.ctx.device, c.precision).eval()
+        check_config(c, self.ctx.max_steps)
+        # Before TP / FSDP and compile, which wrap the layers these switch.
+        if c.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
+        if c.packing:
+            self.ctx.log(f"packed passes, attention: {use_varlen_attention(self.model, self.ctx.device)}")
         if self.ranks is not None:  # TP over "tp", then FSDP2 over "dp" (dataflow/weights/layout.py)
             try:
                 self.ranks.shard(self.model)
             except ValueError as e:
                 raise UserError(f"learner.dp={c.dp} learner.tp={c.tp}: {e}") from None
         else:  # sharded ranks stay eager (compiling FSDP2/TP layers is untried here)
-            compile_layers(self.model, c.compile, self.ctx.device, compute_dtype(c.precision, self.ctx.device),
-                           train=True)
-        check_config(c, self.ctx.max_steps)
+            compile_layers(self.model, False if c.compile is None and c.gradient_checkpointing else c.compile,
+                           self.ctx.device, compute_dtype(c.precision, self.ctx.device), train=True)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=tuple(c.betas),
                                            weight_decay=c.weight_decay)
         self.kl_ctl = (AdaptiveKLController(c.kl.coef, c.kl.target, c.kl.horizon) if c.kl.kind == "adaptive"

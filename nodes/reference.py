@@ -15,9 +15,12 @@ from dataclasses import dataclass, field
 import torch
 
 from dataflow import Node
+from dataflow.errors import UserError
 from rl import policy
-from rl.models import pad_batch, sequence_logprobs, unpad_tokens
-from rl.precision import Precision, compile_layers, micro_slices, prepare_frozen
+from rl.microbatch import check_micro_batch_settings, padding_metrics, rank_micro_batches, sample_lengths
+from rl.models import pad_batch, unpad_tokens
+from rl.packing import micro_batch, micro_batch_logprobs, use_varlen_attention
+from rl.precision import Precision, compile_layers, prepare_frozen
 
 
 @dataclass(kw_only=True)
@@ -29,6 +32,12 @@ class ReferenceConfig:
     micro_batch_size: int = 0
     """Samples per forward pass (0 = all of a call's samples at once). Bounds memory: a sample's
     logits are (prompt + response) x vocab values (W1: 0.08 GB in bf16)."""
+    max_tokens_per_micro_batch: int = 0
+    """Tokens per forward pass instead of a row count (0 = use micro_batch_size; as the learner's
+    setting: one of the two must be 0; at least the longest prompt + response)."""
+    packing: bool = False
+    """Run each pass packed, without padding (as learner.packing); "reference/padding_frac" reports
+    the padding of the passes."""
     precision: Precision = "auto"
     """auto: bf16 weights on CUDA (frozen, so no fp32 master copy is needed), fp32 on CPU."""
     compile: bool | None = None
@@ -39,22 +48,29 @@ class ReferenceConfig:
 
 
 def add_logprobs(model, pad_id: int, items: list[dict], key: str, micro_batch_size: int = 0,
-                 temperature: float = 1.0) -> None:
+                 temperature: float = 1.0, max_tokens: int = 0, packing: bool = False) -> dict:
     """Set samples[key] = per-token log-probs of softmax(logits / temperature) under `model` for
-    every response of `items`, `micro_batch_size` samples per forward pass (0 = all at once), in
-    the model's own dtype."""
+    every response of `items`, in the model's own dtype: `micro_batch_size` samples per forward
+    pass (0 = all at once), or passes of at most `max_tokens` tokens (rl/microbatch.py), each
+    packed or padded to its own rows' columns (`packing`, rl/packing.py). Returns the passes'
+    padding ("reference/padding_frac", tokens processed and real)."""
     samples = [s for item in items for s in item["samples"]]
     device = next(model.parameters()).device
     batch = pad_batch(samples, pad_id, token_keys=(), device=device)
-    rows = []
+    lengths = sample_lengths(samples)
+    logprobs = torch.zeros(batch["response_mask"].shape, dtype=torch.float64, device=device)
+    processed = 0
     with torch.no_grad():
-        for sl in micro_slices(len(samples), micro_batch_size):
-            logprobs, _ = sequence_logprobs(model, batch["input_ids"][sl], batch["attention_mask"][sl],
-                                            batch["response_mask"][sl], temperature=temperature,
-                                            with_entropy=False)
-            rows += unpad_tokens(logprobs, batch["response_mask"][sl])
-    for s, row in zip(samples, rows):
+        for rows in rank_micro_batches(range(len(samples)), lengths, max_tokens, micro_batch_size,
+                                       "packed" if packing else "padded",
+                                       setting="reference.max_tokens_per_micro_batch"):
+            mb = micro_batch(batch, rows, packing)
+            part, _ = micro_batch_logprobs(model, mb, temperature=temperature, with_entropy=False)
+            mb.put(logprobs, part)
+            processed += mb.num_tokens
+    for s, row in zip(samples, unpad_tokens(logprobs, batch["response_mask"])):
         s[key] = row
+    return padding_metrics(processed, sum(p + r for p, r in lengths), "reference")
 
 
 class Reference(Node):
@@ -63,17 +79,38 @@ class Reference(Node):
     outputs = ("with_ref",)
 
     async def setup(self):
-        self.model, self.tokenizer = policy.load(self.config.policy)
-        prepare_frozen(self.model, self.ctx.device, self.config.precision)
+        c = self.config
+        try:
+            check_micro_batch_settings("reference", c.micro_batch_size, c.max_tokens_per_micro_batch)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        self.model, self.tokenizer = policy.load(c.policy)
+        prepare_frozen(self.model, self.ctx.device, c.precision)
+        if c.packing:
+            self.ctx.log(f"packed passes, attention: {use_varlen_attention(self.model, self.ctx.device)}")
         # no autocast: the reference's weights are in the compute dtype already
         compile_layers(self.model, self.config.compile, self.ctx.device, torch.float32, train=False)
 
     async def run(self):
         inp, out = self.ctx.inputs["scored"], self.ctx.outputs["with_ref"]
-        async for batch in inp.batches(self.config.items_per_call, 0.01):
+        c = self.config
+        # Padding reported once per learner step (the items' meta "batch"): the passes' tokens add
+        # up until an item of a later batch arrives (a call's items may straddle two: rounded).
+        tokens, reported_batch = [0, 0], None
+        async for batch in inp.batches(c.items_per_call, 0.01):
             items = [m.data for m in batch]
+            newest = max(m.meta.get("batch", 0) for m in batch)
+            if reported_batch is not None and newest > reported_batch and tokens[0]:
+                self.ctx.metrics(padding_metrics(*tokens, "reference"))
+                tokens = [0, 0]
+            reported_batch = newest
             with self.ctx.span("reference forward", items=len(items)):
-                await asyncio.to_thread(add_logprobs, self.model, self.tokenizer.pad_token_id, items,
-                                        "ref_logprobs", self.config.micro_batch_size, self.config.temperature)
+                padding = await asyncio.to_thread(add_logprobs, self.model, self.tokenizer.pad_token_id, items,
+                                                  "ref_logprobs", c.micro_batch_size, c.temperature,
+                                                  c.max_tokens_per_micro_batch, c.packing)
+            tokens[0] += padding["reference/tokens_processed"]
+            tokens[1] += padding["reference/tokens_real"]
             for msg, item in zip(batch, items):
                 await out.send(item, **msg.meta)
+        if tokens[0]:
+            self.ctx.metrics(padding_metrics(*tokens, "reference"))

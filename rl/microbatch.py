@@ -1,5 +1,6 @@
 """Memory-bounded passes over a minibatch: token-budget micro-batches balanced over dp ranks, their
-loss weights, the padding they cost, and gradient checkpointing. Pure Python except the last.
+loss weights, the padding they cost, and gradient checkpointing. Pure Python except the last and
+rank_micro_batches (which the nodes call: a dp rank's share of the plan).
 
 A row's length is its (prompt, response) token counts. A micro-batch's cost in tokens depends on
 the layout it runs in:
@@ -32,7 +33,10 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
+import torch
 from torch import nn
+
+from rl.precision import micro_slices
 
 Layout = Literal["packed", "padded"]
 
@@ -163,6 +167,50 @@ def plan_micro_batches(lengths: Sequence[tuple[int, int]], max_tokens: int, num_
     return [_split_to(parts, count, lengths, layout) for parts in per_rank]
 
 
+def check_micro_batch_settings(node: str, micro_batch_size: int, max_tokens: int) -> None:
+    """A node's two ways to split its passes: rows or tokens, not both (ValueError naming them)."""
+    if max_tokens < 0 or micro_batch_size < 0:
+        raise ValueError(f"{node}.micro_batch_size={micro_batch_size}, {node}.max_tokens_per_micro_batch="
+                         f"{max_tokens}: must be >= 0")
+    if max_tokens and micro_batch_size:
+        raise ValueError(f"{node}.micro_batch_size={micro_batch_size} and {node}.max_tokens_per_micro_batch="
+                         f"{max_tokens} both split the passes; set one of them to 0 (tokens bound memory "
+                         "whatever the lengths; rows are the older setting)")
+
+
+def rank_micro_batches(rows: Sequence[int], lengths: Sequence[tuple[int, int]], max_tokens: int,
+                       micro_batch_size: int, layout: Layout, ranks=None, pad_index: int | None = None,
+                       setting: str = "max_tokens_per_micro_batch") -> list[list[int]]:
+    """The micro-batches this dp rank runs for the minibatch `rows` (indices into the step's batch,
+    lengths[i] = row i's (prompt, response) tokens), as lists of those indices.
+
+    max_tokens > 0: plan_micro_batches over every dp rank (tokens balanced over ranks, each pass
+    within the budget in `layout`), this rank's part of it; an empty micro-batch (a rank with fewer
+    rows than passes) is [pad_index]: a mask-0 row, so every rank issues the same number of
+    forward/backward passes (FSDP collectives). max_tokens = 0: the older split, a contiguous dp
+    share (ranks.dp_share, padded with pad_index) cut into micro_batch_size rows (0 = all).
+    `ranks`: a dataflow.weights.multirank.TrainRanks (dp_rank, dp_size, dp_share), or None."""
+    rows = list(rows)
+    if not rows:
+        return []
+    if max_tokens:
+        plan = plan_micro_batches([lengths[i] for i in rows], max_tokens, ranks.dp_size if ranks else 1,
+                                  layout, setting)
+        mine = plan[ranks.dp_rank if ranks else 0]
+        assert pad_index is not None or all(mine), "an empty micro-batch (dp) needs a pad row"
+        return [[rows[k] for k in part] if part else [pad_index] for part in mine]
+    if ranks is not None:
+        rows = ranks.dp_share(torch.tensor(rows, dtype=torch.long), pad_index=pad_index).tolist()
+    return [rows[sl] for sl in micro_slices(len(rows), micro_batch_size)]
+
+
+def padding_metrics(tokens_processed: int, tokens_real: int, prefix: str) -> dict:
+    """{prefix/padding_frac, prefix/tokens_processed, prefix/tokens_real}: padding as a fraction of
+    the tokens a node's forward passes processed (0 when none ran)."""
+    return {f"{prefix}/padding_frac": (tokens_processed - tokens_real) / tokens_processed if tokens_processed else 0.0,
+            f"{prefix}/tokens_processed": tokens_processed, f"{prefix}/tokens_real": tokens_real}
+
+
 def micro_batch_weights(plan: list[list[list[int]]], valid_tokens: Sequence[float]) -> list[list[float]]:
     """weights[rank][j] = valid tokens of micro-batch j of `rank` / valid tokens of the minibatch
     (all ranks' rows; a denominator of at least 1, so all-invalid gives weights 0, as ppo_update).
@@ -180,16 +228,16 @@ def padding_stats(micro_batches: Sequence[Sequence[tuple[int, int]]], layout: La
     micro_batches: each pass's rows as (prompt, response) lengths (every rank's passes, for dp);
     layout: what the passes ran in (module docstring); filler_tokens: tokens run only to keep ranks
     in step (a dp pad row standing in for an empty micro-batch), counted as padding; width
-    ("padded" only): the passes ran at this many columns whatever their rows (ppo_update today
-    slices micro-batches out of the whole minibatch's [B, T], so width = T).
-    Returns {"perf/padding_frac", "perf/tokens_processed", "perf/tokens_real"}."""
+    ("padded" only): the passes ran at this many columns whatever their rows (micro-batches sliced
+    out of a whole minibatch's [B, T], as ppo_update did before micro_batch trimmed them: width = T).
+    Returns {"perf/padding_frac", "perf/tokens_processed", "perf/tokens_real"} (padding_metrics).
+    The nodes count what their passes ran instead (PackedBatch / PaddedRows.num_tokens)."""
     real = sum(p + r for mb in micro_batches for p, r in mb)
     if width is not None and layout != "padded":
         raise ValueError(f"padding_stats: width={width} is for the padded layout, not {layout!r}")
     processed = filler_tokens + sum(len(mb) * width if width is not None else
                                     micro_batch_cost(list(mb), range(len(mb)), layout) for mb in micro_batches)
-    return {"perf/padding_frac": (processed - real) / processed if processed else 0.0,
-            "perf/tokens_processed": processed, "perf/tokens_real": real}
+    return padding_metrics(processed, real, "perf")
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:

@@ -6,7 +6,10 @@ response tokens, no padding), position_ids restarting at 0 for every row, and `i
 position in the padded [B, T] batch each packed token came from. Any padded per-token tensor packs
 with `take` (behaviour / ref log-probs, advantages, loss masks) and packed results go back with
 `put`, so the loss math of rl/losses and rl/masked runs unchanged on [1, N] tensors: a token mean
-over a mask is the same number whatever the layout. Token alignment is models.py's: a value at
+over a mask is the same number whatever the layout. Per-sequence terms (GSPO's ratio, the
+seq-mean loss aggregations) need one row per sequence: to_rows lays packed results out as the
+rows' [b, t] block of the padded batch (differentiably) and take_rows cuts the same block from
+padded tensors; PaddedRows has both too (identity / take), so the learner's loss runs unchanged. Token alignment is models.py's: a value at
 packed column t concerns input_ids[0, t] (a log-prob from the logits at t - 1 of the same row; a
 value from the hidden state at t - 1); a row's first token is a prompt token and never gets one.
 
@@ -49,10 +52,27 @@ class PackedBatch:
     seq_lens: list[int]
     """Tokens of each row (prompt + response), in packing order."""
     padded_shape: tuple[int, int]
+    row_of: torch.Tensor
+    """[N] long: each packed token's row, as a position in `rows`."""
+    columns: slice
+    """The padded batch's columns the rows use (padded_columns): the width of take_rows / to_rows."""
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the forward pass processes: N, all of them real."""
         return self.input_ids.shape[1]
+
+    def take_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows' [b, t] part of a padded [B, T] tensor (rows in packing order, t = columns):
+        the per-row layout the loss math runs in, so per-sequence terms (GSPO's ratio, the
+        seq-mean aggregations' row weights) see one row per sequence, not one pack."""
+        return x[torch.as_tensor(self.rows, device=x.device)][:, self.columns]
+
+    def to_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """Packed [1, N] values in take_rows' [b, t] layout, 0 elsewhere (differentiable: an
+        out-of-place scatter, so the loss's gradient flows back into the packed forward)."""
+        dst = values.new_zeros((len(self.rows), self.columns.stop - self.columns.start))
+        return dst.index_put((self.row_of, self.index % self.padded_shape[1] - self.columns.start), values[0])
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """The packed [1, N] view of a padded [B, T] per-token tensor (a gather: a new tensor)."""
@@ -92,9 +112,11 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_ma
         bad = rows_t[r[first][resp[first] > 0]].tolist()
         raise ValueError(f"pack_rows: rows {bad[:8]} have an empty prompt (the response starts at the row's "
                          "first token); every sample needs at least one prompt token (e.g. <bos>)")
+    columns = slice(int(c.min()), int(c.max()) + 1) if len(c) else slice(0, num_cols)
     return PackedBatch(input_ids=input_ids.reshape(-1)[flat][None], position_ids=positions[None],
                        response_mask=resp[None], index=flat, rows=rows_t.tolist(),
-                       seq_lens=mask.sum(1).tolist(), padded_shape=(num_rows, num_cols))
+                       seq_lens=mask.sum(1).tolist(), padded_shape=(num_rows, num_cols), row_of=r,
+                       columns=columns)
 
 
 def pack_samples(samples: list[dict], pad_id: int, token_keys: tuple[str, ...] = (),
@@ -133,11 +155,24 @@ class PaddedRows:
     rows: list[int]
     padded_shape: tuple[int, int]
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the forward pass processes: b x t, padding included."""
+        return self.input_ids.numel()
+
     def take(self, x: torch.Tensor) -> torch.Tensor:
         if tuple(x.shape[:2]) != self.padded_shape:
             raise ValueError(f"PaddedRows.take: tensor of shape {tuple(x.shape)}; the rows come from a "
                              f"padded batch of shape {self.padded_shape}")
         return x[self.index][:, self.columns]
+
+    def take_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """PackedBatch.take_rows: here the micro-batch's own layout already (= take)."""
+        return self.take(x)
+
+    def to_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """PackedBatch.to_rows: the values are in that layout already."""
+        return values
 
     def put(self, dst: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         cols = torch.arange(self.columns.start, self.columns.stop, device=dst.device)
@@ -224,12 +259,7 @@ def packed_values(value_model: nn.Module, packed: PackedBatch) -> torch.Tensor:
     """values [1, N] of rl/models.ValueModel on a packed batch: values[0, t] = the value head on the
     hidden state at t - 1 of the same row, 0 at each row's first token (ValueModel.forward, packed).
     The dtype is ValueModel's: float32 out of bf16 autocast, float64 for a float64 model."""
-    hidden = value_model.backbone(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                                  attention_mask=None, use_cache=False).last_hidden_state
-    v = value_model.value_head(hidden).squeeze(-1)
-    v = v if v.dtype == torch.float64 else v.float()
-    shifted = torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
-    return shifted * (packed.position_ids > 0)              # a row's first token: no state before it
+    return value_model(packed.input_ids, None, position_ids=packed.position_ids)
 
 
 def varlen_attention_available(device) -> str:

@@ -16,6 +16,12 @@ The phases, in order:
   3. epochs over minibatches, each in micro-batches whose gradients accumulate into one
      optimizer step; the loss aggregation's normaliser is the whole minibatch's
      (rl/losses.agg_row_weights), so micro-batches and dp shares add up to the unsplit loss.
+Micro-batches (phases 1 and 3): c.micro_batch_size rows, or with c.max_tokens_per_micro_batch a
+token budget per pass, rows balanced over the dp ranks by tokens (rl/microbatch.py); each pass
+packed (c.packing: no padding, rl/packing.py) or padded to its own rows' columns. The loss math
+runs on each pass's rows in the padded [b, t] layout (PackedBatch.to_rows), so per-sequence terms
+(GSPO, the seq-mean aggregations) are the same in both layouts. "learner/padding_frac": padding
+as a fraction of the tokens all of the step's passes processed.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ from rl.advantages import grpo_advantages, reinforce_pp_advantages, rloo_advanta
 from rl.kl import kl_penalty, kl_shaped_rewards, sequence_kl
 from rl.losses import agg_row_weights, policy_loss, weighted_token_sum
 from rl.masked import masked_mean, masked_whiten
-from rl.models import pad_batch, sequence_logprobs
-from rl.precision import autocast, compute_dtype, micro_slices
+from rl.microbatch import padding_metrics, rank_micro_batches, sample_lengths
+from rl.models import pad_batch
+from rl.packing import micro_batch, micro_batch_logprobs
+from rl.precision import autocast, compute_dtype
 from rl.shaping import overlong_penalty
 
 
@@ -162,6 +170,19 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
     kl_in_loss = c.kl.placement == "loss"
     full = pad_batch(samples, pad_id, token_keys=_token_keys(c), device=device)
     num = len(samples)
+    # Micro-batches: rows (micro_batch_size) or a token budget (max_tokens_per_micro_batch), each
+    # run packed or padded to its own rows' columns (rl/microbatch.py, rl/packing.py).
+    lengths = sample_lengths(samples)
+    lengths.append(lengths[0])                                  # the dp pad row (row `num`, below)
+    layout = "packed" if c.packing else "padded"
+
+    def passes(rows, ranks=None):
+        return rank_micro_batches(rows, lengths, c.max_tokens_per_micro_batch, c.micro_batch_size, layout, ranks,
+                                  pad_index=num, setting="learner.max_tokens_per_micro_batch")
+
+    def real_tokens(rows) -> int:
+        return sum(sum(lengths[i]) for i in rows if i != num)
+
     keep = torch.tensor([not s["failed"] and (s.get("finished", True) or not c.mask_truncated) for s in samples],
                         device=device)
     mask = full["response_mask"] * keep[:, None]
@@ -170,18 +191,18 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
     for _ in range(c.ppo_epochs):
         orders.append(list(range(num)))
         rng.shuffle(orders[-1])
-    # 1. Old log-probs (module docstring).
+    # 1. Old log-probs (module docstring). dp x tp: every rank runs every row (not a dp share).
     reuse_first = ranks is None and kl_in_loss
     first_rows = set(orders[0][:c.minibatch_size]) if reuse_first else set()
     old_logprobs = torch.zeros_like(full["logprobs"])
-    rest = torch.tensor([i for i in range(num) if i not in first_rows], dtype=torch.long)
+    proximal_tokens = [0, 0]       # processed, real: the same on every rank
     with torch.no_grad(), autocast(amp, device):
-        for sl in micro_slices(len(rest), c.micro_batch_size):
-            rows = rest[sl].to(device)
-            logprobs, _ = sequence_logprobs(model, full["input_ids"][rows], full["attention_mask"][rows],
-                                            full["response_mask"][rows], temperature=c.temperature,
-                                            with_entropy=False)
-            old_logprobs[rows] = logprobs.to(old_logprobs.dtype)
+        for rows in passes([i for i in range(num) if i not in first_rows]):
+            mb = micro_batch(full, rows, c.packing)
+            logprobs, _ = micro_batch_logprobs(model, mb, temperature=c.temperature, with_entropy=False)
+            mb.put(old_logprobs, logprobs)
+            proximal_tokens[0] += mb.num_tokens
+            proximal_tokens[1] += real_tokens(rows)
     # 2. Advantages (with KL in the reward: from the old log-probs just computed).
     advantages, adv_stats = compute_advantages(samples, full, c, kl_coef, old_logprobs)
     if ranks is not None:  # row `num`: a mask-0 copy of row 0 that pads short dp shares
@@ -195,21 +216,25 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
     stat_keys = ("loss", "policy", "kl", "entropy", "approx_kl", "clipfrac", "clipfrac_lower", "ratio", "is_weight")
     stats: dict[str, list[float]] = {}
     skipped, skipped_last, total, reason = 0, 0, 0, ""
+    update_tokens = [0, 0]         # processed, real: the minibatches' passes, summed over dp
     behaviour = full["logprobs"] if stale else None
     model.train()
     for epoch, order in enumerate(orders):
         for start in range(0, len(order), c.minibatch_size):
-            mb_rows = torch.tensor(order[start:start + c.minibatch_size])
-            mb_tokens = max(sum(row_tokens[i] for i in mb_rows.tolist()), 1.0)
-            # The aggregation's per-row weights, from the whole minibatch (every dp share's rows).
+            mb_list = order[start:start + c.minibatch_size]
+            mb_rows = torch.tensor(mb_list, device=device)
+            mb_tokens = max(sum(row_tokens[i] for i in mb_list), 1.0)
+            # The aggregation's per-row weights, from the whole minibatch (every dp share's rows):
+            # a micro-batch's loss is its rows' part of the minibatch's, whatever the split.
             row_weights = torch.zeros(len(row_tokens), dtype=torch.float64, device=device)
-            row_weights[mb_rows.to(device)] = agg_row_weights(mask[mb_rows.to(device)].double(), agg_mode, scale)
-            if ranks is not None:  # this dp rank's share (the tp ranks of a dp group: the same)
-                mb_rows = ranks.dp_share(mb_rows, pad_index=num)
-            mb_idx = mb_rows.to(device)
+            row_weights[mb_rows] = agg_row_weights(mask[mb_rows].double(), agg_mode, scale)
+            # This dp rank's passes (the tp ranks of a dp group: the same); tokens balanced over dp
+            # with a token budget, a contiguous dp share otherwise.
+            parts = passes(mb_list, ranks)
             optimizer.zero_grad(set_to_none=True)
             total += 1
             acc = torch.zeros(len(stat_keys), dtype=torch.float64, device=device)
+            mb_processed, mb_real = 0, 0
             # One autocast context per minibatch, not per micro-batch: autocast caches the bf16 copy
             # of each fp32 weight until the context ends, so the weights are cast once per optimizer
             # step (on W1, 16 micro-batches recast them 16 times). It ends before optimizer.step,
@@ -217,30 +242,36 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
             # only matmul-like ops), and backward runs on autograd's own thread. Sharded (ranks):
             # no cache, see rl/precision.autocast.
             with autocast(amp, device, cache_weights=ranks is None):
-                for sl in micro_slices(len(mb_idx), c.micro_batch_size):
-                    idx = mb_idx[sl]
-                    # This slice's share of the minibatch's valid tokens, for the token-mean stats;
+                for rows in parts:
+                    # This pass's share of the minibatch's valid tokens, for the token-mean stats;
                     # a Python float (double), so the weighting adds no float32 rounding.
-                    share = sum(row_tokens[i] for i in mb_rows[sl].tolist()) / mb_tokens
-                    logprobs, entropy = sequence_logprobs(model, full["input_ids"][idx], full["attention_mask"][idx],
-                                                          mask[idx], temperature=c.temperature,
-                                                          entropy_grad=c.entropy_coef != 0)
+                    share = sum(row_tokens[i] for i in rows) / mb_tokens
+                    mb = micro_batch(full, rows, c.packing, response_mask=mask)
+                    mb_processed += mb.num_tokens
+                    mb_real += real_tokens(rows)
+                    packed_lp, packed_ent = micro_batch_logprobs(model, mb, temperature=c.temperature,
+                                                                 entropy_grad=c.entropy_coef != 0)
                     if reuse_first and epoch == 0 and start == 0:   # see first_rows above
-                        old_logprobs[idx] = logprobs.detach().to(old_logprobs.dtype)
+                        mb.put(old_logprobs, packed_lp.detach())
+                    # The loss math runs on the rows' [b, t] layout (one row per sequence) in both layouts.
+                    logprobs, entropy = mb.to_rows(packed_lp), mb.to_rows(packed_ent)
+                    del packed_lp, packed_ent
+                    take, idx = mb.take_rows, torch.as_tensor(rows, device=device)
+                    m = take(mask)
                     pg_loss, pg_stats = policy_loss(
-                        logprobs, old_logprobs[idx], advantages[idx], mask[idx], row_weights[idx], c.policy_loss,
+                        logprobs, take(old_logprobs), take(advantages), m, row_weights[idx], c.policy_loss,
                         c.clip_eps if c.clip_eps_low is None else c.clip_eps_low,
                         c.clip_eps if c.clip_eps_high is None else c.clip_eps_high, c.dual_clip_c,
                         c.log_ratio_clamp or None,
-                        behaviour_logprobs=behaviour[idx] if stale else None,
+                        behaviour_logprobs=take(behaviour) if stale else None,
                         is_truncation=c.is_truncation if stale else None)
-                    kl_tokens = kl_penalty(logprobs, full["ref_logprobs"][idx], c.kl.estimator, c.kl.clamp or None)
+                    kl_tokens = kl_penalty(logprobs, take(full["ref_logprobs"]), c.kl.estimator, c.kl.clamp or None)
                     loss = pg_loss
                     if kl_in_loss:
-                        loss = loss + kl_coef * weighted_token_sum(kl_tokens, mask[idx], row_weights[idx])
+                        loss = loss + kl_coef * weighted_token_sum(kl_tokens, m, row_weights[idx])
                     if c.entropy_coef:
-                        loss = loss - c.entropy_coef * weighted_token_sum(entropy, mask[idx], row_weights[idx])
-                    token_means = (masked_mean(kl_tokens, mask[idx]), masked_mean(entropy, mask[idx]),
+                        loss = loss - c.entropy_coef * weighted_token_sum(entropy, m, row_weights[idx])
+                    token_means = (masked_mean(kl_tokens, m), masked_mean(entropy, m),
                                    *(pg_stats[k] for k in ("approx_kl", "clipfrac", "clipfrac_lower", "ratio_mean",
                                                            "is_weight_mean")))
                     acc[:2] += torch.stack([loss.detach().double(), pg_loss.detach().double()])
@@ -250,8 +281,11 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
                     loss.backward()
                     del logprobs, entropy, loss
             sums = dict(zip(stat_keys, acc.tolist()))   # the one wait for the GPU of this minibatch
+            sums.update(tokens_processed=mb_processed, tokens_real=mb_real)
             if ranks is not None:  # the minibatch's stats: the dp shares' parts add up
                 sums = ranks.sum_over_dp(sums)
+            update_tokens[0] += int(sums["tokens_processed"])
+            update_tokens[1] += int(sums["tokens_real"])
             finite = math.isfinite(sums["loss"])          # equal on every rank
             grad_norm = torch.tensor(float("nan"))
             if finite:
@@ -273,4 +307,5 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
     return {**{k: sum(v) / len(v) for k, v in stats.items()}, **adv_stats, "updates/total": total,
             "updates/skipped": skipped, "updates/skipped_last": skipped_last, "updates/skip_reason": reason,
             "samples/masked_truncated": int(sum(1 for s in samples if not s["failed"] and not s.get("finished", True)))
-            if c.mask_truncated else 0}
+            if c.mask_truncated else 0,
+            **padding_metrics(proximal_tokens[0] + update_tokens[0], proximal_tokens[1] + update_tokens[1], "learner")}
