@@ -112,6 +112,9 @@ class Graph:
     dies (0 = a death stops the run)."""
     drop_bad_items: bool = False
     """Drop (and count) channel items that fail to decode instead of failing the consumer."""
+    loggers: list[str] | str = field(default_factory=list)
+    """Metric sinks besides metrics.jsonl: "tensorboard", "wandb" (a list or "tensorboard,wandb";
+    dataflow/loggers.py)."""
     _problems: list[str] = field(default_factory=list, repr=False)
 
     def node(self, name: str, kind: type, config: Any = None, *, cpus: float = 1.0,
@@ -187,6 +190,9 @@ class Graph:
         if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 0:
             problems.append(f"{source}: keep_checkpoints must be an integer >= 0 (got {self.keep_checkpoints!r}); "
                             "0 keeps every checkpoint")
+        from dataflow import loggers
+
+        problems += [f"{source}: {p}" for p in loggers.problems(self.loggers)]
         for spec in self.nodes.values():
             problems += _node_problems(spec)
         if not problems:  # pools, and which GPU each replica gets (needs sound node resources)

@@ -15,6 +15,7 @@ from dataflow import checkpoint
 from dataflow.config import flatten
 from dataflow.failures import gather_named
 from dataflow.graph import Graph
+from dataflow.loggers import RunLoggers
 from dataflow.trace.collector import TraceCollector
 from dataflow.trace.tracer import Tracer
 
@@ -60,8 +61,10 @@ class Monitor:
         self.step = resume_step
         self.depths: dict[str, int] = {}
         self.artifacts: dict[str, str] = {}
-        if config is not None and dataclasses.is_dataclass(config):
-            (run_dir / "config.json").write_text(json.dumps({k: _jsonable(v) for k, v in flatten(config)}, indent=1))
+        flat = {k: _jsonable(v) for k, v in flatten(config)} if dataclasses.is_dataclass(config) else {}
+        if flat:
+            (run_dir / "config.json").write_text(json.dumps(flat, indent=1))
+        self.loggers = RunLoggers(run_dir, graph.loggers, flat, graph.name, resume is not None)  # dataflow/loggers.py
 
     def processes(self, pids: dict) -> None:
         """Which process hosts which replica: <run>/processes.json (for kill tests and operators)."""
@@ -119,15 +122,20 @@ class Monitor:
         elif kind == "checkpoint":
             self.checkpoint_requests.append((name, event["step"]))
         elif kind in ("step", "metrics"):
-            values = event["values"]
+            values = dict(event["values"])
+            rollouts = values.pop("rollouts", None)   # to rollouts.jsonl and TensorBoard, not here
             record = {"time_s": round(event["t"] - (self.t_running or self.t_start), 3), "node": name}
             if kind == "step":
                 self.step = event["step"]
                 record["step"] = event["step"]
             record.update({k: _jsonable(v) for k, v in values.items()})
             record.update({f"queue/{ch}": d for ch, d in self.depths.items()})
-            self.metrics_file.write(json.dumps(record) + "\n")
-            self.metrics_file.flush()
+            if values:
+                self.metrics_file.write(json.dumps(record) + "\n")
+                self.metrics_file.flush()
+            line = self.loggers.record(record, self.step, rollouts)   # validation rounds print a line
+            if line:
+                self.say(line)
             if kind == "step":
                 self.say(self._progress_line(event["step"], values))
                 if "staleness/mean" in values:
@@ -162,6 +170,7 @@ class Monitor:
         if self.options.trace_path:
             self.trace.write(self.options.trace_path)
             self.artifacts["trace"] = self.options.trace_path
+        report += ("\n" + self.loggers.close()).rstrip()   # the validation rounds, before and after
         return RunSummary(status, self.step, seconds, str(self.run_dir), str(self.metrics_path),
                           dict(self.artifacts), report, dict(self.restarts))
 

@@ -2,7 +2,10 @@
 
 Consumes: nothing.  Produces: `prompts` items {"id", "prompt", "prompt_ids", "fields"} (meta:
 index, batch); "prompt_ids" only when this node has the policy's tokenizer (`policy.path`).
-Waits for: the learner's policy version (admission control).  Unblocked by: each weight publish.
+Validation prompts (val.path) go out on the same port with ids "val/<row>" and "val": {"round",
+"row", "size", "n"} (meta: val_round, index).
+Waits for: the learner's policy version (admission control); with validation, the evaluator's
+`validated` edge.  Unblocked by: each weight publish; each validation round reported.
 
 Re-issue: when a generator, reward, reference or critic replica dies, the prompts of the
 batches not yet trained are sent again (on_restart); the source stays running after its data
@@ -19,17 +22,26 @@ convert`. Chat prompts are rendered with the policy tokenizer's chat template an
 tokenized here, once, at setup (the generators take the ids as they are), so a bad row, a missing
 template or a prompt over max_prompt_tokens stops the run before it starts, naming the file and
 row. Each epoch goes over the rows in file order, or in a seeded random order (`shuffle`).
+
+Validation (val.*, nodes/evaluator.py): the validation file is read like the training data, with
+the same settings. When the learner has published a version that is due (0 before training, then
+every val.every steps), every validation prompt goes out tagged with that round, before the next
+training batch; that batch (the one admitted at version round + max_staleness) waits until the
+evaluator has reported the round. The training prompts, their batches and their order are the
+same with or without validation.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 
-from dataflow import Node
+from dataflow import Node, UserError
+from nodes.evaluator import VALIDATED, ValidationConfig
 from rl import data, policy
 from rl.tasks import DEFAULT_NUM_DIGITS, DEFAULT_TASK, make_task
 
@@ -71,18 +83,31 @@ class PromptConfig:
     max_staleness: int = 1
     """How many policy versions the generators may run ahead of the learner (0 = synchronous)."""
     seed: int = 0
+    val: ValidationConfig = field(default_factory=ValidationConfig)
+    """Validation rounds (nodes/evaluator.py); the graph shares its `val` settings here."""
 
 
 class PromptSource(Node):
     Config = PromptConfig
     outputs = ("prompts",)
-    subscribes = ("policy",)
+    subscribes = ("policy", VALIDATED)
 
     async def setup(self):
         c = self.config
-        self.data = None
+        self.data = self.val = None
+        tokenizer = policy.load_tokenizer(c.policy) if c.policy.path and (c.path or c.val.path) else None
+        if c.val.path:
+            c.val.check()
+            self.val = data.open_prompts(c.val.path, c, tokenizer, c.policy.path, setting="prompts")
+            self.val_rows = min(len(self.val), c.val.max_prompts or len(self.val))
+            if self.val_rows == 0:
+                raise UserError(f"val.path={c.val.path}: no usable rows")
+            if self.val.skipped or self.val.truncated:
+                self.ctx.log(f"validation file {c.val.path}: skipped {self.val.skipped} bad rows, truncated "
+                             f"{self.val.truncated} prompts (prompts.skip_bad_lines / prompts.truncation)")
+        self.next_round = 0       # the next validation round (a policy version) to send
+        self.sent_rounds: list[int] = []
         if c.path:
-            tokenizer = policy.load_tokenizer(c.policy) if c.policy.path else None
             self.data = data.open_prompts(c.path, c, tokenizer, c.policy.path, setting="prompts")
             if self.data.skipped:
                 self.ctx.log(f"skipped {self.data.skipped} bad rows of {c.path}")
@@ -124,20 +149,56 @@ class PromptSource(Node):
         await self.ctx.outputs["prompts"].send({"id": index, **item},
                                                index=index, batch=index // self.config.prompts_per_step, **meta)
 
+    async def _send_round(self, r: int, **meta) -> None:
+        """Every validation prompt, tagged with round `r` (the policy version it validates)."""
+        c = self.config
+        for row in range(self.val_rows):
+            val = {"round": r, "row": row, "size": self.val_rows, "n": c.val.n}
+            await self.ctx.outputs["prompts"].send({"id": f"val/{row}", **self.val.message(row), "val": val},
+                                                   val_round=r, index=row, **meta)
+
+    async def _admit(self, batch: int) -> None:
+        """Wait until training batch `batch` may go out: the learner has published version
+        batch - max_staleness, and every validation round due by then has been sent and reported."""
+        c = self.config
+        ready = batch - c.max_staleness
+        while self.val is not None and self.next_round <= max(ready, 0):
+            r = self.next_round
+            await self.ctx.wait_version("policy", r)
+            self.sent_rounds.append(r)
+            await self._send_round(r)
+            self.next_round = c.val.next_round(r + 1)
+            await self.ctx.wait_version(VALIDATED, r + 1)
+        await self.ctx.wait_version("policy", ready)
+
+    async def _wait_for_evaluator(self) -> None:
+        timeout = self.config.val.start_timeout_s
+        try:
+            await asyncio.wait_for(self.ctx.wait_version(VALIDATED, 0), timeout)
+        except asyncio.TimeoutError:
+            raise UserError(f"val.path={self.config.val.path} is set, but no evaluator said it is up within "
+                            f"{timeout:g} s: the graph needs an Evaluator node (nodes/evaluator.py) fed by the "
+                            "reward node's 'validation' port and the versioned edge 'validated' from it to "
+                            "'prompts' (README, Validation)") from None
+
     async def run(self):
         c = self.config
         # A restarted source starts again at the batch the learner is collecting (the one it
         # has published weights for); items in flight are then sent twice, the learner keeps one.
         start = max(self.start, self.ctx.latest_version("policy") * c.prompts_per_step)
+        if self.val is not None:
+            await self._wait_for_evaluator()
+            # resumed at step k: the rounds before k ran before the checkpoint
+            self.next_round = c.val.next_round(start // c.prompts_per_step)
         for index, row in itertools.islice(enumerate(self._stream()), start, None):
             if index % c.prompts_per_step == 0 or index == start:
-                await self.ctx.wait_version("policy", index // c.prompts_per_step - c.max_staleness)
+                await self._admit(index // c.prompts_per_step)
             await self._send(index, row)
             self.sent = index + 1
         # The data is exhausted (a JSONL file's last epoch). Stay up until the learner has trained
         # every complete batch sent: until then a restarted node's prompts must be re-issued, and
         # returning would close the channel they go out on. (A last, partial batch is never trained.)
-        await self.ctx.wait_version("policy", max(self.sent, start) // c.prompts_per_step)
+        await self._admit(max(self.sent, start) // c.prompts_per_step + c.max_staleness)
 
     async def on_restart(self, replica: str) -> None:
         """`replica` died: the prompts it held (taken, in its queues, being generated) are lost.
@@ -148,3 +209,7 @@ class PromptSource(Node):
         self.ctx.log(f"{replica} restarted: re-issuing prompts {first}..{end - 1}")
         for index, row in itertools.islice(enumerate(self._stream()), first, end):
             await self._send(index, row, reissued=True)
+        # validation rounds sent but not reported: again, whole (the evaluator counts each prompt once)
+        for r in [r for r in self.sent_rounds if r + 1 > self.ctx.latest_version(VALIDATED)]:
+            self.ctx.log(f"{replica} restarted: re-issuing validation round {r}")
+            await self._send_round(r, reissued=True)
