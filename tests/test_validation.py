@@ -16,7 +16,7 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from dataflow.runtime import RunOptions, load_graph, run_graph  # noqa: E402
-from rl.tasks import make_task  # noqa: E402
+from rl.tasks import DEFAULT_NUM_DIGITS, make_task  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAPH = str(ROOT / "tests" / "graphs" / "validation.py")
@@ -28,7 +28,7 @@ def write_val_file(path: Path) -> list[dict]:
     """Held-out copy-task prompts (another seed than training's) from two data sources; the last
     row repeats the first, so greedy answers it identically."""
     rows = [{**r, "data_source": "copy_a" if i % 2 == 0 else "copy_b"}
-            for i, r in enumerate(make_task("copy", 3, seed=99).take(5))]
+            for i, r in enumerate(make_task("copy", DEFAULT_NUM_DIGITS, seed=99).take(5))]
     rows.append(dict(rows[0]))
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return rows
