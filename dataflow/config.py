@@ -3,17 +3,21 @@
 A graph file's config is a dataclass whose fields may be other dataclasses. `apply_overrides`
 walks dotted keys, converts each value to the field's declared type and fails with a message that
 names the key, the type expected and the valid choices, before anything starts.
+
+Settings several nodes share (the policy, the staleness bound, the weight transport) are declared
+once in the config's `rules` (share / fill / check, below) and resolved by Graph(config=...).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Callable, Literal, Union, get_args, get_origin
 
 from dataflow.errors import ConfigError
 
@@ -100,7 +104,9 @@ def field_names(config: Any) -> list[str]:
 
 
 def apply_overrides(config: Any, overrides: list[str]) -> Any:
-    """Return a copy of `config` with every `key=value` of `overrides` applied (dotted keys)."""
+    """Return a copy of `config` with every `key=value` of `overrides` applied (dotted keys). The
+    copy is deep: building a graph from it (which fills in shared settings) leaves `config` as it was."""
+    config = copy.deepcopy(config)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item}: expected key=value, e.g. --set learner.lr=1e-5")
@@ -143,3 +149,103 @@ def flatten(config: Any, prefix: str = "") -> list[tuple[str, Any]]:
         else:
             rows.append((f"{prefix}{f.name}", value))
     return rows
+
+
+# ---- settings several nodes share ---------------------------------------------------------------
+# A graph's config declares, once, which node settings follow a setting of its own:
+#
+#     @dataclass(kw_only=True)
+#     class MyConfig:
+#         policy: PolicySpec = ...
+#         generator: GeneratorConfig = ...
+#         learner: LearnerConfig = ...
+#         rules: ClassVar[tuple[Rule, ...]] = (
+#             share("policy", "generator.policy", "learner.policy"),   # one value, several places
+#             fill("learner.weight_sync.dtype", lambda c: ...),       # a default computed from others
+#         )
+#
+# Graph(config=cfg) applies them in order (resolve), in place, before the graph's nodes are declared,
+# so config.json and --describe record the values that ran.
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One line of a config's `rules` (make them with share, fill or check)."""
+
+    kind: str
+    source: str = ""
+    targets: tuple[str, ...] = ()
+    compute: Callable[[Any], Any] | None = None
+
+    def text(self) -> str:
+        """How --describe / errors name the rule."""
+        if self.kind == "check":
+            return f"check {getattr(self.compute, '__name__', '')}"
+        return f"{self.kind} {self.source or getattr(self.compute, '__name__', '?')} -> {', '.join(self.targets)}"
+
+
+def share(source: str, *targets: str, value: Callable[[Any], Any] | None = None) -> Rule:
+    """One setting, several places: each target (a dotted key) takes the value of `source`, or of
+    `value(config)` (a value derived from `source`, e.g. a 0 meaning "what the task needs"). A target
+    the user set to something else is an error naming `source`: two settings must never disagree."""
+    return Rule("share", source, targets, value)
+
+
+def fill(target: str, source: str | Callable[[Any], Any]) -> Rule:
+    """A default taken from other settings: `target`, while left at its declared default (e.g.
+    "auto"), takes the value of the setting `source`, or `source(config)`. A user's value is kept."""
+    if callable(source):
+        return Rule("fill", "", (target,), source)
+    return Rule("fill", source, (target,))
+
+
+def check(problem: Callable[[Any], str | None]) -> Rule:
+    """A consistency check across settings: `problem(config)` returns what is wrong (raised as a
+    ConfigError) or None. Checks run in order with the other rules, so they see filled values."""
+    return Rule("check", compute=problem)
+
+
+def resolve(config: Any) -> Any:
+    """Apply `type(config).rules` to `config` in place (ConfigError on a conflict); returns it."""
+    for rule in getattr(type(config), "rules", ()):
+        if rule.kind == "check":
+            problem = rule.compute(config)
+            if problem:
+                raise ConfigError(problem)
+            continue
+        if rule.compute is not None:
+            value = rule.compute(config)
+        else:
+            value = _lookup(config, rule.source, rule)[2]
+        for target in rule.targets:
+            parent, name, current = _lookup(config, target, rule)
+            default = _default_of(parent, name)
+            if rule.kind == "fill":
+                if current == default:
+                    setattr(parent, name, value)
+            elif current != value and current != default:
+                raise ConfigError(f"--set {target}={current!r} disagrees with {rule.source} ({value!r}), which the "
+                                  f"graph shares with {', '.join(rule.targets)}: set {rule.source} instead")
+            else:
+                setattr(parent, name, value)
+    return config
+
+
+def _lookup(config: Any, key: str, rule: Rule) -> tuple[Any, str, Any]:
+    """(the dataclass holding `key`, its last part, its value)."""
+    *path, name = key.split(".")
+    parent = config
+    for part in path:
+        parent = getattr(parent, part, None)
+    if not dataclasses.is_dataclass(parent) or name not in field_names(parent):
+        raise ConfigError(f"{type(config).__name__}.rules: '{rule.text()}' names '{key}', which is not a setting")
+    return parent, name, getattr(parent, name)
+
+
+def _default_of(parent: Any, name: str) -> Any:
+    f = next(f for f in dataclasses.fields(parent) if f.name == name)
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING

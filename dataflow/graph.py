@@ -4,15 +4,16 @@ A graph file (graphs/ppo.py) is plain Python:
 
     config = PPOConfig()                      # optional: a dataclass tree that --set overrides
     def build(config) -> Graph:               # or a module-level `graph = Graph(...)`
-        g = Graph("ppo")
+        g = Graph("ppo", config=config)       # resolves the config's shared settings (dataflow/config.py)
         g.node("prompts", PromptSource, config.prompts)
-        g.node("generator", Generator, config.generator, replicas=2)
-        g.pool("gpus", gpus=1)                # optional: GPU pools (dataflow/placement.py)
-        g.node("learner", Learner, config.learner, pool="gpus", gpus=0.5)
+        g.node("generator", Generator, config.generator, side="rollout", replicas=2)
+        g.node("learner", Learner, config.learner, side="train")
         g.channel("prompts.prompts", "generator.prompts", capacity=16)
         g.versioned("policy", src="learner", dst=["generator", "prompts"])
+        g.place("colocated", num_gpus=1)      # a GPU preset for the side nodes (dataflow/presets.py)
         return g
 
+or, by hand: g.pool("gpus", gpus=1) and g.node(..., pool="gpus", gpus=0.5) (dataflow/placement.py).
 Every declaration remembers the file:line it was made on, so validation errors point at it.
 """
 
@@ -27,11 +28,24 @@ from typing import Any
 from dataflow.errors import GraphError
 from dataflow.node import Node
 
+# Counters of trouble the user must see without opening metrics.jsonl (Graph.alerts): failed and
+# timed-out rewards, skipped data lines, channel items dropped undecoded, restarted processes.
+DEFAULT_ALERTS = {"reward/failed_total": "total", "reward/timeouts_total": "total", "reward/failed": "count",
+                  "data/skipped_lines": "total", "channel/bad_items/": "total", "restarts/total": "total",
+                  "prompts/duplicates_dropped": "total"}
+RUN_SETTINGS = ("max_steps", "save_interval", "keep_checkpoints", "max_restarts", "drop_bad_items",
+                "stall_timeout_s", "stall_action", "loggers")
+"""Graph fields that Graph(config=...) takes from the config's fields of the same names."""
+
 
 def _caller_location() -> str:
-    """file:line of the first frame outside this module (where the user declared the thing)."""
+    """file:line of the first frame outside the engine's declaration code (where the user declared
+    the thing; a pool a preset declares: the g.place line)."""
+    from dataflow import presets
+
+    engine = {__file__, presets.__file__}
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename == __file__:
+    while frame is not None and frame.f_code.co_filename in engine:
         frame = frame.f_back
     return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame else "?"
 
@@ -47,6 +61,8 @@ class NodeSpec:
     where: str
     ends_run: bool = False
     pool: str | None = None
+    side: str | None = None
+    """A GPU preset's side ("rollout" / "train") that places this node (dataflow/presets.py)."""
 
     @property
     def restartable(self) -> bool:
@@ -87,6 +103,8 @@ class VersionedSpec:
     dst: list[str]
     where: str
     timeout_s: float = 300.0
+    auto: bool = False
+    """Declared by node() for the ranks of a multi-rank node (listed after the graph's own edges)."""
 
 
 @dataclass
@@ -115,22 +133,68 @@ class Graph:
     loggers: list[str] | str = field(default_factory=list)
     """Metric sinks besides metrics.jsonl: "tensorboard", "wandb" (a list or "tensorboard,wandb";
     dataflow/loggers.py)."""
+    stall_timeout_s: float | None = None
+    """Seconds without a step after which the run counts as stalled and the driver prints what
+    every node waits for (dataflow/stall.py). None = max(300 s, 5 x the slowest step so far);
+    a negative value turns the check off. A deadlock (every node waiting, nothing moving) is
+    reported after 20 s whatever this is."""
+    stall_action: str = "stop"
+    """On a stall: "stop" ends the run (exit 1) naming the node(s) at the root of the wait;
+    "warn" prints the same report once per stall timeout and keeps waiting."""
+    alerts: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_ALERTS))
+    """Counters of things that went wrong, by metric key (or a prefix ending in "/"): any that is
+    non-zero is shown on every progress line and in the final summary, not only in metrics.jsonl
+    (dataflow/monitor.py). "total": a running total each replica reports (its latest value counts);
+    "count": an amount per report (they add up)."""
+    config: Any = None
+    """The graph's settings (the graph file's config). Given, its `rules` are applied now (shared
+    settings, dataflow/config.py) and the run settings above come from its fields of those names."""
+    placement: str | None = None
+    """The GPU preset place() applied (dataflow/presets.py), if any."""
     _problems: list[str] = field(default_factory=list, repr=False)
 
+    def __post_init__(self):
+        if self.config is not None:
+            from dataflow.config import resolve
+
+            resolve(self.config)
+            for name in RUN_SETTINGS:
+                if hasattr(self.config, name):
+                    setattr(self, name, getattr(self.config, name))
+
     def node(self, name: str, kind: type, config: Any = None, *, cpus: float = 1.0,
-             gpus: float = 0.0, replicas: int = 1, ends_run: bool = False, pool: str | None = None) -> str:
+             gpus: float = 0.0, replicas: int = 1, ends_run: bool = False, pool: str | None = None,
+             side: str | None = None) -> str:
         """Declare a node: `replicas` Ray actors of `kind`, each with `cpus` CPUs and `gpus` GPUs.
         `pool`: run on the GPUs of that pool (g.pool), `gpus` per replica being a share <= 1 of one
         of them or whole GPUs (dataflow/placement.py has the rules); without a pool, a fraction
-        shares a GPU Ray picks. `ends_run`: when this node returns, the run is over."""
+        shares a GPU Ray picks. `side`: "rollout" or "train", placed by the preset g.place()
+        applies (pool and share; replicas=0: one per GPU of its side; dataflow/presets.py).
+        `ends_run`: when this node returns, the run is over.
+
+        A kind whose replicas are the ranks of one job (inputs_on_replica_0, e.g. a dp x tp
+        learner) meets its ranks on the versioned edge it both publishes and subscribes to: with
+        replicas > 1 that edge (node -> itself) is declared here."""
         where = _caller_location()
         if name in self.nodes:
             self._problems.append(f"{where}: node '{name}' is declared twice (first at {self.nodes[name].where}); give each node its own name")
             return name
         if config is None and isinstance(kind, type) and getattr(kind, "Config", None) is not None:
             config = kind.Config()
-        self.nodes[name] = NodeSpec(name, kind, config, cpus, gpus, replicas, where, ends_run, pool)
+        self.nodes[name] = NodeSpec(name, kind, config, cpus, gpus, replicas, where, ends_run, pool, side)
+        if _is_node_class(kind) and kind.inputs_on_replica_0 and isinstance(replicas, int) and replicas > 1:
+            for edge in [e for e in kind.publishes if e in kind.subscribes]:
+                self.versioned_edges[edge] = VersionedSpec(edge, name, [name], where, auto=True)
         return name
+
+    def place(self, placement: str, *, num_gpus: int = 1, gpu_shares: dict[str, float] | None = None) -> None:
+        """Place the side nodes declared so far by a preset: "cpu", "colocated" (one pool of
+        num_gpus GPUs they all share) or "split" (rollout on num_gpus - 1 GPUs, train on the last);
+        `gpu_shares` gives named nodes their fraction of a GPU. Rules in dataflow/presets.py;
+        a setting that cannot work is a ConfigError here."""
+        from dataflow import presets
+
+        presets.place(self, placement, num_gpus=num_gpus, gpu_shares=gpu_shares)
 
     def pool(self, name: str, *, gpus: int, strategy: str = "STRICT_PACK") -> str:
         """Declare a pool of `gpus` whole GPUs, one Ray placement group, for nodes declared with
@@ -177,16 +241,21 @@ class Graph:
         generators) holds it. A subscriber that does not ack within `timeout_s` fails the publish.
         """
         where = _caller_location()
-        if name in self.versioned_edges:
+        known = self.versioned_edges.get(name)
+        if known is not None and not (known.auto and (known.src, known.dst) == (src, list(dst))):
             self._problems.append(f"{where}: versioned edge '{name}' is declared twice")
             return name
         self.versioned_edges[name] = VersionedSpec(name, src, list(dst), where, timeout_s)
+        for auto in [e for e in self.versioned_edges.values() if e.auto]:  # after the graph's own edges
+            self.versioned_edges[auto.name] = self.versioned_edges.pop(auto.name)
         return name
 
     # ---- validation -------------------------------------------------------------------------
     def validate(self, source: str = "graph") -> None:
         """Raise GraphError listing every problem (file:line, node/channel, what to change)."""
         problems = list(self._problems)
+        if self.stall_action not in ("stop", "warn"):
+            problems.append(f"{source}: stall_action must be 'stop' or 'warn' (got {self.stall_action!r})")
         if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 0:
             problems.append(f"{source}: keep_checkpoints must be an integer >= 0 (got {self.keep_checkpoints!r}); "
                             "0 keeps every checkpoint")
@@ -195,6 +264,11 @@ class Graph:
         problems += [f"{source}: {p}" for p in loggers.problems(self.loggers)]
         for spec in self.nodes.values():
             problems += _node_problems(spec)
+            if spec.side is not None and spec.side not in ("rollout", "train"):
+                problems.append(f"{spec.where}: node '{spec.name}': side must be 'rollout' or 'train' (got {spec.side!r})")
+            elif spec.side is not None and self.placement is None:
+                problems.append(f"{spec.where}: node '{spec.name}' has side='{spec.side}', but no GPU preset places it; "
+                                "call g.place('cpu' | 'colocated' | 'split', num_gpus=N) after declaring the nodes")
         if not problems:  # pools, and which GPU each replica gets (needs sound node resources)
             from dataflow import placement
 

@@ -6,7 +6,8 @@ Lifecycle, driven by the runtime (dataflow/runtime.py):
   3. run()        runs node.run(); returns a status dict (never raises: failures come back as data
                   with the node name, traceback and the item being processed).
   4. poll()       called by the driver every ~0.5 s: events (logs, step metrics), trace data,
-                  channel statistics.
+                  channel statistics. wait_state(): what the replica waits for right now (the
+                  driver's stall diagnosis, dataflow/stall.py).
   5. stop()       cancels run(); every blocking wait in channels is cancellable.
 Between actors: channel_take / channel_receiver_closed (channel pulls) and on_publish
 (versioned edges) are called by peers, never by the driver.
@@ -88,6 +89,11 @@ class NodeHost:
         self.bad_items: dict[str, int] = {}  # channel -> items dropped because they failed to decode
         self._checkpoint_reply: asyncio.Future | None = None
         self._background: set[asyncio.Task] = set()
+        # What the node waits for outside channels, for wait_state(): version waits in progress
+        # (edge, min version, why, since us) and the publish waiting for a subscriber's ack.
+        self._version_waits: dict[int, tuple[str, int, str, int]] = {}
+        self._publishing: tuple[str, int, str, int] | None = None
+        self._phase = "created"  # created -> setup -> running -> finished
 
     # ---- set-up -----------------------------------------------------------------------------
     async def connect(self, wiring: dict) -> dict:
@@ -118,6 +124,7 @@ class NodeHost:
         self.node = self.spec.kind(self.spec.config, self.ctx)
         if self.spec.trace_kernels and self.device == "cuda":
             self._kernels = KernelRecorder(self.tracer.now_us)
+        self._phase = "setup"
         try:
             with self.tracer.span("setup"):
                 await self.node.setup()
@@ -128,9 +135,12 @@ class NodeHost:
     # ---- running ----------------------------------------------------------------------------
     async def run(self) -> dict:
         self._run_task = asyncio.current_task()
+        self._phase = "running"
         try:
-            await self.node.run()
-            return {"status": "done", "steps": self.steps}
+            reason = await self.node.run()
+            # A node may say why it ended (the prompt source: its data ran out); the driver tells
+            # the user when the run ends before its max steps.
+            return {"status": "done", "steps": self.steps, "reason": reason if isinstance(reason, str) else None}
         except asyncio.CancelledError:
             return {"status": "stopped", "steps": self.steps}
         except channels.BrokenChannel:
@@ -139,6 +149,7 @@ class NodeHost:
         except Exception as e:
             return self._failure(e, phase="run")
         finally:
+            self._phase = "finished"
             for end in self.ctx.outputs.values():
                 end.close()
             for end in self.ctx.inputs.values():
@@ -192,6 +203,29 @@ class NodeHost:
                 s = end.statistics()
                 stats[f"{'out' if isinstance(end, channels.SendEnd) else 'in'}:{end.channel}"] = s.current_buffer_used
         return {"events": events, "trace": self.tracer.drain(), "depths": stats, "pid": os.getpid()}
+
+    async def wait_state(self) -> dict:
+        """What this replica is doing at this instant (dataflow/stall.py builds the wait graph):
+        {"phase", "now_us", "spans": [(kind, name, channel, since_us)] open now (busy work, waits
+        for input, blocked outputs), "versions": [(edge, min_version, latest, why, since_us)],
+        "publishing": (edge, version, subscriber, since_us) | None, "channels": {channel: stats},
+        "latest": {edge: newest version held}}."""
+        channel_stats = {}
+        if self.ctx is not None:
+            for end in list(self.ctx.outputs.values()) + list(self.ctx.inputs.values()):
+                st = end.statistics()
+                if isinstance(end, channels.SendEnd):
+                    channel_stats[end.channel] = {"end": "out", "depth": st.current_buffer_used,
+                                                  "capacity": st.capacity, "consumers_open": st.consumers_open,
+                                                  "total": st.sent_total}
+                else:
+                    channel_stats[end.channel] = {"end": "in", "depth": st.current_buffer_used,
+                                                  "producers_open": st.producers_open, "total": st.received_total}
+        return {"phase": self._phase, "now_us": self.tracer.now_us(), "spans": self.tracer.open_spans(),
+                "versions": [(edge, v, self.latest_version(edge), why, t0)
+                             for edge, v, why, t0 in self._version_waits.values()],
+                "publishing": self._publishing, "channels": channel_stats,
+                "latest": {edge: version for edge, (version, _) in self._versions.items()}}
 
     def _report_peak_memory(self) -> None:
         """Emit `gpu/peak_mem_gb` (peak of torch's allocated bytes in this process) and
@@ -298,6 +332,7 @@ class NodeHost:
             self._fetched[edge] = (version, value)
             # In the declared order, each subscriber acks before the next hears of it (graph.py).
             for sub_name, handle in self._subscribers.get(edge, []):
+                self._publishing = (edge, version, sub_name, self.tracer.now_us())
                 try:
                     await asyncio.wait_for(handle.on_publish.remote(edge, version, [ref]),
                                            self._publish_timeout[edge])
@@ -309,6 +344,8 @@ class NodeHost:
                         continue  # its process died: the runtime hands the latest version to the restarted one
                     raise RuntimeError(f"publishing '{edge}' v{version} from {self.name} to {sub_name} "
                                        f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+                finally:
+                    self._publishing = None
 
     async def redeliver(self, edge: str, replica: str) -> None:
         """Announce the latest version of `edge` to `replica` again (restarted after its process died)."""
@@ -341,9 +378,16 @@ class NodeHost:
                 self._fetched[edge] = (version, await box[0])
         return self._fetched[edge]
 
-    async def wait_version(self, edge: str, min_version: int) -> int:
-        async with self._version_changed:
-            await self._version_changed.wait_for(lambda: self.latest_version(edge) >= min_version)
+    async def wait_version(self, edge: str, min_version: int, why: str = "") -> int:
+        if self.latest_version(edge) >= min_version:
+            return self.latest_version(edge)
+        key = id(asyncio.current_task())
+        self._version_waits[key] = (edge, min_version, why, self.tracer.now_us())
+        try:
+            async with self._version_changed:
+                await self._version_changed.wait_for(lambda: self.latest_version(edge) >= min_version)
+        finally:
+            self._version_waits.pop(key, None)
         return self.latest_version(edge)
 
 

@@ -4,6 +4,7 @@ and the end-of-run summary out (Monitor); which process hosts which replica, and
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from dataflow import checkpoint
 from dataflow.config import flatten
-from dataflow.failures import gather_named
+from dataflow.failures import awaitable, discard, result_of
 from dataflow.graph import Graph
 from dataflow.loggers import RunLoggers
 from dataflow.trace.collector import TraceCollector
@@ -34,6 +35,13 @@ class RunSummary:
     report: str = ""
     restarts: dict = field(default_factory=dict)
     """Replica -> times its process died and it was restarted."""
+    alerts: dict = field(default_factory=dict)
+    """The graph's alert counters that are not zero (Graph.alerts): failed rewards, skipped lines..."""
+    notes: list = field(default_factory=list)
+    """Lines the user must read about how the run ended (e.g. the data ran out before max steps)."""
+
+
+POLL_TIMEOUT_S = 5.0  # a host that does not answer a poll within this is skipped until it does
 
 
 class Monitor:
@@ -61,10 +69,17 @@ class Monitor:
         self.step = resume_step
         self.depths: dict[str, int] = {}
         self.artifacts: dict[str, str] = {}
-        flat = {k: _jsonable(v) for k, v in flatten(config)} if dataclasses.is_dataclass(config) else {}
-        if flat:
-            (run_dir / "config.json").write_text(json.dumps(flat, indent=1))
-        self.loggers = RunLoggers(run_dir, graph.loggers, flat, graph.name, resume is not None)  # dataflow/loggers.py
+        self.notes: list[str] = []
+        self._polls: dict[str, asyncio.Future] = {}  # replica -> its poll() in flight
+        self._alert_totals: dict[tuple[str, str], float] = {}  # (key, replica) -> latest running total
+        self._alert_counts: dict[str, float] = {}  # key -> sum of the amounts reported
+        # The run's settings, which --resume starts from (dataflow/resume.py): here and in every
+        # checkpoint's manifest.
+        self.settings: dict | None = None
+        if config is not None and dataclasses.is_dataclass(config):
+            self.settings = {k: _jsonable(v) for k, v in flatten(config)}
+            (run_dir / "config.json").write_text(json.dumps(self.settings, indent=1))
+        self.loggers = RunLoggers(run_dir, graph.loggers, self.settings, graph.name, resume is not None)  # dataflow/loggers.py
 
     def processes(self, pids: dict) -> None:
         """Which process hosts which replica: <run>/processes.json (for kill tests and operators)."""
@@ -90,7 +105,16 @@ class Monitor:
             print(text, flush=True)
 
     async def poll(self, hosts: dict) -> None:
-        replies = await gather_named({n: h.poll.remote(self.acked.get(n)) for n, h in hosts.items()})
+        """Handle every host's events since the last poll. One poll per host is in flight at a
+        time: a host whose event loop is blocked (a node that never awaits) does not hold up the
+        others, the progress lines or the stall check (dataflow/stall.py); its events come later."""
+        for name, host in hosts.items():
+            if name not in self._polls:
+                self._polls[name] = asyncio.ensure_future(awaitable(host.poll.remote(self.acked.get(name))))
+        await asyncio.wait(self._polls.values(), timeout=POLL_TIMEOUT_S)
+        replies = {n: result_of(f) for n, f in self._polls.items() if f.done()}
+        for name in replies:
+            del self._polls[name]
         depths: dict[str, int] = {}
         for name, reply in replies.items():
             if isinstance(reply, BaseException):
@@ -130,6 +154,7 @@ class Monitor:
                 record["step"] = event["step"]
             record.update({k: _jsonable(v) for k, v in values.items()})
             record.update({f"queue/{ch}": d for ch, d in self.depths.items()})
+            self._count_alerts(name, values)
             if values:
                 self.metrics_file.write(json.dumps(record) + "\n")
                 self.metrics_file.flush()
@@ -156,7 +181,35 @@ class Monitor:
                 parts.append(f"{label} {v:.4g}" if isinstance(v, float) else f"{label} {v}")
         if self.depths:
             parts.append("queues " + " ".join(f"{c}:{d}" for c, d in self.depths.items()))
+        alerts = self.alerts()
+        if alerts:
+            parts.append("! " + " ".join(f"{k} {_short(v)}" for k, v in alerts.items()))
         return " | ".join(parts)
+
+    def _count_alerts(self, replica: str, values: dict) -> None:
+        for key, value in values.items():
+            mode = self.graph.alerts.get(key) or next(
+                (m for prefix, m in self.graph.alerts.items() if prefix.endswith("/") and key.startswith(prefix)), None)
+            if mode is None or not isinstance(value, (int, float)):
+                continue
+            if mode == "count":
+                self._alert_counts[key] = self._alert_counts.get(key, 0) + value
+            else:
+                self._alert_totals[(key, replica)] = value
+
+    def alerts(self) -> dict:
+        """The graph's alert counters that are not zero, summed over replicas (Graph.alerts)."""
+        found = dict(self._alert_counts)
+        for (key, _), value in self._alert_totals.items():
+            found[key] = found.get(key, 0) + value
+        if self.restarts and "restarts/total" in self.graph.alerts:
+            found["restarts/total"] = sum(self.restarts.values())
+        return {k: v for k, v in sorted(found.items()) if v}
+
+    def close(self) -> None:
+        discard(self._polls.values())
+        self._polls = {}
+        self.metrics_file.close()
 
     def finish(self, status: str) -> RunSummary:
         self.metrics_file.close()
@@ -172,7 +225,11 @@ class Monitor:
             self.artifacts["trace"] = self.options.trace_path
         report += ("\n" + self.loggers.close()).rstrip()   # the validation rounds, before and after
         return RunSummary(status, self.step, seconds, str(self.run_dir), str(self.metrics_path),
-                          dict(self.artifacts), report, dict(self.restarts))
+                          dict(self.artifacts), report, dict(self.restarts), self.alerts(), list(self.notes))
+
+
+def _short(v: float) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def _jsonable(v: Any) -> Any:
@@ -180,6 +237,8 @@ def _jsonable(v: Any) -> Any:
         return v
     if isinstance(v, (list, tuple)):
         return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
     if hasattr(v, "item"):
         return v.item()
     return str(v)

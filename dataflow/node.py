@@ -38,8 +38,10 @@ class Node:
     async def setup(self) -> None:
         """Build models and state. Runs inside the actor before any node's run() starts."""
 
-    async def run(self) -> None:
-        """The node's loop. Returning ends the node; its outputs are then closed."""
+    async def run(self) -> str | None:
+        """The node's loop. Returning ends the node; its outputs are then closed. A source may
+        return why it ended (e.g. "the data ran out after 2 passes; set prompts.epochs=0 to
+        repeat it"): the driver shows it when the run ends before its max steps."""
         raise NotImplementedError
 
     # State that a checkpoint saves and a resumed or restarted replica loads (dataflow/checkpoint.py).
@@ -128,9 +130,11 @@ class NodeContext:
         """(version, value) of the newest publish on `edge`, fetched into this process."""
         return await self._host.latest(edge)
 
-    async def wait_version(self, edge: str, min_version: int) -> int:
-        """Wait until `edge` has reached `min_version`; returns the version reached."""
-        return await self._host.wait_version(edge, min_version)
+    async def wait_version(self, edge: str, min_version: int, why: str = "") -> int:
+        """Wait until `edge` has reached `min_version`; returns the version reached. `why` says
+        what the wait is for (e.g. "staleness admission, max_staleness=1"): a stalled run's wait
+        graph shows it (dataflow/stall.py)."""
+        return await self._host.wait_version(edge, min_version, why)
 
     def checkpoint_due(self, step: int) -> bool:
         """True when step `step` should end with a checkpoint (every save_interval steps)."""

@@ -1,6 +1,7 @@
 """`python -m dataflow.run GRAPH.py [--set k=v]... [--address A] [--max-steps N] [--describe]`.
 
-Exit status: 0 done, 1 a node failed, 2 a user mistake (graph file, --set, inputs), 130 interrupted.
+Exit status: 0 done, 1 a node failed or the run stalled, 2 a user mistake (graph file, --set,
+inputs), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import signal
 import sys
 
 from dataflow.errors import NodeFailed, UserError
+from dataflow.stall import RunStalled
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -21,7 +23,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                "  python -m dataflow.run graphs/ppo.py\n"
                "  python -m dataflow.run graphs/grpo.py --set task.name=reverse --max-steps 50\n"
                "  python -m dataflow.run graphs/ppo.py --describe\n"
-               "Exit status: 0 done, 1 a node failed, 2 bad input, 130 interrupted.",
+               "Exit status: 0 done, 1 a node failed or the run stalled, 2 bad input, 130 interrupted.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("graph", help="graph file: defines build(config) -> Graph (and a `config` dataclass), or `graph`")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -42,16 +44,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--verbose", action="store_true", help="also show the node actors' own logs")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue from a checkpoint (DIR = <run>/checkpoints/step_<k>, or a run directory: "
-                        "its latest checkpoint); --max-steps counts from the start of the original run")
+                        "its latest checkpoint) with the run's recorded settings, each --set changing only what "
+                        "it names; --max-steps counts from the start of the original run")
+    p.add_argument("--allow-changed-settings", action="store_true",
+                   help="with --resume: accept a --set that changes what the run is (batch, group size, model, "
+                        "task or data, reward), which is refused otherwise")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from dataflow.resume import load_for_resume
     from dataflow.runtime import RunOptions, describe, load_graph, run_graph
 
     try:
-        graph, config = load_graph(args.graph, args.overrides)
+        if args.resume:  # the run's own settings, and a checkpoint that is intact
+            graph, config, checkpoint = load_for_resume(args.graph, args.overrides, args.resume,
+                                                        args.allow_changed_settings)
+            args.resume = str(checkpoint)
+        else:
+            graph, config = load_graph(args.graph, args.overrides)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -101,16 +113,27 @@ def _run_with_signals(make_coro, graph_file: str = "GRAPH.py") -> int:
         last = getattr(e, "last_checkpoint", None)
         if last:
             print(f"  last checkpoint: {last}\n  continue with: python -m dataflow.run {graph_file} --resume {last} "
-                  "(and the same --set options)", file=sys.stderr)
+                  "(it keeps the run's settings)", file=sys.stderr)
         return 1
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RunStalled as e:
+        print(f"\n{e.report}", file=sys.stderr)
+        print(f"[dataflow] stopped: the run stalled; root of the wait: {', '.join(e.roots)} (Graph(stall_timeout_s=..., "
+              "stall_action='warn') in the graph file: when a stall stops the run, or that it only warns)",
+              file=sys.stderr)
+        return 1
     print(summary.report)
     print(f"[dataflow] {summary.status}: {summary.steps} steps in {summary.seconds:.1f} s")
+    for note in getattr(summary, "notes", ()):
+        print(f"  {note}")
     restarts = getattr(summary, "restarts", None)
     if restarts:
         print("  restarted after their process died: " + ", ".join(f"{n} x{k}" for n, k in restarts.items()))
+    if getattr(summary, "alerts", None):
+        print("  went wrong along the way (see metrics.jsonl): "
+              + ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.alerts.items()))
     print(f"  metrics: {summary.metrics_path}")
     for name, path in summary.artifacts.items():
         print(f"  {name}: {path}")

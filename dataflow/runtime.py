@@ -11,7 +11,8 @@ raises or dies is reported by name within a poll interval.
 Its parts: dataflow/loading.py (graph files, --describe), dataflow/launch.py (Ray, wiring, clocks,
 shutdown), dataflow/monitor.py (events -> progress lines, metrics.jsonl, trace, summary),
 dataflow/failures.py (call results -> the failure reported), dataflow/restarts.py (a dead
-replica's process comes back), dataflow/checkpoint.py (checkpoints on disk).
+replica's process comes back), dataflow/stall.py (no step for too long: what every node waits for,
+and the node at the root of the wait), dataflow/checkpoint.py (checkpoints on disk).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from dataflow.launch import clock_offset, shutdown, start_ray, stop_all, wiring
 from dataflow.loading import describe, load_graph
 from dataflow.monitor import Monitor, RunSummary
 from dataflow.restarts import restart, restartable
+from dataflow.resume import checkpoint_to_resume
+from dataflow.stall import StallWatch
 
 __all__ = ["RunOptions", "RunSummary", "describe", "load_graph", "run_graph"]
 
@@ -57,7 +60,7 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
 
     resume, resume_step = None, 0
     if options.resume:
-        resume = checkpoint.resolve(options.resume)
+        resume = checkpoint_to_resume(options.resume)  # intact, or a UserError naming the one to use
         manifest = checkpoint.read_manifest(resume)
         if manifest.get("graph") != graph.name:
             raise UserError(f"--resume {resume}: a checkpoint of graph '{manifest.get('graph')}', not '{graph.name}'")
@@ -67,8 +70,9 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint.clear_snapshots(run_dir)
     max_steps = options.max_steps if options.max_steps is not None else graph.max_steps
-    started_ray = start_ray(graph, options)
+    started_ray = await start_ray(graph, options)
     monitor = Monitor(graph, run_dir, options, config, resume, resume_step)
+    stall = StallWatch(graph)
     hosts: dict[str, Any] = {}
     running: dict[asyncio.Future, str] = {}  # run() calls in flight -> replica name
     pgs: dict = {}  # placement groups by pool name
@@ -105,14 +109,17 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
             await _load_states(hosts, resume, resume_step)
             monitor.say(f"[dataflow] resumed from {resume} at step {resume_step}")
         monitor.started()
+        stall.started()
 
-        # 4. Run until the sources end, a run-ending node returns, or something fails.
+        # 4. Run until the sources end, a run-ending node returns, something fails, or the run
+        #    stalls (no step for too long: RunStalled names the node at the root of the wait).
         running.update({asyncio.ensure_future(awaitable(h.run.remote())): n for n, h in hosts.items()})
-        status = "done"
+        status, ended = "done", {}  # replica -> why it ended, if it said (a source whose data ran out)
         while running:
             done, _ = await asyncio.wait(running, timeout=POLL_INTERVAL_S)
             await monitor.poll(hosts)
             results = {running.pop(fut): result_of(fut) for fut in done}
+            ended.update({n: r["reason"] for n, r in results.items() if isinstance(r, dict) and r.get("reason")})
             for name in [n for n, r in results.items() if restartable(graph, n, r, monitor)]:
                 del results[name]
                 running[await restart(graph, hosts, name, monitor)] = name
@@ -127,7 +134,12 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
                 status = "max steps reached" if max_steps and monitor.step >= max_steps else "done"
                 await stop_all(hosts, running)
                 break
+            stall.stepped(monitor.step)
+            await stall.check(hosts, set(running.values()))
         await monitor.poll(hosts)
+        if status == "done" and ended:  # the run ended because its input did
+            short = f" after {monitor.step} of {max_steps} steps" if max_steps and monitor.step < max_steps else ""
+            monitor.notes += [f"the run ended{short}: {name}: {why}" for name, why in ended.items()]
         if options.trace_kernels:
             kernels = await gather_named({n: h.stop_kernel_trace.remote() for n, h in hosts.items()})
             for name, recorded in kernels.items():
@@ -144,7 +156,7 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
         raise
     finally:
         discard(running)
-        monitor.metrics_file.close()
+        monitor.close()
         await shutdown(hosts, pgs, started_ray, placement.remove_groups)
 
 
@@ -163,7 +175,8 @@ async def _save_checkpoint(graph: Graph, hosts: dict, monitor: Monitor, step: in
     first = [n for n in hosts if graph.nodes[n.split("[")[0]].ends_run]
     path, error = None, None
     try:
-        path = await checkpoint.save(hosts, first, monitor.run_dir, step, {"graph": graph.name, "reason": reason},
+        manifest = {"graph": graph.name, "reason": reason, **({"settings": monitor.settings} if monitor.settings else {})}
+        path = await checkpoint.save(hosts, first, monitor.run_dir, step, manifest,
                                      after_first=lambda: monitor.poll(hosts), previous=monitor.last_checkpoint)
     except Exception as e:
         error = f"checkpoint of step {step} failed: {type(e).__name__}: {e}"

@@ -5,36 +5,52 @@
        └──────────────┴────────────────────── policy (versioned, latest wins) ◄──────────────────────┘
 
 No critic: the learner normalises each prompt's group of scores (DeepSeekMath's GRPO) and uses the
-same clipped objective, KL-in-loss and staleness bound as graphs/ppo.py (whose settings this file
-shares; --describe lists them).
+same clipped objective, KL-in-loss and staleness bound as graphs/ppo.py (the settings both share
+are declared once in graphs/rlhf.py; --describe lists them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from dataflow import Graph
-from graphs.ppo import PROGRESS, PPOGraphConfig, add_learner, add_rollout_nodes, gpu_layout, wire_policy
+from dataflow import Graph, share
+from dataflow.weights.sync import SYNC_EDGE
+from graphs.rlhf import PROGRESS, RLHFConfig
+from nodes.generator import Generator
+from nodes.learner import Learner
+from nodes.prompts import PromptSource
+from nodes.reference import Reference
 
 
 @dataclass(kw_only=True)
-class GRPOGraphConfig(PPOGraphConfig):
+class GRPOGraphConfig(RLHFConfig):
     group_size: int = 8
     """Responses per prompt; advantages are normalised within each group."""
     prompts_per_step: int = 16
+    rules: ClassVar[tuple] = RLHFConfig.rules + (share("group_size", "generator.group_size", "learner.group_size"),)
 
 
 config = GRPOGraphConfig()
 
 
 def build(cfg: GRPOGraphConfig) -> Graph:
-    cfg.generator.max_new_tokens = wire_policy(cfg)
-    cfg.generator.group_size = cfg.learner.group_size = cfg.group_size
     cfg.learner.algorithm = "grpo"
-    g = Graph("grpo", max_steps=cfg.max_steps, progress=PROGRESS, save_interval=cfg.save_interval,
-              keep_checkpoints=cfg.keep_checkpoints, max_restarts=cfg.max_restarts, drop_bad_items=cfg.drop_bad_items)
-    on_gpus = gpu_layout(g, cfg, trainers=("reference", "learner"))
-    rollouts = add_rollout_nodes(g, cfg, on_gpus)
-    add_learner(g, cfg, on_gpus)
-    g.channel(rollouts, "learner.rollouts", capacity=cfg.channel_capacity, name="rollouts")
+    g = Graph("grpo", config=cfg, progress=PROGRESS)
+    g.node("prompts", PromptSource, cfg.prompts, cpus=0.1)
+    g.node("generator", Generator, cfg.generator, cpus=1, side="rollout", replicas=cfg.generator_replicas)
+    g.node("reward", **cfg.reward_node())
+    g.node("reference", Reference, cfg.reference, cpus=0.2, side="train")
+    g.node("learner", Learner, cfg.learner, cpus=1, side="train", replicas=cfg.learner.dp * cfg.learner.tp,
+           ends_run=True)
+    cap = cfg.channel_capacity
+    g.channel("prompts.prompts", "generator.prompts", capacity=cap, name="prompts")
+    g.channel("generator.samples", "reward.samples", capacity=cap, name="samples")
+    g.channel("reward.scored", "reference.scored", capacity=cap, name="scored")
+    g.channel("reference.with_ref", "learner.rollouts", capacity=cap, name="rollouts")
+    # Generators first: the prompt source must not admit a batch before they hold its weights.
+    g.versioned("policy", src="learner", dst=["generator", "prompts"])
+    if cfg.weight_transport == "collective":  # the push group's rendezvous (dataflow/weights/sync.py)
+        g.versioned(SYNC_EDGE, src="learner", dst=["generator"])
+    g.place(cfg.placement, num_gpus=cfg.num_gpus, gpu_shares=cfg.gpu_shares)
     return g

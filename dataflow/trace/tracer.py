@@ -24,6 +24,8 @@ cost of a few additions per span, the aggregates behind the end-of-run table:
     Measured against a CUDA-graph ground truth (bench/gpu_idle_check.py, H200): kernel records
     within ~1 point; NVML 2x too busy on launch-bound tiny kernels (22.6% vs 10.6%) and a few
     points too idle on back-to-back matmuls; span events count launch gaps as busy.
+It also knows which spans are open right now (open_spans()): what the process is doing or waiting
+for at this instant, which the driver's stall diagnosis reads (dataflow/stall.py).
 With `enabled=True` (`--trace`) it also records Chrome trace events: X slices on named tracks
 ("compute" for work, "io" for waits), C counters and instants.
 
@@ -86,6 +88,7 @@ class Tracer:
         self._dropped = 0
         self._open = [0, 0, 0]        # open spans per kind
         self._open_channels = [None, {}, {}]  # per idle kind: channel -> open spans
+        self._live: set = set()       # the spans open now (open_spans(): the driver's stall diagnosis)
         self._util_bucket = None      # utilization counter: current bucket, since when, us per state
         self._util_from = 0
         self._util_acc = [0, 0, 0, 0]
@@ -141,6 +144,11 @@ class Tracer:
         if self.enabled:
             t = self.now_us()
             self._keep("i:" + name, t, ("i", name, t, args or None))
+
+    def open_spans(self) -> list[tuple[str, str, str | None, int]]:
+        """(kind, name, channel | None, since us) of every span open now, oldest first: what this
+        process is doing or waiting for at this instant (dataflow/stall.py)."""
+        return sorted(((KIND_NAMES[s._kind], s._name, s._channel, s._t0) for s in self._live), key=lambda s: s[3])
 
     def drain(self) -> dict:
         """Everything since the last drain; plain lists/dicts/numbers/strings (msgpack/pickle).
@@ -289,6 +297,7 @@ class _Span:
         self._t0 = now = t.now_us()
         t._advance(now)
         t._open[self._kind] += 1
+        t._live.add(self)
         if self._kind == BUSY:
             if t._gpu is not None:
                 self._cuda = t._gpu.start()
@@ -301,6 +310,7 @@ class _Span:
         now = t.now_us()
         t._advance(now)
         t._open[self._kind] -= 1
+        t._live.discard(self)
         if self._kind == BUSY:
             t._count_span(self._name, now - self._t0)
             if self._cuda is not None:

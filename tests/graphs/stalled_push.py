@@ -6,7 +6,7 @@ fails before it needs any rollout, so the graph has no reward / reference / crit
 from __future__ import annotations
 
 from dataflow import Graph
-from graphs.ppo import PPOGraphConfig, wire_policy
+from graphs.rlhf import RLHFConfig
 from nodes.generator import Generator
 from nodes.learner import Learner
 from nodes.prompts import PromptSource
@@ -20,12 +20,11 @@ class StalledGenerator(Generator):
             self.weight_sync.receiver._arena_lock.acquire()
 
 
-config = PPOGraphConfig(weight_transport="collective", generator_replicas=2, prompts_per_step=8)
+config = RLHFConfig(weight_transport="collective", generator_replicas=2, prompts_per_step=8, max_restarts=0)
 
 
-def build(cfg: PPOGraphConfig) -> Graph:
-    cfg.generator.max_new_tokens = wire_policy(cfg)
-    g = Graph("stalled_push", max_steps=cfg.max_steps)
+def build(cfg: RLHFConfig) -> Graph:
+    g = Graph("stalled_push", config=cfg)  # the settings the nodes share, as in graphs/ppo.py
     g.node("prompts", PromptSource, cfg.prompts, cpus=0.1)
     g.node("generator", StalledGenerator, cfg.generator, cpus=1, replicas=cfg.generator_replicas)
     g.node("learner", Learner, cfg.learner, cpus=1, ends_run=True)

@@ -1,81 +1,79 @@
-"""GRPO with validation rounds, on CPU: what a graph declares for issue 17's validation (the graphs
-in graphs/ get the same declarations; README "Validation").
+"""graphs/grpo.py with validation rounds: exactly what a graph declares for issue 17's validation
+(README "Validation"), small defaults for CPU tests.
 
     prompts ──> generator ──> reward ──scored──> reference ──> learner
-       ▲  ▲          ▲           └──validation──> evaluator
-       │  └──────────┴──── policy (versioned) ◄────────────────┘   │
-       └────────────────── validated (versioned) ◄─────────────────┘
+       ▲  ▲          ▲           └──validation──> evaluator       │
+       │  └──────────┴──── policy (versioned) ◄────────────────────┘
+       └────────────────── validated (versioned) ◄── evaluator
 
-Validation needs, besides the GRPO graph: the reward node declared as RewardWithValidation, an
-Evaluator node fed by its `validation` port, the versioned edge `validated` from the evaluator to
-the prompt source, and one `val` config shared by the prompt source and the evaluator.
+Besides GRPO's: a `val` setting shared into the prompt source (and given to the evaluator), the
+reward node declared as RewardWithValidation, an Evaluator fed by its `validation` port, and the
+versioned edge `validated` from the evaluator to the prompt source; the `loggers` setting is a run
+setting Graph(config=) picks up. Without val.path none of it is declared.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from dataflow import Graph
+from dataflow import Graph, check, share
+from graphs.grpo import GRPOGraphConfig
+from graphs.rlhf import PROGRESS
 from nodes.evaluator import VALIDATED, Evaluator, ValidationConfig
-from nodes.generator import Generator, GeneratorConfig
-from nodes.learner import Learner, LearnerConfig
-from nodes.prompts import PromptConfig, PromptSource
-from nodes.reference import Reference, ReferenceConfig
-from nodes.reward import RewardConfig, RewardWithValidation
-from rl.policy import PolicySpec
-from rl.tasks import make_task
+from nodes.generator import Generator
+from nodes.learner import Learner
+from nodes.prompts import PromptSource
+from nodes.reference import Reference
+from nodes.reward import RewardWithValidation
+
+
+def _validation_problem(cfg) -> str | None:
+    if cfg.val.path and cfg.reward_kind != "function":
+        return ("val.path needs reward_kind=function: validation scores with the training's reward "
+                "function (a reward model is not wired for it)")
+    return None
 
 
 @dataclass(kw_only=True)
-class ValidatedGRPOConfig:
-    policy: PolicySpec = field(default_factory=PolicySpec)
-    prompts: PromptConfig = field(default_factory=PromptConfig)
-    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
-    learner: LearnerConfig = field(default_factory=LearnerConfig)
+class ValidatedGRPOConfig(GRPOGraphConfig):
     val: ValidationConfig = field(default_factory=ValidationConfig)
     """Validation rounds (nodes/evaluator.py): val.path, val.every, val.n, val.k, ..."""
     loggers: str = ""
-    """Metric sinks besides metrics.jsonl: tensorboard, wandb (dataflow/loggers.py)."""
+    """Metric sinks besides metrics.jsonl: tensorboard, wandb, or both (dataflow/loggers.py)."""
     group_size: int = 4
     prompts_per_step: int = 8
     max_staleness: int = 0
     max_steps: int = 3
     channel_capacity: int = 16
+    rules: ClassVar[tuple] = GRPOGraphConfig.rules + (check(_validation_problem), share("val", "prompts.val"))
 
 
 config = ValidatedGRPOConfig()
 
 
 def build(cfg: ValidatedGRPOConfig) -> Graph:
-    for node_cfg in (cfg.generator, cfg.reference, cfg.learner):
-        node_cfg.policy = cfg.policy
-    cfg.prompts.policy = cfg.policy if cfg.policy.path else cfg.prompts.policy
-    cfg.prompts.prompts_per_step = cfg.learner.prompts_per_step = cfg.prompts_per_step
-    cfg.prompts.max_staleness = cfg.learner.max_staleness = cfg.max_staleness
-    cfg.generator.group_size = cfg.learner.group_size = cfg.group_size
-    cfg.learner.temperature = cfg.reference.temperature = cfg.generator.temperature
     cfg.learner.algorithm = "grpo"
-    cfg.learner.weight_sync.dtype = "float32"
-    cfg.generator.max_new_tokens = make_task(cfg.prompts.task, cfg.prompts.num_digits).max_new_tokens
-    if cfg.policy.path:
-        cfg.reward.tokenizer_path = cfg.policy.path
-    cfg.prompts.val = cfg.val                       # one validation setting, two nodes
-    g = Graph("grpo-val", max_steps=cfg.max_steps, loggers=cfg.loggers,
-              progress=["reward/mean±reward/std", "staleness/mean"])
-    cap = cfg.channel_capacity
+    g = Graph("grpo-val", config=cfg, progress=PROGRESS)
     g.node("prompts", PromptSource, cfg.prompts, cpus=0.1)
-    g.node("generator", Generator, cfg.generator, cpus=1)
-    g.node("reward", RewardWithValidation, cfg.reward, cpus=0.1)
-    g.node("evaluator", Evaluator, cfg.val, cpus=0.1)
-    g.node("reference", Reference, cfg.reference, cpus=0.2)
-    g.node("learner", Learner, cfg.learner, cpus=1, ends_run=True)
+    g.node("generator", Generator, cfg.generator, cpus=1, side="rollout", replicas=cfg.generator_replicas)
+    validating = bool(cfg.val.path)
+    reward = cfg.reward_node()
+    if validating:
+        reward["kind"] = RewardWithValidation
+    g.node("reward", **reward)
+    g.node("reference", Reference, cfg.reference, cpus=0.2, side="train")
+    g.node("learner", Learner, cfg.learner, cpus=1, side="train", replicas=cfg.learner.dp * cfg.learner.tp,
+           ends_run=True)
+    cap = cfg.channel_capacity
     g.channel("prompts.prompts", "generator.prompts", capacity=cap, name="prompts")
     g.channel("generator.samples", "reward.samples", capacity=cap, name="samples")
     g.channel("reward.scored", "reference.scored", capacity=cap, name="scored")
-    g.channel("reward.validation", "evaluator.validation", capacity=cap, name="validation")
     g.channel("reference.with_ref", "learner.rollouts", capacity=cap, name="rollouts")
     g.versioned("policy", src="learner", dst=["generator", "prompts"])
-    g.versioned(VALIDATED, src="evaluator", dst=["prompts"])
+    if validating:
+        g.node("evaluator", Evaluator, cfg.val, cpus=0.1)
+        g.channel("reward.validation", "evaluator.validation", capacity=cap, name="validation")
+        g.versioned(VALIDATED, src="evaluator", dst=["prompts"])
+    g.place(cfg.placement, num_gpus=cfg.num_gpus, gpu_shares=cfg.gpu_shares)
     return g

@@ -1,0 +1,66 @@
+"""GRPO with DAPO's dynamic sampling. Run: python -m dataflow.run graphs/dapo.py [--set key=value ...]
+
+    prompts ──> generator (x replicas, group_size each) ──> reward ──> filter ──> reference ──> learner
+     ▲  ▲              ▲                                                 │                       │
+     │  └─ dropped ────┼──────────────── (refill: one more prompt each) ◄┘                       │
+     └─────────────────┴─────────────────── policy (versioned, latest wins) ◄────────────────────┘
+
+The filter (nodes/group_filter.py) drops the groups whose responses all scored alike and the prompt
+source refills their batch, so every step trains on prompts_per_step groups with a learning signal
+(DAPO, arXiv 2503.14476; verl's filter_groups). Its counts are in metrics.jsonl (filter/*).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from dataflow import Graph, check, share
+from dataflow.weights.sync import SYNC_EDGE
+from graphs.rlhf import PROGRESS, RLHFConfig
+from nodes.generator import Generator
+from nodes.group_filter import GroupFilter, GroupFilterConfig
+from nodes.learner import Learner
+from nodes.prompts import DROPPED_EDGE, PromptSource
+from nodes.reference import Reference
+
+
+@dataclass(kw_only=True)
+class DAPOGraphConfig(RLHFConfig):
+    filter: GroupFilterConfig = field(default_factory=GroupFilterConfig)
+    group_size: int = 8
+    """Responses per prompt; advantages are normalised within each group."""
+    prompts_per_step: int = 16
+    rules: ClassVar[tuple] = RLHFConfig.rules + (
+        check(lambda c: None if c.group_size >= 2 else f"group_size={c.group_size}: a group filter needs >= 2"),
+        share("group_size", "generator.group_size", "learner.group_size"),
+        share("prompts_per_step", "filter.prompts_per_step"),
+    )
+
+
+config = DAPOGraphConfig()
+
+
+def build(cfg: DAPOGraphConfig) -> Graph:
+    cfg.learner.algorithm = "grpo"
+    g = Graph("dapo", config=cfg, progress=PROGRESS)
+    g.node("prompts", PromptSource, cfg.prompts, cpus=0.1)
+    g.node("generator", Generator, cfg.generator, cpus=1, side="rollout", replicas=cfg.generator_replicas)
+    g.node("reward", **cfg.reward_node())
+    g.node("filter", GroupFilter, cfg.filter, cpus=0.1)
+    g.node("reference", Reference, cfg.reference, cpus=0.2, side="train")
+    g.node("learner", Learner, cfg.learner, cpus=1, side="train", replicas=cfg.learner.dp * cfg.learner.tp,
+           ends_run=True)
+    cap = cfg.channel_capacity
+    g.channel("prompts.prompts", "generator.prompts", capacity=cap, name="prompts")
+    g.channel("generator.samples", "reward.samples", capacity=cap, name="samples")
+    g.channel("reward.scored", "filter.scored", capacity=cap, name="scored")
+    g.channel("filter.kept", "reference.scored", capacity=cap, name="kept")
+    g.channel("reference.with_ref", "learner.rollouts", capacity=cap, name="rollouts")
+    # Generators first: the prompt source must not admit a batch before they hold its weights.
+    g.versioned("policy", src="learner", dst=["generator", "prompts", "filter"])
+    g.versioned(DROPPED_EDGE, src="filter", dst=["prompts"])
+    if cfg.weight_transport == "collective":  # the push group's rendezvous (dataflow/weights/sync.py)
+        g.versioned(SYNC_EDGE, src="learner", dst=["generator"])
+    g.place(cfg.placement, num_gpus=cfg.num_gpus, gpu_shares=cfg.gpu_shares)
+    return g

@@ -1,0 +1,151 @@
+"""The settings the RLHF graphs here share (graphs/ppo.py, grpo.py, dapo.py): subclass RLHFConfig.
+
+Not a graph itself: RLHFConfig is the public base of their configs. It holds every node's config and
+the settings several nodes share, declared once in `rules` (dataflow/config.py): Graph(config=cfg)
+copies them into the nodes (share), fills node defaults from them (fill) and checks them (check)
+before the graph's nodes are declared, so --describe and config.json show what ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from dataflow import check, fill, share
+from dataflow.presets import auto_weight_transport
+from nodes.critic import CriticConfig
+from nodes.generator import GeneratorConfig
+from nodes.learner import LearnerConfig
+from nodes.prompts import PromptConfig
+from nodes.reference import ReferenceConfig
+from nodes.reward import Reward, RewardConfig
+from nodes.reward_model import RewardModel, RewardModelConfig
+from rl.policy import PolicySpec
+from rl.tasks import make_task
+
+PROGRESS = ["reward/mean±reward/std", "kl", "entropy", "staleness/mean", "perf/samples_per_s"]
+"""The metrics on each step's progress line."""
+
+
+def _max_new_tokens(cfg: RLHFConfig) -> int:
+    """max_new_tokens, or the built-in task's when 0."""
+    if cfg.max_new_tokens:
+        return cfg.max_new_tokens
+    if cfg.prompts.path:
+        raise ValueError("set max_new_tokens=N when prompts.path points at your own data")
+    return make_task(cfg.prompts.task, cfg.prompts.num_digits).max_new_tokens
+
+
+def _travel_dtype(cfg: RLHFConfig) -> str:
+    """The weights travel in the generators' dtype (auto: fp32 on CPU, bf16 on GPUs)."""
+    gen = cfg.generator.dtype
+    return gen if gen != "auto" else "float32" if cfg.placement == "cpu" else "bfloat16"
+
+
+def _reward_model_share_problem(cfg: RLHFConfig) -> str | None:
+    share_, kind = cfg.reward_model_gpu_share, cfg.reward_kind
+    if share_ and kind != "model":
+        return ("reward_model_gpu_share is set, but reward_kind is 'function' (a program on CPU); "
+                "set reward_kind=model or leave the share at 0")
+    if not 0 <= share_ < 1:
+        return f"reward_model_gpu_share must be in [0, 1) (got {share_})"
+    if share_ and cfg.placement == "cpu":
+        return "reward_model_gpu_share needs placement=colocated or split (placement=cpu uses no GPU)"
+    return None
+
+
+@dataclass(kw_only=True)
+class RLHFConfig:
+    policy: PolicySpec = field(default_factory=PolicySpec)
+    """The policy every node starts from (a local HF dir, or the built-in tiny model)."""
+    prompts: PromptConfig = field(default_factory=PromptConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    reward_kind: Literal["function", "model"] = "function"
+    """function: a program scores responses (`reward`). model: a sequence classifier (`reward_model`)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    max_new_tokens: int = 0
+    """Longest response (0 = what the built-in task needs; set it for your own data)."""
+    max_staleness: int = 1
+    """Policy versions the generators may run ahead of the learner (0 = synchronous)."""
+    weight_transport: Literal["auto", "object_store", "collective", "cuda_ipc"] = "auto"
+    """How the learner's weights reach the generators. auto: cuda_ipc for placement=colocated with
+    num_gpus=1 (measured fastest there, bench/RESULTS.md), else object_store (dataflow/presets.py).
+    object_store: a state dict through Ray's object store. collective: the HybridEngine push (gloo;
+    NCCL when each end has a GPU of its own; llama/qwen2 policies), the `policy` edge then carries
+    only the version. cuda_ipc: learner and every generator on ONE physical GPU (placement=colocated,
+    num_gpus=1): the learner writes its weights, cast to the generators' dtype
+    (learner.weight_sync.dtype), into GPU buffers it shares by CUDA IPC and each generator copies
+    them on the GPU; no CPU round trip, costs two model-sized buffers on the learner and one per
+    generator. Fails on CPU or across GPUs."""
+    weight_checksums: bool = False
+    """Log a checksum of the weights per version, learner and generators (metrics.jsonl)."""
+    prompts_per_step: int = 256
+    generator_replicas: int = 0
+    """Generator actors (0 = one per generator GPU, or 1 on CPU)."""
+    channel_capacity: int = 64
+    placement: Literal["cpu", "colocated", "split"] = "cpu"
+    """Where the model nodes run (dataflow/presets.py). cpu: no GPU. colocated: one pool of num_gpus
+    GPUs that the generators (one per GPU), reference, critic and learner share, in equal shares, as
+    evenly as they go. split: the generators get GPUs 0..num_gpus-2 (one whole GPU each), the learner
+    side (reference, critic, learner: equal shares) the last GPU. Each share caps that node's GPU
+    memory; gpu_shares sets them per node."""
+    num_gpus: int = 1
+    """GPUs for placement=colocated or split (the cluster must have them; checked at start)."""
+    reward_model_gpu_share: float = 0.0
+    """With reward_kind=model and a GPU placement: the reward model's share of one GPU of the
+    learner's pool (the other shares there shrink to make room). 0 = the reward model on CPU."""
+    gpu_shares: dict[str, float] = field(default_factory=dict)
+    """A fraction of one GPU for named model nodes (generator, reference, critic, learner), each
+    replica, e.g. '{"learner": 0.5}'. Where all of a pool's nodes share one GPU (colocated with
+    num_gpus=1, split's learner GPU), the nodes not named split what is left equally; on several
+    colocated GPUs they keep their equal shares and the plan checks that everything fits. A share
+    caps the node's GPU memory too: give the learner more when a larger micro-batch needs it."""
+    max_steps: int = 200
+    """Stop after this many learner steps (--max-steps overrides)."""
+    target_reward: float = 0.0
+    """Stop as soon as the mean reward reaches this (0 = off)."""
+    save_interval: int = 0
+    """Checkpoint every this many steps and on Ctrl-C (0 = off); continue with --resume DIR."""
+    keep_checkpoints: int = 3
+    """Checkpoints kept under <run>/checkpoints: older ones are deleted once a newer one is saved
+    (0 = keep all)."""
+    drop_bad_items: bool = False
+    """Drop (and count) channel items that fail to decode, instead of failing the node reading them."""
+    stall_timeout_s: float | None = None
+    """Seconds without a learner step after which the driver prints what every node waits for and
+    the root of the wait (dataflow/stall.py); None = max(300 s, 5 x the slowest step), < 0 = off."""
+    stall_action: Literal["stop", "warn"] = "stop"
+    """On a stall: stop the run (exit 1) naming the root, or warn and keep waiting."""
+    max_restarts: int = 3
+    """Times a generator, reward, reference, critic or prompt source replica is restarted after its
+    process dies (its prompts are re-issued); the learner's death stops the run."""
+
+    rules: ClassVar[tuple] = (
+        check(_reward_model_share_problem),
+        share("policy", "prompts.policy", "generator.policy", "reference.policy", "critic.policy", "learner.policy"),
+        share("prompts_per_step", "prompts.prompts_per_step", "learner.prompts_per_step"),
+        share("max_staleness", "prompts.max_staleness", "learner.max_staleness"),
+        share("generator.temperature", "learner.temperature", "reference.temperature"),  # log-probs at the sampling temperature
+        share("target_reward", "learner.target_reward"),
+        share("max_new_tokens", "generator.max_new_tokens", value=_max_new_tokens),
+        fill("learner.max_response_tokens", "generator.max_new_tokens"),  # overlong shaping's cap
+        fill("generator.max_prompt_tokens", "prompts.max_prompt_tokens"),  # the source's bound holds in the decoder
+        fill("weight_transport", lambda cfg: auto_weight_transport(cfg.placement, cfg.num_gpus)),
+        share("weight_transport", "learner.weight_sync.transport", "generator.weight_sync.transport"),
+        fill("learner.weight_sync.checksums", "weight_checksums"),
+        fill("generator.weight_sync.checksums", "weight_checksums"),
+        fill("learner.weight_sync.dtype", _travel_dtype),
+        fill("reward.tokenizer_path", "policy.path"),  # responses decoded with the policy's tokenizer
+    )
+
+    def reward_node(self) -> dict:
+        """g.node() arguments of the reward node reward_kind asks for: a program, or a sequence
+        classifier (on CPU, or on its reward_model_gpu_share of a GPU of the learner's side)."""
+        if self.reward_kind == "model":
+            on_gpu = {"side": "train", "gpus": self.reward_model_gpu_share} if self.reward_model_gpu_share else {}
+            return {"kind": RewardModel, "config": self.reward_model, "cpus": 0.2, **on_gpu}
+        return {"kind": Reward, "config": self.reward, "cpus": 0.1}

@@ -1,0 +1,208 @@
+"""No silent stall (dataflow/stall.py): a run that makes no progress says what every node waits for
+and which node is at the root, then stops (exit 1) or keeps waiting; a source whose data runs out
+ends the run with a line saying so; counters of trouble are on screen (Graph.alerts).
+
+The wait graph's roots are checked first on hand-written wait states (no Ray); then real graphs
+made to stall on purpose (tests/graphs/stalls.py) run through the CLI in this process (same code
+path and exit status as `python -m dataflow.run`) on the module's Ray instance."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+from dataflow import Graph, stall  # noqa: E402
+from dataflow import run as cli  # noqa: E402
+from dataflow.runtime import RunOptions, run_graph  # noqa: E402
+from tests.graphs.alerts import TroubledSink  # noqa: E402
+from tests.graphs.stalls import BatchTrainer, Silent, Sink, TrainerConfig  # noqa: E402
+from tests.graphs.toy import Counter, CounterConfig, Square  # noqa: E402
+from nodes.prompts import PromptConfig, PromptSource  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+STALLS = "tests/graphs/stalls.py"
+
+
+def main(capsys, *argv) -> tuple[int, str, str, float]:
+    """`python -m dataflow.run ARGV` in this process: (exit status, stdout, stderr, seconds)."""
+    capsys.readouterr()
+    t0 = time.monotonic()
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err, time.monotonic() - t0
+
+
+# ---- the wait graph and its roots, on hand-written states (no Ray) ----------------------------------
+def ppo_like() -> Graph:
+    """prompts -> square (x2) -> trainer, trainer publishes `policy` to prompts (the PPO shape)."""
+    g = Graph("ppo_like")
+    g.node("prompts", PromptSource, PromptConfig())
+    g.node("square", Square, replicas=2)
+    g.node("trainer", BatchTrainer, TrainerConfig(), ends_run=True)
+    g.channel("prompts.prompts", "square.numbers", capacity=4, name="prompts")
+    g.channel("square.squares", "trainer.prompts", capacity=4, name="squares")
+    g.versioned("policy", src="trainer", dst=["prompts"])
+    return g
+
+
+def state(*spans, versions=(), publishing=None, channels=None, phase="running"):
+    return {"phase": phase, "now_us": 100_000_000, "spans": list(spans), "versions": list(versions),
+            "publishing": publishing, "channels": channels or {}, "latest": {}}
+
+
+def test_a_version_wait_that_closes_a_cycle_is_the_root_of_a_deadlock():
+    """max_staleness=-1: the source waits for a version the trainer publishes only after a batch
+    that the source holds back. Every node waits; the root is the wait that closes the cycle."""
+    states = {
+        "prompts": state(versions=[("policy", 1, 0, "staleness admission of batch 0 (max_staleness=-1)", 0)]),
+        "square[0]": state(("wait_input", "wait prompts", "prompts", 0),
+                           channels={"prompts": {"end": "in", "depth": 0, "producers_open": 1}}),
+        "square[1]": state(("wait_input", "wait prompts", "prompts", 0)),
+        "trainer": state(("wait_input", "wait squares", "squares", 0)),
+    }
+    waits = stall.wait_graph(ppo_like(), states)
+    assert all(w.waiting for w in waits.values())
+    roots, cycle = stall.roots_of(waits)
+    assert roots == ["prompts"]
+    assert cycle == ["prompts", "trainer", "square[0]", "prompts"]  # who waits for whom, back to the root
+    text = stall.report(waits, roots, cycle, "headline")
+    assert "waits for 'policy' version >= 1 (has 0) from trainer: staleness admission of batch 0 " \
+           "(max_staleness=-1) for 100 s   <- root" in text, text
+    assert "waits for input on 'prompts' (0 buffered; producer: prompts)" in text, text
+
+
+def test_a_busy_node_that_everyone_ends_up_waiting_for_is_the_root():
+    """square[0] is stuck in its work; square[1] and the source wait in the cycle through the
+    trainer, which waits on both squares: the cycle is not a sink (square[0] could unblock it)."""
+    states = {
+        "prompts": state(versions=[("policy", 2, 1, "", 0)]),
+        "square[0]": state(("busy", "square", None, 40_000_000)),
+        "square[1]": state(("wait_input", "wait prompts", "prompts", 0)),
+        "trainer": state(("wait_input", "wait squares", "squares", 0)),
+    }
+    waits = stall.wait_graph(ppo_like(), states)
+    assert stall.roots_of(waits) == (["square[0]"], [])
+    assert waits["square[0]"].what == ["busy in 'square' for 60 s"]
+
+
+def test_a_blocked_output_points_at_its_consumer_and_a_silent_host_is_a_root():
+    states = {
+        "prompts": state(("blocked_output", "blocked prompts", "prompts", 0),
+                         channels={"prompts": {"end": "out", "depth": 4, "capacity": 4}}),
+        "square[0]": None,  # did not answer: its event loop is blocked
+        "square[1]": state(("blocked_output", "blocked squares", "squares", 0)),
+        "trainer": state(publishing=("policy", 3, "prompts", 0)),
+    }
+    waits = stall.wait_graph(ppo_like(), states)
+    assert "blocked sending on 'prompts' (full: 4 of 4; consumers: square[0], square[1])" in waits["prompts"].what[0]
+    assert waits["trainer"].what == ["pushing 'policy' v3 to prompts: no ack for 100 s"]
+    roots, _ = stall.roots_of(waits)
+    assert roots == ["square[0]"] and "does not answer the driver" in waits["square[0]"].what[0]
+
+
+# ---- real graphs that stall ---------------------------------------------------------------------------
+def test_a_node_that_never_sends_stops_the_run_naming_it(capsys, ray_instance, tmp_path):
+    rc, out, err, seconds = main(capsys, STALLS, "--set", "case=never_sends", "--set", "stall_timeout_s=2",
+                                 "--out", tmp_path)
+    assert rc == 1, err
+    assert "[dataflow] stalled: no step for" in err
+    assert "source  running its own code (in no channel, version or push wait)   <- root" in err, err
+    assert "sink    waits for input on 'numbers' (0 buffered; producer: source)" in err, err
+    assert "root of the wait: source running its own code" in err, err
+    assert "[dataflow] stopped: the run stalled; root of the wait: source (Graph(stall_timeout_s=" in err, err
+    assert "Traceback" not in err
+    assert seconds < 60, seconds
+
+
+def test_a_node_blocking_its_event_loop_is_named_and_does_not_freeze_the_driver(capsys, ray_instance, tmp_path):
+    rc, out, err, seconds = main(capsys, STALLS, "--set", "case=blocks_loop", "--set", "stall_timeout_s=2",
+                                 "--out", tmp_path)
+    assert rc == 1, err
+    assert "root of the wait: source does not answer the driver" in err, err
+    assert "[dataflow] stopped: the run stalled; root of the wait: source (" in err, err
+    assert seconds < 60, seconds
+
+
+def test_max_staleness_minus_one_is_a_deadlock_named_at_the_admission(capsys, ray_instance, tmp_path, monkeypatch):
+    """Every node waits and nothing moves: reported after DEADLOCK_S (2 s here), long before the
+    stall timeout (600 s here)."""
+    monkeypatch.setattr(stall, "DEADLOCK_S", 2.0)
+    monkeypatch.setattr(stall, "SNAPSHOT_EVERY_S", 0.5)
+    rc, out, err, seconds = main(capsys, STALLS, "--set", "case=admission", "--set", "stall_timeout_s=600",
+                                 "--set", "prompts.max_staleness=-1", "--out", tmp_path)
+    assert rc == 1, err
+    assert "[dataflow] stalled: every node waits and nothing has moved for" in err, err
+    assert ("prompts  waits for 'policy' version >= 1 (has 0) from trainer: staleness admission of batch 0 "
+            "(max_staleness=-1)") in err, err
+    assert "a cycle of waits no node can break: prompts -> trainer -> prompts" in err, err
+    assert seconds < 60, seconds
+
+
+def test_warn_prints_the_wait_graph_and_keeps_waiting(capsys, ray_instance, tmp_path):
+    graph = Graph("warned", stall_timeout_s=1.0, stall_action="warn")
+    graph.node("source", Silent, cpus=0.1)
+    graph.node("sink", Sink, cpus=0.1, ends_run=True)
+    graph.channel("source.numbers", "sink.numbers", capacity=4, name="numbers")
+
+    async def scenario():
+        task = asyncio.ensure_future(run_graph(graph, RunOptions(out_dir=str(tmp_path), quiet=True)))
+        seen = ""
+        deadline = time.monotonic() + 60
+        while seen.count("still waiting") < 2 and time.monotonic() < deadline and not task.done():
+            await asyncio.sleep(0.2)
+            seen += capsys.readouterr().out
+        assert not task.done(), task.exception() if task.done() else None
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert seen.count("(stall_action='warn': still waiting)") >= 2, seen
+    assert "source  running its own code" in seen
+
+
+# ---- the source runs out ----------------------------------------------------------------------------
+def test_data_that_runs_out_before_max_steps_ends_the_run_saying_so(capsys, ray_instance, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(10)))
+    rc, out, err, _ = main(capsys, STALLS, "--set", "case=admission", "--set", f"prompts.path={data}",
+                           "--set", "prompts.epochs=1", "--set", "max_steps=5", "--out", tmp_path / "run")
+    assert rc == 0, err
+    assert "[dataflow] done: 2 steps" in out, out
+    assert (f"the run ended after 2 of 5 steps: prompts: the data ran out: {data} has 10 usable prompts, read once "
+            "(prompts.epochs=1): 2 batches of prompts_per_step=4; --set prompts.epochs=0 repeats the data "
+            "until max steps") in out, out
+
+
+def test_an_empty_dataset_ends_the_run_at_once_instead_of_spinning(capsys, ray_instance, tmp_path):
+    data = tmp_path / "empty.jsonl"
+    data.write_text("")
+    rc, out, err, seconds = main(capsys, STALLS, "--set", "case=admission", "--set", f"prompts.path={data}",
+                                 "--out", tmp_path / "run")
+    assert rc == 0, err
+    assert f"the run ended after 0 of 5 steps: prompts: the data ran out at once: {data} has no usable prompts" in out
+    assert seconds < 60
+
+
+# ---- trouble counters on screen -------------------------------------------------------------------------
+def test_non_zero_trouble_counters_are_on_the_progress_line_and_in_the_summary(capsys, ray_instance, tmp_path):
+    graph = Graph("troubled", max_steps=3)
+    graph.node("counter", Counter, CounterConfig(count=10), cpus=0.1)
+    graph.node("sink", TroubledSink, cpus=0.1, ends_run=True)
+    graph.channel("counter.numbers", "sink.numbers", capacity=4, name="numbers")
+    capsys.readouterr()
+    summary = asyncio.run(run_graph(graph, RunOptions(out_dir=str(tmp_path))))
+    out = capsys.readouterr().out
+    assert summary.alerts == {"reward/failed_total": 6}  # a running total: the latest, not the sum
+    step_lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(step_lines) == 3 and all("! reward/failed_total" in line for line in step_lines), out
+    assert "prompts/duplicates_dropped" not in out  # zero: not shown
+    assert step_lines[-1].endswith("! reward/failed_total 6"), step_lines
