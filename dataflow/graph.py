@@ -34,7 +34,7 @@ DEFAULT_ALERTS = {"reward/failed_total": "total", "reward/timeouts_total": "tota
                   "data/skipped_lines": "total", "channel/bad_items/": "total", "restarts/total": "total",
                   "prompts/duplicates_dropped": "total"}
 RUN_SETTINGS = ("max_steps", "save_interval", "keep_checkpoints", "max_restarts", "drop_bad_items",
-                "stall_timeout_s", "stall_action")
+                "stall_timeout_s", "stall_action", "loggers")
 """Graph fields that Graph(config=...) takes from the config's fields of the same names."""
 
 
@@ -130,6 +130,9 @@ class Graph:
     dies (0 = a death stops the run)."""
     drop_bad_items: bool = False
     """Drop (and count) channel items that fail to decode instead of failing the consumer."""
+    loggers: list[str] | str = field(default_factory=list)
+    """Metric sinks besides metrics.jsonl: "tensorboard", "wandb" (a list or "tensorboard,wandb";
+    dataflow/loggers.py)."""
     stall_timeout_s: float | None = None
     """Seconds without a step after which the run counts as stalled and the driver prints what
     every node waits for (dataflow/stall.py). None = max(300 s, 5 x the slowest step so far);
@@ -256,6 +259,9 @@ class Graph:
         if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 0:
             problems.append(f"{source}: keep_checkpoints must be an integer >= 0 (got {self.keep_checkpoints!r}); "
                             "0 keeps every checkpoint")
+        from dataflow import loggers
+
+        problems += [f"{source}: {p}" for p in loggers.problems(self.loggers)]
         for spec in self.nodes.values():
             problems += _node_problems(spec)
             if spec.side is not None and spec.side not in ("rollout", "train"):

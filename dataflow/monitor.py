@@ -16,6 +16,7 @@ from dataflow import checkpoint
 from dataflow.config import flatten
 from dataflow.failures import awaitable, discard, result_of
 from dataflow.graph import Graph
+from dataflow.loggers import RunLoggers
 from dataflow.trace.collector import TraceCollector
 from dataflow.trace.tracer import Tracer
 
@@ -79,6 +80,7 @@ class Monitor:
         if config is not None and dataclasses.is_dataclass(config):
             self.settings = {k: _jsonable(v) for k, v in flatten(config)}
             (run_dir / "config.json").write_text(json.dumps(self.settings, indent=1))
+        self.loggers = RunLoggers(run_dir, graph.loggers, self.settings, graph.name, resume is not None)  # dataflow/loggers.py
 
     def processes(self, pids: dict) -> None:
         """Which process hosts which replica: <run>/processes.json (for kill tests and operators)."""
@@ -145,7 +147,8 @@ class Monitor:
         elif kind == "checkpoint":
             self.checkpoint_requests.append((name, event["step"]))
         elif kind in ("step", "metrics"):
-            values = event["values"]
+            values = dict(event["values"])
+            rollouts = values.pop("rollouts", None)   # to rollouts.jsonl and TensorBoard, not here
             record = {"time_s": round(event["t"] - (self.t_running or self.t_start), 3), "node": name}
             if kind == "step":
                 self.step = event["step"]
@@ -155,8 +158,12 @@ class Monitor:
                 self.padding_tokens[k] = self.padding_tokens.get(k, 0) + values[k]
             record.update({f"queue/{ch}": d for ch, d in self.depths.items()})
             self._count_alerts(name, values)
-            self.metrics_file.write(json.dumps(record) + "\n")
-            self.metrics_file.flush()
+            if values:
+                self.metrics_file.write(json.dumps(record) + "\n")
+                self.metrics_file.flush()
+            line = self.loggers.record(record, self.step, rollouts)   # validation rounds print a line
+            if line:
+                self.say(line)
             if kind == "step":
                 self.say(self._progress_line(event["step"], values))
                 if "staleness/mean" in values:
@@ -224,6 +231,7 @@ class Monitor:
         if self.options.trace_path:
             self.trace.write(self.options.trace_path)
             self.artifacts["trace"] = self.options.trace_path
+        report += ("\n" + self.loggers.close()).rstrip()   # the validation rounds, before and after
         return RunSummary(status, self.step, seconds, str(self.run_dir), str(self.metrics_path),
                           dict(self.artifacts), report, dict(self.restarts), self.alerts(), list(self.notes))
 

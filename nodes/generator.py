@@ -17,6 +17,12 @@ taken are generated, never lost. Other models use the HF loop (rl/models.py:samp
 in batches of up to prompts_per_call prompts, switching weights between batches.
 Generation runs in a worker thread so the actor keeps answering channel pulls and weight pushes.
 
+Validation prompts (data "val", nodes/evaluator.py) get 1 + val.n responses instead of a group:
+the first greedy (temperature 0, a per-slot setting of the decoder; rl/decoding.py), the others at
+the training temperature. In the continuous decoder they share decode steps with training prompts
+(the span "generate val" on the track "val" marks them); the HF loop decodes them in calls of their
+own (span "generate val").
+
 Determinism: the static decoder's noise is a function of (seed, prompt id, sample index, token
 index) only, so a prompt samples the same responses on any replica, in any batch or slot, after a
 restart or a resume (up to float differences between batch shapes). The HF loop seeds a
@@ -188,6 +194,21 @@ class Generator(Node):
         # every sample carries its prompt_ids: the item need not carry them again
         return {k: v for k, v in msg.data.items() if k != "prompt_ids"}
 
+    def _plan(self, msg) -> list[tuple[int, float | None]]:
+        """(noise key, temperature or None = the configured one) per sample of a prompt's group.
+        A validation prompt (nodes/evaluator.py) gets one greedy response, then val.n at the
+        training temperature; its noise depends on its row, not the round, so every round draws
+        the same noise and rounds differ only by the weights."""
+        c, val = self.config, msg.data.get("val")
+        if val is None:
+            return [(sample_key(c.seed, msg.data["id"], j), None) for j in range(c.group_size)]
+        plan = [(sample_key(c.seed, val["row"], VAL_NOISE + j), 0.0 if j == 0 else None) for j in range(1 + val["n"])]
+        if self.decoder is not None and len(plan) > self.decoder.num_slots:
+            raise UserError(f"generator: a validation prompt needs 1 + val.n = {len(plan)} decoder slots, the "
+                            f"decoder has {self.decoder.num_slots} (generator.prompts_per_call x group_size); "
+                            "lower val.n or raise generator.prompts_per_call")
+        return plan
+
     async def _run_continuous(self):
         c, dec = self.config, self.decoder
         prompts, out = self.ctx.inputs["prompts"], self.ctx.outputs["samples"]
@@ -195,6 +216,7 @@ class Generator(Node):
         groups: dict[int, list] = {}  # group number -> [msg, samples, still running]
         ready: list = []              # finished items the outbox had no room for
         ended, number = False, 0
+        val_span = _ValidationSpan(self.ctx)
 
         def emit(item) -> bool:     # never wait for room while holding the weights
             try:
@@ -203,76 +225,125 @@ class Generator(Node):
             except WouldBlock:
                 return False
 
-        while True:
-            # Wait for work outside serving(): an idle generator must not hold the weights (the
-            # collective push waits for them, and the prompt source for that push).
-            for item, meta in ready:
-                await out.send(item, **meta)
-            ready.clear()
-            if not waiting and not ended:
-                try:
-                    for msg in await prompts.recv_batch(self.prompts_per_call, 0.02):
-                        waiting.append((msg, self._tokenize(msg)))
-                except EndOfChannel:
-                    ended = True
-            if not waiting:
-                if ended:
-                    return
-                continue
-            async with self.weight_sync.serving() as self.version:
-                await asyncio.to_thread(dec.refresh)   # re-captures graphs if weights moved
-                with self.ctx.span("generate", version=self.version):
-                    while True:
-                        # Admit whole groups, only while these weights are the newest announced
-                        # and the output has room (backpressure).
-                        admit = []
-                        newer = self.ctx.latest_version(self.weight_sync.edge) > self.version
-                        while not newer and not ready and dec.free_slots() - len(admit) >= c.group_size:
-                            if not waiting and not ended:
-                                try:
-                                    msg = prompts.recv_nowait()
-                                    waiting.append((msg, self._tokenize(msg)))
-                                except WouldBlock:
+        try:
+            while True:
+                # Wait for work outside serving(): an idle generator must not hold the weights (the
+                # collective push waits for them, and the prompt source for that push).
+                for item, meta in ready:
+                    await out.send(item, **meta)
+                ready.clear()
+                if not waiting and not ended:
+                    try:
+                        for msg in await prompts.recv_batch(self.prompts_per_call, 0.02):
+                            waiting.append((msg, self._tokenize(msg)))
+                    except EndOfChannel:
+                        ended = True
+                if not waiting:
+                    if ended:
+                        return
+                    continue
+                async with self.weight_sync.serving() as self.version:
+                    await asyncio.to_thread(dec.refresh)   # re-captures graphs if weights moved
+                    with self.ctx.span("generate", version=self.version):
+                        while True:
+                            # Admit whole groups, only while these weights are the newest announced
+                            # and the output has room (backpressure).
+                            admit = []
+                            newer = self.ctx.latest_version(self.weight_sync.edge) > self.version
+                            while not newer and not ready and dec.free_slots() - len(admit) >= c.group_size:
+                                if not waiting and not ended:
+                                    try:
+                                        msg = prompts.recv_nowait()
+                                        waiting.append((msg, self._tokenize(msg)))
+                                    except WouldBlock:
+                                        break
+                                    except EndOfChannel:
+                                        ended = True
+                                        break
+                                if not waiting:
                                     break
-                                except EndOfChannel:
-                                    ended = True
+                                plan = self._plan(waiting[0][0])
+                                if dec.free_slots() - len(admit) < len(plan):   # a larger validation group
                                     break
-                            if not waiting:
+                                msg, ids = waiting.popleft()
+                                groups[number] = [msg, [None] * len(plan), len(plan)]
+                                admit += [(ids, (number, j), key, temp) for j, (key, temp) in enumerate(plan)]
+                                val_span.admitted(msg)
+                                number += 1
+                            if admit:
+                                await asyncio.to_thread(dec.add, admit)
+                            if not dec.active:
                                 break
-                            msg, ids = waiting.popleft()
-                            groups[number] = [msg, [None] * c.group_size, c.group_size]
-                            admit += [(ids, (number, j), sample_key(c.seed, msg.data["id"], j))
-                                      for j in range(c.group_size)]
-                            number += 1
-                        if admit:
-                            await asyncio.to_thread(dec.add, admit)
-                        if not dec.active:
-                            break
-                        for (n, j), sample in await asyncio.to_thread(dec.step):
-                            group = groups[n]
-                            group[1][j] = self._stop_strings(sample)
-                            group[2] -= 1
-                            if group[2] == 0:
-                                del groups[n]
-                                msg = group[0]
-                                item = ({**self._fields(msg), "version": self.version, "samples": group[1]},
-                                        {**msg.meta, "version": self.version})
-                                if ready or not emit(item):   # keep the order of completion
-                                    ready.append(item)
+                            for (n, j), sample in await asyncio.to_thread(dec.step):
+                                group = groups[n]
+                                group[1][j] = self._stop_strings(sample)
+                                group[2] -= 1
+                                if group[2] == 0:
+                                    del groups[n]
+                                    msg = group[0]
+                                    val_span.finished(msg)
+                                    item = ({**self._fields(msg), "version": self.version, "samples": group[1]},
+                                            {**msg.meta, "version": self.version})
+                                    if ready or not emit(item):   # keep the order of completion
+                                        ready.append(item)
+        finally:
+            val_span.close()
 
     async def _run_batched(self):
-        c = self.config
-        prompts, out = self.ctx.inputs["prompts"], self.ctx.outputs["samples"]
+        prompts = self.ctx.inputs["prompts"]
         async for batch in prompts.batches(self.prompts_per_call, 0.02):
-            ids = [self._tokenize(m) for m in batch]
-            repeated = [p for p in ids for _ in range(c.group_size)]
-            rng = torch.Generator().manual_seed(c.seed * 2**32 + batch[0].data["id"])
-            async with self.weight_sync.serving() as self.version:   # weights switch only here
-                with self.ctx.span("generate", prompts=len(batch), version=self.version):
-                    samples = await asyncio.to_thread(
-                        sample_responses, self.model, self.tokenizer, repeated, c.max_new_tokens,
-                        c.temperature, c.top_k or None, rng, None, c.min_new_tokens, self.stop_ids)
-            for i, msg in enumerate(batch):
-                group = [self._stop_strings(s) for s in samples[i * c.group_size:(i + 1) * c.group_size]]
-                item = {**self._fields(msg), "version": self.version, "samples": group}
-                await out.send(item, **{**msg.meta, "version": self.version})
+            # validation prompts in calls (and trace spans) of their own
+            for part, span in (([m for m in batch if "val" not in m.data], "generate"),
+                               ([m for m in batch if "val" in m.data], "generate val")):
+                if part:
+                    await self._generate_batch(part, span)
+
+    async def _generate_batch(self, batch: list, span: str) -> None:
+        c = self.config
+        plans = [self._plan(m) for m in batch]
+        ids = [self._tokenize(m) for m in batch]
+        repeated = [p for p, plan in zip(ids, plans) for _ in plan]
+        temps = [c.temperature if t is None else t for plan in plans for _, t in plan]
+        first = batch[0].data
+        rng = torch.Generator().manual_seed(c.seed * 2**32 + (first["val"]["row"] if "val" in first else first["id"]))
+        async with self.weight_sync.serving() as self.version:   # weights switch only here
+            with self.ctx.span(span, prompts=len(batch), version=self.version):
+                samples = await asyncio.to_thread(
+                    sample_responses, self.model, self.tokenizer, repeated, c.max_new_tokens,
+                    temps, c.top_k or None, rng, None, c.min_new_tokens, self.stop_ids)
+        at = 0
+        for msg, plan in zip(batch, plans):
+            group = [self._stop_strings(s) for s in samples[at:at + len(plan)]]
+            at += len(plan)
+            item = {**self._fields(msg), "version": self.version, "samples": group}
+            await self.ctx.outputs["samples"].send(item, **{**msg.meta, "version": self.version})
+
+
+VAL_NOISE = 1 << 31
+"""Sample-index offset of validation responses' noise keys (apart from any training group's)."""
+
+
+class _ValidationSpan:
+    """The trace span "generate val" (track "val") while this replica decodes validation prompts,
+    beside the training ones in the same decode steps (a span of its own would have to stop them)."""
+
+    def __init__(self, ctx):
+        self.ctx, self.span, self.active = ctx, None, 0
+
+    def admitted(self, msg) -> None:
+        if "val" in msg.data:
+            if self.span is None:
+                self.span = self.ctx.span("generate val", track="val", round=msg.data["val"]["round"])
+                self.span.__enter__()
+            self.active += 1
+
+    def finished(self, msg) -> None:
+        if "val" in msg.data:
+            self.active -= 1
+            if self.active == 0:
+                self.close()
+
+    def close(self) -> None:
+        if self.span is not None:
+            self.span.__exit__(None, None, None)
+            self.span, self.active = None, 0

@@ -1,7 +1,10 @@
 """Prompt source: the built-in synthetic task or a JSONL file, admitted under a staleness bound.
 
 Consumes: nothing.  Produces: `prompts` items {"id", "prompt", "fields"} (meta: index, batch).
-Waits for: the learner's policy version (admission control).  Unblocked by: each weight publish.
+Validation prompts (val.path) go out on the same port with ids "val/<row>" and "val": {"round",
+"row", "size", "n"} (meta: val_round, index).
+Waits for: the learner's policy version (admission control); with validation, the evaluator's
+`validated` edge.  Unblocked by: each weight publish; each validation round reported.
 
 Re-issue: when a generator, reward, reference or critic replica dies, the prompts of the
 batches not yet trained are sent again (on_restart); the source stays running after its data
@@ -29,6 +32,13 @@ convert`. Chat prompts are rendered with the policy tokenizer's chat template an
 tokenized here, once, at setup (the generators take the ids as they are), so a bad row, a missing
 template or a prompt over max_prompt_tokens stops the run before it starts, naming the file and
 row. Each epoch goes over the rows in file order, or in a seeded random order (`shuffle`).
+
+Validation (val.*, nodes/evaluator.py): the validation file is read like the training data, with
+the same settings. When the learner has published a version that is due (0 before training, then
+every val.every steps), every validation prompt goes out tagged with that round, before the next
+training batch; that batch (the one admitted at version round + max_staleness) waits until the
+evaluator has reported the round. The training prompts, their batches and their order are the
+same with or without validation.
 """
 
 from __future__ import annotations
@@ -41,7 +51,8 @@ from typing import Literal
 
 import numpy as np
 
-from dataflow import Node
+from dataflow import Node, UserError
+from nodes.evaluator import VALIDATED, ValidationConfig
 from rl import data, policy
 from rl.tasks import DEFAULT_NUM_DIGITS, DEFAULT_TASK, make_task
 
@@ -83,6 +94,8 @@ class PromptConfig:
     max_staleness: int = 1
     """How many policy versions the generators may run ahead of the learner (0 = synchronous)."""
     seed: int = 0
+    val: ValidationConfig = field(default_factory=ValidationConfig)
+    """Validation rounds (nodes/evaluator.py); the graph shares its `val` settings here."""
 
 
 DROPPED_EDGE = "dropped"
@@ -92,13 +105,24 @@ DROPPED_EDGE = "dropped"
 class PromptSource(Node):
     Config = PromptConfig
     outputs = ("prompts",)
-    subscribes = ("policy", DROPPED_EDGE)
+    subscribes = ("policy", DROPPED_EDGE, VALIDATED)
 
     async def setup(self):
         c = self.config
-        self.data = None
+        self.data = self.val = None
+        tokenizer = policy.load_tokenizer(c.policy) if c.policy.path and (c.path or c.val.path) else None
+        if c.val.path:
+            c.val.check()
+            self.val = data.open_prompts(c.val.path, c, tokenizer, c.policy.path, setting="prompts")
+            self.val_rows = min(len(self.val), c.val.max_prompts or len(self.val))
+            if self.val_rows == 0:
+                raise UserError(f"val.path={c.val.path}: no usable rows")
+            if self.val.skipped or self.val.truncated:
+                self.ctx.log(f"validation file {c.val.path}: skipped {self.val.skipped} bad rows, truncated "
+                             f"{self.val.truncated} prompts (prompts.skip_bad_lines / prompts.truncation)")
+        self.next_round = 0       # the next validation round (a policy version) to send
+        self.sent_rounds: list[int] = []
         if c.path:
-            tokenizer = policy.load_tokenizer(c.policy) if c.policy.path else None
             self.data = data.open_prompts(c.path, c, tokenizer, c.policy.path, setting="prompts")
             if self.data.skipped:
                 self.ctx.log(f"skipped {self.data.skipped} bad rows of {c.path}")
@@ -157,6 +181,37 @@ class PromptSource(Node):
             self.sent = found[0] + 1
         return found
 
+    async def _send_round(self, r: int, **meta) -> None:
+        """Every validation prompt, tagged with round `r` (the policy version it validates)."""
+        c = self.config
+        for row in range(self.val_rows):
+            val = {"round": r, "row": row, "size": self.val_rows, "n": c.val.n}
+            await self.ctx.outputs["prompts"].send({"id": f"val/{row}", **self.val.message(row), "val": val},
+                                                   val_round=r, index=row, **meta)
+
+    async def _validate_until(self, version: int) -> None:
+        """Send and see reported every validation round due at versions <= `version` (a batch that
+        waits for `version` goes out after them; rounds wait for their version themselves)."""
+        while self.val is not None and self.next_round <= max(version, 0):
+            r = self.next_round
+            await self._wait_trained(r, why=f"the policy of validation round {r}")
+            if self.starved <= r:     # the learner will not get there
+                return
+            self.sent_rounds.append(r)
+            await self._send_round(r)
+            self.next_round = self.config.val.next_round(r + 1)
+            await self.ctx.wait_version(VALIDATED, r + 1, why=f"the evaluator's report of validation round {r}")
+
+    async def _wait_for_evaluator(self) -> None:
+        timeout = self.config.val.start_timeout_s
+        try:
+            await asyncio.wait_for(self.ctx.wait_version(VALIDATED, 0, why="the evaluator to start"), timeout)
+        except asyncio.TimeoutError:
+            raise UserError(f"val.path={self.config.val.path} is set, but no evaluator said it is up within "
+                            f"{timeout:g} s: the graph needs an Evaluator node (nodes/evaluator.py) fed by the "
+                            "reward node's 'validation' port and the versioned edge 'validated' from it to "
+                            "'prompts' (README, Validation)") from None
+
     async def run(self):
         c = self.config
         # A restarted source starts again at the batch the learner is collecting (the one it
@@ -165,9 +220,13 @@ class PromptSource(Node):
         start = self.start if batch == self.start_batch else max(self.start, batch * c.prompts_per_step)
         self.sent = start
         self._rows = itertools.islice(enumerate(self._stream()), start, None)
+        if self.val is not None:
+            await self._wait_for_evaluator()
+            self.next_round = c.val.next_round(batch)   # resumed at step k: earlier rounds ran before
         refill = asyncio.ensure_future(self._refill())
         try:
             while True:
+                await self._validate_until(batch - c.max_staleness)
                 await self._wait_trained(batch - c.max_staleness,  # admission (or a refill found no data)
                                          why=f"staleness admission of batch {batch} (max_staleness={c.max_staleness})")
                 for _ in range(c.prompts_per_step):
@@ -184,6 +243,7 @@ class PromptSource(Node):
             # every complete batch sent: until then a restarted node's prompts must be re-issued, and
             # returning would close the channel they go out on. (A last, partial batch is never
             # trained, nor one a refill found no data for.)
+            await self._validate_until(batch)
             await self._wait_trained(batch, why="its data has ended; it stays up until the learner has trained "
                                                 "every batch sent")
         finally:
@@ -237,10 +297,17 @@ class PromptSource(Node):
         is collecting (the stream is deterministic); the learner keeps one copy of each prompt."""
         trained = max(0, self.ctx.latest_version("policy"))
         batch_of = {i: b for b, indices in self.sent_for.items() if b >= trained for i in indices}
-        if not batch_of:
-            return
-        first, end = min(batch_of), max(batch_of) + 1
-        self.ctx.log(f"{replica} restarted: re-issuing prompts {first}..{end - 1}")
-        for index, row in itertools.islice(enumerate(self._stream()), first, end):
-            if index in batch_of:
-                await self._send(index, row, batch=batch_of[index], reissued=True)
+        if batch_of:
+            first, end = min(batch_of), max(batch_of) + 1
+            self.ctx.log(f"{replica} restarted: re-issuing prompts {first}..{end - 1}")
+            for index, row in itertools.islice(enumerate(self._stream()), first, end):
+                if index in batch_of:
+                    await self._send(index, row, batch=batch_of[index], reissued=True)
+        await self._reissue_rounds(replica)
+
+    async def _reissue_rounds(self, replica: str) -> None:
+        """Validation rounds sent but not reported, again and whole (the evaluator counts each
+        prompt of a round once)."""
+        for r in [r for r in self.sent_rounds if r + 1 > self.ctx.latest_version(VALIDATED)]:
+            self.ctx.log(f"{replica} restarted: re-issuing validation round {r}")
+            await self._send_round(r, reissued=True)

@@ -14,6 +14,12 @@ the loss by the learner), is counted, and the run goes on; a line on screen repo
 timeouts (at most every `log_every_s`). A reward that fails for every response of
 `max_failed_batches` consecutive batches stops the run, naming the function, its file and the
 first error.
+
+Validation items (data "val", nodes/evaluator.py) are scored the same way, keep each response's
+decoded "text", and go out on the port `validation` to the evaluator, never on `scored`: the
+reference, critic and learner never see them. That port exists on RewardWithValidation, the kind a
+graph with validation declares. Every `rollouts_every` learner steps, a few training rollouts
+(prompt, response, reward) go to the driver for rollouts.jsonl and TensorBoard (dataflow/loggers.py).
 """
 
 from __future__ import annotations
@@ -53,6 +59,11 @@ class RewardConfig:
     """Where to load the tokenizer from (the policy's model dir); empty = built-in tokenizer."""
     items_per_call: int = 16
     """Prompts (each with its group of responses) scored together as one batch."""
+    rollouts_every: int = 10
+    """Every this many learner steps (and at step 1), send a few of the step's training rollouts
+    to rollouts.jsonl / TensorBoard (0 = none)."""
+    rollouts_per_step: int = 2
+    """Prompts per such step whose first response is shown."""
 
 
 class RewardFailing(UserError):
@@ -85,7 +96,7 @@ class Reward(Node):
 
     def _score_builtin(self, item: dict) -> None:
         for s in item["samples"]:
-            text = self.tokenizer.decode(s["response_ids"], skip_special_tokens=True)
+            s["text"] = text = self.tokenizer.decode(s["response_ids"], skip_special_tokens=True)
             s["score"], s["failed"], s["error"], s["timed_out"] = float(tasks.score(item["fields"], text)), False, "", False
             if self.config.per_token:
                 tokens = self.tokenizer.convert_ids_to_tokens(s["response_ids"])
@@ -99,7 +110,8 @@ class Reward(Node):
                                                  for _, s in samples])
         outcomes = await self.runner.score([Request(item["prompt"], text, item["fields"], list(s["response_ids"]))
                                             for (item, s), text in zip(samples, texts)])
-        for (item, s), outcome in zip(samples, outcomes):
+        for (item, s), outcome, text in zip(samples, outcomes, texts):
+            s["text"] = text
             s["failed"] = outcome.score is None
             s["score"] = 0.0 if outcome.score is None else outcome.score
             s["error"] = "" if outcome.error is None else f"prompt {item['id']}: {outcome.error}"
@@ -155,8 +167,28 @@ class Reward(Node):
             self.last_report = time.monotonic()
         self.unreported = {"failed": 0, "timed_out": 0, "scored": 0, "first": ""}
 
+    def _rollouts(self, msgs: list) -> None:
+        """A few training rollouts of each shown step for the driver (rollouts.jsonl, TensorBoard)."""
+        every, rows = self.config.rollouts_every, []
+        for msg in msgs:
+            step = msg.meta.get("batch", -1) + 1       # the learner step that trains on it
+            if every <= 0 or step < 1 or (step % every and step != 1) or not msg.data["samples"]:
+                continue
+            shown = self.rollouts_shown.setdefault(step, 0)
+            if shown < self.config.rollouts_per_step:
+                s = msg.data["samples"][0]
+                rows.append({"kind": "train", "step": step, "version": msg.data.get("version"), "id": msg.data["id"],
+                             "prompt": msg.data["prompt"], "response": s.get("text", ""), "reward": s["score"]})
+                self.rollouts_shown[step] = shown + 1
+        if rows:
+            self.ctx.metrics({"rollouts": rows})
+        while len(self.rollouts_shown) > 16:    # steps long past
+            del self.rollouts_shown[min(self.rollouts_shown)]
+
     async def run(self):
         inp, out = self.ctx.inputs["samples"], self.ctx.outputs["scored"]
+        validation = self.ctx.outputs.get("validation")
+        self.rollouts_shown: dict[int, int] = {}
         try:
             async for batch in inp.batches(self.config.items_per_call, 0.01):
                 items = [m.data for m in batch]
@@ -166,7 +198,17 @@ class Reward(Node):
                     else:
                         await self._score_with_fn(items)
                 self._account(items)
+                self._rollouts([m for m in batch if "val" not in m.data])
                 for msg, item in zip(batch, items):
+                    if "val" in item:   # a validation prompt: to the evaluator only
+                        if validation is None:
+                            raise UserError("a validation prompt reached the reward node, which has no "
+                                            "'validation' port: declare it as RewardWithValidation, wired to "
+                                            "an Evaluator (nodes/evaluator.py; README, Validation)")
+                        await validation.send(item, **msg.meta)
+                        continue
+                    for s in item["samples"]:
+                        s.pop("text", None)    # the trainers need the tokens only
                     await out.send(item, **msg.meta)
         finally:
             self._report()                             # failures of the last few seconds
@@ -177,3 +219,8 @@ class Reward(Node):
 def _on_last_token(s: dict) -> list[float]:
     n = len(s["response_ids"])
     return [0.0] * (n - 1) + [s["score"]] if n else []
+
+
+class RewardWithValidation(Reward):
+    """Reward with the second output port `validation` (to the Evaluator, nodes/evaluator.py)."""
+    outputs = ("scored", "validation")

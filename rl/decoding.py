@@ -65,11 +65,14 @@ def gumbel_noise(keys: torch.Tensor, steps: torch.Tensor, vocab_hash: torch.Tens
 
 
 def sample_tokens(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor,
-                  vocab_hash: torch.Tensor, temperature: float, top_k: int,
+                  vocab_hash: torch.Tensor, temperature: float | torch.Tensor, top_k: int,
                   eos_id: int | torch.Tensor, min_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B], behaviour log-probs [B]) for float32 logits [B, V]; steps [B] = tokens already
     generated per row (the noise counter, and what min_new_tokens compares with). Only tensor ops:
     capturable in a CUDA graph. temperature 0: greedy, log-probs of the temperature-1 distribution.
+    `temperature`: one for every row, or a float32 tensor [B] of per-row temperatures where 0 means
+    greedy for that row (no top_k there either): a tensor, not a Python branch, so one captured
+    graph serves any mix (validation's greedy rows beside sampled ones; nodes/generator.py).
     eos_id: one id, or a long tensor of stop ids on the logits' device (all masked before
     min_new_tokens)."""
     if min_new_tokens > 0:
@@ -79,7 +82,16 @@ def sample_tokens(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor,
             logits[:, eos_id] = torch.where(block[:, None], float("-inf"), logits[:, eos_id])
         else:
             logits[:, eos_id] = torch.where(block, float("-inf"), logits[:, eos_id])
-    if temperature > 0:
+    if isinstance(temperature, torch.Tensor):
+        greedy = (temperature <= 0)[:, None]                                   # [B, 1]
+        logits = logits / torch.where(greedy, 1.0, temperature[:, None])
+        if top_k and top_k < logits.shape[-1]:
+            kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill((logits < kth) & ~greedy, float("-inf"))
+        logp = torch.log_softmax(logits, dim=-1)
+        sampled = (logp + gumbel_noise(keys, steps, vocab_hash)).argmax(-1)
+        tokens = torch.where(greedy[:, 0], logits.argmax(-1), sampled)   # as the float path's greedy
+    elif temperature > 0:
         logits = logits / temperature
         if top_k and top_k < logits.shape[-1]:
             kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
@@ -220,6 +232,7 @@ class StaticDecoder:
         self.last = torch.zeros(S, **z)             # token to feed at the next step
         self.n_gen = torch.zeros(S, **z)            # tokens generated so far
         self.keys = torch.zeros(S, **z)
+        self.temps = torch.full((S,), float(self.temperature), device=device, dtype=torch.float32)
         self.alive = torch.zeros(S, device=device, dtype=torch.bool)
         self.out_tokens = torch.zeros(S, self.max_new_tokens, **z)
         self.out_logp = torch.zeros(S, self.max_new_tokens, device=device, dtype=torch.float32)
@@ -233,6 +246,10 @@ class StaticDecoder:
         self.is_stop = torch.zeros(vocab, device=device, dtype=torch.bool)   # a lookup: capturable
         self.is_stop[self.stop_tensor] = True
         self.slots: list = [None] * S              # (tag, prompt_ids) per busy slot
+        # Slots whose request asked for another temperature than the decoder's (0 = greedy). While
+        # there are any, steps sample with the per-slot tensor `temps` (one more graph per bucket);
+        # else with the decoder's one temperature, as before (no per-row work).
+        self._odd_temps = set()
         # host-side upper bound of each slot's length, without reading the device: prompt length
         # at admission + decode steps since (slots that finished early only stay below it)
         self._prompt_len, self._added_at, self._steps = [0] * S, [0] * S, 0
@@ -355,8 +372,9 @@ class StaticDecoder:
                 sampler=None) -> None:
         """Sample for `rows` and advance their state where `live` (all tensor ops)."""
         steps = self.n_gen[rows]
+        temperature = self.temps[rows] if self._odd_temps else self.temperature
         tok, lp = (sampler or self._sampler)(logits, self.keys[rows], steps, self.vocab_hash,
-                                             self.temperature, self.top_k, self.stop_tensor,
+                                             temperature, self.top_k, self.stop_tensor,
                                              self.min_new_tokens)
         col = steps.clamp(max=self.max_new_tokens - 1)
         self.out_tokens[rows, col] = torch.where(live, tok, self.out_tokens[rows, col])
@@ -379,7 +397,7 @@ class StaticDecoder:
             # CPU: reading the lengths costs nothing; attend only over the filled positions
             self._step(B, int(self.lengths[:B].max()) + 1 if self.exact_lengths else L)
             return
-        graph = self._graphs.get((B, L))
+        graph = self._graphs.get((B, L, bool(self._odd_temps)))
         if graph is None:
             graph = self._capture(B, L)
         graph.replay()
@@ -405,16 +423,19 @@ class StaticDecoder:
         for cs, ss in zip((self.k_cache, self.v_cache), saved[len(state):]):
             for c, s in zip(cs, ss):
                 c.copy_(s)
-        self._graphs[B, L] = graph
+        self._graphs[B, L, bool(self._odd_temps)] = graph
         return graph
 
     # ----- public API -------------------------------------------------------------------------
     @torch.no_grad()
-    def add(self, requests: list[tuple[list[int], object, int]]) -> None:
-        """Prefill requests (prompt_ids, tag, key) into free slots (lowest first, so the decode
-        bucket stays small). Raises ValueError if they do not fit."""
+    def add(self, requests: list[tuple]) -> None:
+        """Prefill requests (prompt_ids, tag, key) or (prompt_ids, tag, key, temperature) into free
+        slots (lowest first, so the decode bucket stays small); a request's own temperature
+        (0 = greedy) overrides the decoder's for that sequence. Raises ValueError if they do not fit."""
         if not requests:
             return
+        temps = [float(r[3]) if len(r) > 3 and r[3] is not None else float(self.temperature) for r in requests]
+        requests = [r[:3] for r in requests]
         free = [i for i, s in enumerate(self.slots) if s is None]
         if len(requests) > len(free):
             raise ValueError(f"StaticDecoder.add: {len(requests)} requests, {len(free)} free slots")
@@ -435,6 +456,8 @@ class StaticDecoder:
         ids, lens, keys = ids.to(dev), lens.to(dev), keys.to(dev)
         logits = self._prefill(ids, lens, rows)
         self.lengths[rows], self.keys[rows], self.n_gen[rows] = lens, keys, 0
+        self.temps[rows] = torch.tensor(temps, dtype=torch.float32).to(dev)
+        self._odd_temps.update(s for s, t in zip(slots, temps) if t != self.temperature)
         # eager sampler: prefill sizes vary, and each new shape would recompile a compiled one
         self._record(rows, logits, torch.ones(len(slots), dtype=torch.bool, device=dev), sample_tokens)
         for s, (p, tag, _) in zip(slots, requests):
@@ -486,6 +509,9 @@ class StaticDecoder:
                               "logprobs": logp[i][:n_gen[i]],
                               "finished": bool(response) and response[-1] in self.stop_ids}))
             self.slots[s] = None
+            if s in self._odd_temps:
+                self._odd_temps.discard(s)
+                self.temps[s] = float(self.temperature)
         self.lengths[idx] = 0      # free slots decode harmlessly at position 0 until refilled
         return out
 

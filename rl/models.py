@@ -188,8 +188,34 @@ def _cache_kwarg(model: nn.Module, out) -> dict:
 
 
 @torch.no_grad()
+def _row_temperatures(temperature, num: int, device) -> torch.Tensor | None:
+    """[num, 1] per-row temperatures, or None when one temperature serves every row (the old path,
+    bit for bit the same random stream)."""
+    if not isinstance(temperature, (list, tuple)):
+        return None
+    if len(temperature) != num:
+        raise ValueError(f"sample_responses: {len(temperature)} temperatures for {num} prompts")
+    if len(set(temperature)) == 1:
+        return None
+    return torch.tensor(temperature, dtype=torch.float32, device=device)[:, None]
+
+
+def _sample_per_row(logits: torch.Tensor, temps: torch.Tensor, top_k: int | None,
+                    generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the logits the log-probs are taken from, tokens): rows with temperature 0 take the
+    argmax (log-probs at temperature 1, no top_k), the others sample as the one-temperature path."""
+    greedy = temps <= 0
+    logits = logits / torch.where(greedy, 1.0, temps)
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill((logits < kth) & ~greedy, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    sampled = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(logits.device)
+    return logits, torch.where(greedy[:, 0], logits.argmax(-1), sampled)
+
+
 def sample_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int]],
-                     max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                     max_new_tokens: int, temperature: float | list[float] = 1.0, top_k: int | None = None,
                      generator: torch.Generator | None = None,
                      seed: int | None = None, min_new_tokens: int = 0,
                      stop_ids: list[int] | None = None) -> list[dict]:
@@ -214,6 +240,8 @@ def sample_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int
     masks from pad_batch, never from `ids != pad_id`.
     `stop_ids`: every id that ends a response (default: the tokenizer's eos; rl/policy.py
     stop_token_ids collects them); "<eos>" above means any of them.
+    `temperature` may be a list, one per prompt (0 = greedy for that row, without top_k):
+    validation's greedy responses beside sampled ones in one call (nodes/generator.py).
     """
     if generator is None and seed is not None:
         generator = torch.Generator().manual_seed(seed)
@@ -237,11 +265,16 @@ def sample_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int
     next_pos = attention_mask.sum(1, keepdim=True)
     tokens, logprobs = [], []
     alive = torch.ones(num, dtype=torch.bool, device=device)
+    per_row = _row_temperatures(temperature, num, device)
+    if per_row is None and isinstance(temperature, (list, tuple)):
+        temperature = temperature[0]
     for step in range(max_new_tokens):
         logits = out.logits[:, -1].float()
         if step < min_new_tokens:
             logits[:, stops] = float("-inf")
-        if temperature > 0:
+        if per_row is not None:
+            logits, token = _sample_per_row(logits, per_row, top_k, generator)
+        elif temperature > 0:
             logits = logits / temperature
             if top_k is not None and top_k < logits.shape[-1]:
                 kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]

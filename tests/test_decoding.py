@@ -245,3 +245,46 @@ def test_kv_bytes_per_slot_is_what_the_static_decoder_allocates(tok, policy):
     dec.refresh()
     cache = sum(t.numel() * t.element_size() for t in dec.k_cache + dec.v_cache)
     assert kv_bytes_per_slot(policy, 40) * 3 == cache
+
+
+def test_per_request_temperature_mixes_greedy_and_sampled_rows(tok, policy):
+    """A request's own temperature (validation: 0 = greedy beside samples at the training
+    temperature, nodes/generator.py): its rows equal a decoder run at that one temperature, in the
+    same batch as rows at another one, through refilled slots; the per-slot mode ends with them."""
+    ps = prompts(tok)
+    keys = [(i, 0) for i in range(len(ps))]
+    sampled = decoding.decode_responses(policy, tok, ps, 8, temperature=0.7, seed=2, keys=keys, top_k=10)
+    greedy = decoding.decode_responses(policy, tok, ps, 8, temperature=0, seed=2, keys=keys, top_k=10)
+    dec = decoding.StaticDecoder(policy, 5, 32, eos_id=tok.eos_token_id, max_new_tokens=8,
+                                 temperature=0.7, top_k=10, seed=2)
+    queue = [(p, i, decoding.sample_key(2, i, 0), 0.0 if i % 2 else None) for i, p in enumerate(ps)]
+    out, saw_mixed = {}, False
+    while queue or dec.active:
+        take = min(dec.free_slots(), len(queue))
+        dec.add([queue.pop(0) for _ in range(take)])
+        saw_mixed |= bool(dec._odd_temps) and any(
+            s is not None and s[0] % 2 == 0 for s in dec.slots)
+        out.update(dec.step())
+    assert saw_mixed
+    for i in range(len(ps)):
+        ref = greedy[i] if i % 2 else sampled[i]
+        assert out[i]["response_ids"] == ref["response_ids"], i
+        assert out[i]["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-5)
+    assert not dec._odd_temps and bool((dec.temps == 0.7).all())
+    assert {mode for _, _, mode in dec._graphs} <= {False, True}   # (CUDA only; empty on CPU)
+
+
+def test_sample_tokens_per_row_temperature_matches_one_temperature():
+    """The tensor form (per-row temperatures, 0 = greedy) gives each row what the float form gives."""
+    g = torch.Generator().manual_seed(0)
+    n, vocab = 6, 50
+    logits = torch.randn(n, vocab, generator=g) * 3
+    keys = torch.arange(n, dtype=torch.long) * 7919
+    steps = torch.zeros(n, dtype=torch.long)
+    vocab_hash = decoding._fmix32(decoding._fmix32(torch.arange(vocab) ^ 0x9E3779B9))
+    temps = torch.tensor([0.0, 0.7, 1.0, 0.0, 1.3, 0.7])
+    got_t, got_lp = decoding.sample_tokens(logits, keys, steps, vocab_hash, temps, 5, 0, 0)
+    for i, t in enumerate(temps.tolist()):
+        ref_t, ref_lp = decoding.sample_tokens(logits, keys, steps, vocab_hash, t, 5, 0, 0)
+        assert got_t[i] == ref_t[i] and got_lp[i] == pytest.approx(ref_lp[i].item(), abs=1e-6)
+    assert got_t[0] == logits[0].argmax() and got_t[3] == logits[3].argmax()

@@ -158,3 +158,20 @@ def test_save_and_load_policy(tmp_path, tok, policy):
     os.remove(os.path.join(path, "config.json"))
     with pytest.raises(FileNotFoundError, match=f"{path}: missing config.json"):
         models.load_policy(path)
+
+
+def test_sample_responses_per_row_temperature(tok, policy):
+    """Rows at temperature 0 are the greedy responses (the same twice) beside sampled rows."""
+    prompts = varied_prompts(tok, 6)
+    temps = [0.0, 1.0] * 3
+    a = models.sample_responses(policy, tok, prompts, 5, temperature=temps, seed=1)
+    b = models.sample_responses(policy, tok, prompts, 5, temperature=temps, seed=2)
+    greedy = models.sample_responses(policy, tok, prompts, 5, temperature=0)
+    for i in range(0, 6, 2):
+        assert a[i]["response_ids"] == b[i]["response_ids"] == greedy[i]["response_ids"]
+        assert a[i]["logprobs"] == pytest.approx(greedy[i]["logprobs"], abs=1e-5)
+    assert [a[i]["response_ids"] for i in (1, 3, 5)] != [b[i]["response_ids"] for i in (1, 3, 5)]
+    same = models.sample_responses(policy, tok, prompts, 5, temperature=[1.0] * 6, seed=1)
+    assert same == models.sample_responses(policy, tok, prompts, 5, temperature=1.0, seed=1)
+    with pytest.raises(ValueError, match="temperatures for 6 prompts"):
+        models.sample_responses(policy, tok, prompts, 5, temperature=[0.0, 1.0])
