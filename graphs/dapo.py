@@ -62,5 +62,6 @@ def build(cfg: DAPOGraphConfig) -> Graph:
     g.versioned(DROPPED_EDGE, src="filter", dst=["prompts"])
     if cfg.weight_transport == "collective":  # the push group's rendezvous (dataflow/weights/sync.py)
         g.versioned(SYNC_EDGE, src="learner", dst=["generator"])
+    cfg.add_validation(g)   # with val.path: reward -> evaluator, rounds between steps
     g.place(cfg.placement, num_gpus=cfg.num_gpus, gpu_shares=cfg.gpu_shares)
     return g

@@ -52,5 +52,6 @@ def build(cfg: GRPOGraphConfig) -> Graph:
     g.versioned("policy", src="learner", dst=["generator", "prompts"])
     if cfg.weight_transport == "collective":  # the push group's rendezvous (dataflow/weights/sync.py)
         g.versioned(SYNC_EDGE, src="learner", dst=["generator"])
+    cfg.add_validation(g)   # with val.path: reward -> evaluator, rounds between steps
     g.place(cfg.placement, num_gpus=cfg.num_gpus, gpu_shares=cfg.gpu_shares)
     return g

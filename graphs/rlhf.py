@@ -11,14 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from dataflow import check, fill, share
+from dataflow import Graph, check, fill, share
 from dataflow.presets import auto_weight_transport
 from nodes.critic import CriticConfig
 from nodes.generator import GeneratorConfig
 from nodes.learner import LearnerConfig
 from nodes.prompts import PromptConfig
 from nodes.reference import ReferenceConfig
-from nodes.reward import Reward, RewardConfig
+from nodes.evaluator import VALIDATED, Evaluator, ValidationConfig
+from nodes.reward import Reward, RewardConfig, RewardWithValidation
 from nodes.reward_model import RewardModel, RewardModelConfig
 from rl.policy import PolicySpec
 from rl.tasks import make_task
@@ -40,6 +41,13 @@ def _travel_dtype(cfg: RLHFConfig) -> str:
     """The weights travel in the generators' dtype (auto: fp32 on CPU, bf16 on GPUs)."""
     gen = cfg.generator.dtype
     return gen if gen != "auto" else "float32" if cfg.placement == "cpu" else "bfloat16"
+
+
+def _validation_problem(cfg: RLHFConfig) -> str | None:
+    if cfg.val.path and cfg.reward_kind != "function":
+        return ("val.path needs reward_kind=function: validation scores with the training's reward "
+                "function (a reward model is not wired for it)")
+    return None
 
 
 def _reward_model_share_problem(cfg: RLHFConfig) -> str | None:
@@ -104,6 +112,10 @@ class RLHFConfig:
     num_gpus=1, split's learner GPU), the nodes not named split what is left equally; on several
     colocated GPUs they keep their equal shares and the plan checks that everything fits. A share
     caps the node's GPU memory too: give the learner more when a larger micro-batch needs it."""
+    val: ValidationConfig = field(default_factory=ValidationConfig)
+    """Validation rounds on a held-out file (nodes/evaluator.py): val.path, val.every, val.n, val.k."""
+    loggers: str = ""
+    """Metric sinks besides metrics.jsonl: tensorboard, wandb, or both (dataflow/loggers.py)."""
     max_steps: int = 200
     """Stop after this many learner steps (--max-steps overrides)."""
     target_reward: float = 0.0
@@ -126,6 +138,8 @@ class RLHFConfig:
 
     rules: ClassVar[tuple] = (
         check(_reward_model_share_problem),
+        check(_validation_problem),
+        share("val", "prompts.val"),  # the source sends the validation rounds
         share("policy", "prompts.policy", "generator.policy", "reference.policy", "critic.policy", "learner.policy"),
         share("prompts_per_step", "prompts.prompts_per_step", "learner.prompts_per_step"),
         share("max_staleness", "prompts.max_staleness", "learner.max_staleness"),
@@ -148,4 +162,13 @@ class RLHFConfig:
         if self.reward_kind == "model":
             on_gpu = {"side": "train", "gpus": self.reward_model_gpu_share} if self.reward_model_gpu_share else {}
             return {"kind": RewardModel, "config": self.reward_model, "cpus": 0.2, **on_gpu}
-        return {"kind": Reward, "config": self.reward, "cpus": 0.1}
+        kind = RewardWithValidation if self.val.path else Reward   # + a `validation` port
+        return {"kind": kind, "config": self.reward, "cpus": 0.1}
+
+    def add_validation(self, g: Graph) -> None:
+        """With val.path: the validation branch, reward.validation -> evaluator, and the evaluator's
+        `validated` edge back to the prompt source (which holds the next batch until a round is in)."""
+        if self.val.path:
+            g.node("evaluator", Evaluator, self.val, cpus=0.1)
+            g.channel("reward.validation", "evaluator.validation", capacity=self.channel_capacity, name="validation")
+            g.versioned(VALIDATED, src="evaluator", dst=["prompts"])
