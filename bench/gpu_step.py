@@ -451,7 +451,8 @@ def learner_bench(args, shape: dict, paths: dict, out: Path) -> list[dict]:
     n, P, R = shape["prompts_per_step"] * shape["group"], shape["prompt_len"], shape["response_len"]
     ids = torch.randint(len(SPECIALS), shape["vocab"], (n, P + R), generator=g).tolist()
     samples = [{"prompt_ids": row[:P], "response_ids": row[P:], "logprobs": [-11.0] * R, "ref_logprobs": [-11.0] * R,
-                "advantage_tokens": [float(i % 2) - 0.5] * R, "failed": False} for i, row in enumerate(ids)]
+                "advantages": [float(i % 2) - 0.5] * R, "score": 0.0, "failed": False, "finished": True}
+               for i, row in enumerate(ids)]
     seq = P + R
     attn = n * 4 * shape["layers"] * shape["hidden"] * seq * seq / 2
     train_flop = 3 * (2 * matmul_params(shape) * n * seq + attn)

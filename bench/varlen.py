@@ -84,7 +84,9 @@ def make_samples(shape: dict, lengths: list[int]) -> list[dict]:
         ids = torch.randint(1, shape["vocab"], (shape["prompt_len"] + r,), generator=g).tolist()
         samples.append({"prompt_ids": ids[:shape["prompt_len"]], "response_ids": ids[shape["prompt_len"]:],
                         "logprobs": [-11.0] * r, "ref_logprobs": [-11.0] * r,
-                        "advantage_tokens": [float(len(samples) % 2) - 0.5] * r, "failed": False})
+                        "advantage_tokens": [float(len(samples) % 2) - 0.5] * r,
+                        "advantages": [float(len(samples) % 2) - 0.5] * r, "score": 0.0, "failed": False,
+                        "finished": True})
     return samples
 
 

@@ -99,8 +99,8 @@ def test_a_non_finite_loss_skips_that_update_only():
 
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state_before = {k: v["step"].item() for k, v in opt.state_dict()["state"].items()}
-    for s in samples:  # every loss NaN: nothing changes
-        s["advantage_tokens"] = [float("inf")] * len(s["response_ids"])
+    for s in samples:  # every loss NaN: nothing changes (ppo_update reads the critic's "advantages")
+        s["advantages"] = [float("inf")] * len(s["response_ids"])
     stats = ppo_update(model, opt, samples, 0.01, tok.pad_token_id, cfg, random.Random(0), stale=False)
     assert (stats["updates/skipped"], stats["updates/skipped_last"]) == (4, 4)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
