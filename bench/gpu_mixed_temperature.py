@@ -2,7 +2,14 @@
 ones): with CUDA graphs and the compiled sampler, each row equals a decoder run at its one temperature.
 Run: python bench/gpu_mixed_temperature.py (CUDA). On an H200 (torch 2.11): llama and qwen2 both
 "mismatches []", the mixed-mode graph captured, compiled sampler on."""
-from rl import decoding, models, tasks
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rl import decoding, models, tasks  # noqa: E402
+
+assert __import__("torch").cuda.is_available(), "gpu_mixed_temperature needs a CUDA device"
 tok = tasks.build_tokenizer()
 for fam in ("llama", "qwen2"):
     policy = models.build_policy(models.ModelConfig(family=fam, n_layer=2, n_embd=64, n_head=4, n_kv_head=2), tok).eval().to("cuda")
