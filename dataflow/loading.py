@@ -2,6 +2,12 @@
 
     load_graph(path, overrides) -> (graph, config)   user mistakes raise UserError, nothing started
     describe(graph, config) -> str                   --describe: nodes, channels, placement, settings
+
+Every setting's declared range (dataflow/checks.py) is checked after --set and before build(), so
+--describe and a run refuse the same values, all of them at once (SettingProblems: one line each).
+After build() they are checked again: the shared settings were resolved by then (a value shared
+from another setting is named by that one), and a node's config outside the graph's `config`
+tree (a graph file that builds its configs in build()) is named by the node.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dataflow import placement
+from dataflow.checks import SettingProblems, problems
 from dataflow.config import apply_overrides, flatten
 from dataflow.errors import ConfigError, UserError
 from dataflow.graph import Graph
@@ -49,6 +56,8 @@ def load_graph(path: str, overrides: list[str] = ()) -> tuple[Graph, Any]:
         if config is None or not dataclasses.is_dataclass(config):
             raise ConfigError(f"{path}: --set given, but the graph file defines no `config` dataclass to set")
         config = apply_overrides(config, list(overrides))
+    if found := problems(config):   # before build(): the values as the user gave them
+        raise SettingProblems(found)
     if hasattr(module, "build"):
         try:
             graph = module.build(config) if config is not None else module.build()
@@ -62,8 +71,33 @@ def load_graph(path: str, overrides: list[str] = ()) -> tuple[Graph, Any]:
         raise UserError(f"{path}: defines neither `build(config) -> Graph` nor `graph = Graph(...)`; add one")
     if not isinstance(graph, Graph):
         raise UserError(f"{path}: build() returned {type(graph).__name__}, expected a dataflow Graph")
+    if found := built_problems(graph, config):
+        raise SettingProblems(found)
     graph.validate(source=path)
     return graph, config
+
+
+def built_problems(graph: Graph, config: Any) -> list[str]:
+    """Declared ranges broken after build(): in the resolved config (a shared value is named by
+    its source setting) and in node configs that are not part of it (named by the node)."""
+    seen: set[int] = set()
+    found = [_by_source(line, config) for line in problems(config, seen=seen)] if config is not None else []
+    for node in graph.nodes.values():
+        found += [f"node '{node.name}': {line}" for line in problems(node.config, seen=seen)]
+    return found
+
+
+def _by_source(line: str, config: Any) -> str:
+    """`learner.temperature=0.0: ...` -> `generator.temperature=0.0 (shared with learner.temperature): ...`
+    for a target of a config's share rule: the user sets the source, not the copy."""
+    for rule in getattr(type(config), "rules", ()):
+        if rule.kind != "share":
+            continue
+        for target in rule.targets:
+            if line.startswith(f"{target}="):
+                value, why = line[len(target) + 1:].split(": ", 1)
+                return f"{rule.source}={value} (shared with {target}): {why}"
+    return line
 
 
 def _user_frame(e: BaseException, file: Path) -> str:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import torch
 
 from dataflow import Node
+from dataflow.checks import AtLeast, NonNegative, Positive
 from rl import policy
 from rl.models import pad_batch, sequence_logprobs, unpad_tokens
 from rl.precision import Precision, compile_layers, micro_slices, prepare_frozen
@@ -24,16 +26,16 @@ from rl.precision import Precision, compile_layers, micro_slices, prepare_frozen
 class ReferenceConfig:
     policy: policy.PolicySpec = field(default_factory=policy.PolicySpec)
     """The initial policy (the same spec the learner starts from)."""
-    items_per_call: int = 32
+    items_per_call: Annotated[int, AtLeast(1)] = 32
     """Items (prompt groups) taken from the input at once, as they are available."""
-    micro_batch_size: int = 0
+    micro_batch_size: Annotated[int, NonNegative] = 0
     """Samples per forward pass (0 = all of a call's samples at once). Bounds memory: a sample's
     logits are (prompt + response) x vocab values (W1: 0.08 GB in bf16)."""
     precision: Precision = "auto"
     """auto: bf16 weights on CUDA (frozen, so no fp32 master copy is needed), fp32 on CPU."""
     compile: bool | None = None
     """torch.compile each decoder layer (None = on CUDA; rl/precision.compile_layers)."""
-    temperature: float = 1.0
+    temperature: Annotated[float, Positive] = 1.0
     """Temperature of the log-probs: the generators' sampling temperature, as the learner's (the
     graph shares it), so the KL compares two distributions at the same temperature."""
 
