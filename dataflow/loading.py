@@ -12,6 +12,7 @@ tree (a graph file that builds its configs in build()) is named by the node.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import sys
@@ -21,7 +22,7 @@ from typing import Any
 
 from dataflow import placement
 from dataflow.checks import SettingProblems, problems
-from dataflow.config import apply_overrides, flatten
+from dataflow.config import apply_overrides, flatten, resolve
 from dataflow.errors import ConfigError, UserError
 from dataflow.graph import Graph
 
@@ -56,7 +57,7 @@ def load_graph(path: str, overrides: list[str] = ()) -> tuple[Graph, Any]:
         if config is None or not dataclasses.is_dataclass(config):
             raise ConfigError(f"{path}: --set given, but the graph file defines no `config` dataclass to set")
         config = apply_overrides(config, list(overrides))
-    if found := problems(config):   # before build(): the values as the user gave them
+    if found := _merge(problems(config), _resolved_problems(config)):   # before build(), all at once
         raise SettingProblems(found)
     if hasattr(module, "build"):
         try:
@@ -77,29 +78,6 @@ def load_graph(path: str, overrides: list[str] = ()) -> tuple[Graph, Any]:
     return graph, config
 
 
-def built_problems(graph: Graph, config: Any) -> list[str]:
-    """Declared ranges broken after build(): in the resolved config (a shared value is named by
-    its source setting) and in node configs that are not part of it (named by the node)."""
-    seen: set[int] = set()
-    found = [_by_source(line, config) for line in problems(config, seen=seen)] if config is not None else []
-    for node in graph.nodes.values():
-        found += [f"node '{node.name}': {line}" for line in problems(node.config, seen=seen)]
-    return found
-
-
-def _by_source(line: str, config: Any) -> str:
-    """`learner.temperature=0.0: ...` -> `generator.temperature=0.0 (shared with learner.temperature): ...`
-    for a target of a config's share rule: the user sets the source, not the copy."""
-    for rule in getattr(type(config), "rules", ()):
-        if rule.kind != "share":
-            continue
-        for target in rule.targets:
-            if line.startswith(f"{target}="):
-                value, why = line[len(target) + 1:].split(": ", 1)
-                return f"{rule.source}={value} (shared with {target}): {why}"
-    return line
-
-
 def _user_frame(e: BaseException, file: Path) -> str:
     """file:line of the deepest traceback frame inside the graph file (else the file)."""
     where = str(file)
@@ -107,6 +85,63 @@ def _user_frame(e: BaseException, file: Path) -> str:
         if Path(frame.filename).resolve() == file.resolve():
             where = f"{file}:{frame.lineno}"
     return where
+
+
+def built_problems(graph: Graph, config: Any) -> list[str]:
+    """Declared ranges broken after build(): in the config (build() may set values; a shared value is
+    named by its source setting) and in node configs that are not part of it (named by the node)."""
+    seen: set[int] = set()
+    found = _merge([], [_by_source(line, config) for line in problems(config, seen=seen)]) if config is not None else []
+    for node in graph.nodes.values():
+        found += [f"node '{node.name}': {line}" for line in problems(node.config, seen=seen)]
+    return found
+
+
+def _resolved_problems(config: Any) -> list[str]:
+    """Ranges broken once the config's rules have run (a value shared or filled from another), on a
+    copy: reported with the user's own values, in the same breath. A rule that fails is build()'s to
+    report."""
+    if config is None or not dataclasses.is_dataclass(config) or not getattr(type(config), "rules", ()):
+        return []
+    try:
+        resolved = resolve(copy.deepcopy(config))
+    except Exception:
+        return []
+    return [_by_source(line, config) for line in problems(resolved)]
+
+
+def _merge(found: list[str], more: list[str]) -> list[str]:
+    """`found` and the lines of `more` about settings it does not name yet (one line per setting)."""
+    out = list(found)
+    for line in more:
+        if line.split("=", 1)[0] not in (f.split("=", 1)[0] for f in out):
+            out.append(line)
+    return out
+
+
+def _by_source(line: str, config: Any) -> str:
+    """`learner.temperature=0.0: why` -> `generator.temperature=0.0: why (the graph shares it with
+    learner.temperature, ...)` for a target of a config's share rule, or of a fill rule from another
+    setting (a filled value the user did not set): the user sets the source, not the copy."""
+    for rule in getattr(type(config), "rules", ()):
+        if rule.kind not in ("share", "fill") or not rule.source:
+            continue
+        for target in rule.targets:
+            if line.startswith(f"{target}=") and (rule.kind == "share" or _left_at_default(config, target)):
+                value, why = line[len(target) + 1:].split(": ", 1)
+                verb = "shares it with" if rule.kind == "share" else "fills in from it"
+                return f"{rule.source}={value}: {why} (the graph {verb} {', '.join(rule.targets)})"
+    return line
+
+
+def _left_at_default(config: Any, key: str) -> bool:
+    *path, name = key.split(".")
+    for part in path:
+        config = getattr(config, part)
+    f = next(f for f in dataclasses.fields(config) if f.name == name)
+    default = f.default if f.default is not dataclasses.MISSING else (
+        f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+    return getattr(config, name) == default
 
 
 def describe(graph: Graph, config: Any = None) -> str:
