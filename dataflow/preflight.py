@@ -22,6 +22,7 @@ gets its own by defining `preflight` on its Config.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 from dataflow.errors import UserError
@@ -34,6 +35,10 @@ def input_problems(graph, config: Any = None) -> list[str]:
             found = part.preflight()
         except UserError as e:   # a check that raises instead of returning lines
             found = [str(e)]
+        except Exception as e:   # a broken check must not stop a run that may be fine: say so, go on
+            print(f"[dataflow] warning: the input check of {key or type(part).__name__} raised "
+                  f"{type(e).__name__}: {e}; going on without it", file=sys.stderr)
+            continue
         for line in found or ():
             text = f"{key}.{line}" if key and _names_a_field(line, part) else line
             if text not in lines:

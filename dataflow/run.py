@@ -76,7 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from dataflow.preflight import input_problems
 
-    if found := input_problems(graph, config):   # model dirs, data, rewards: in seconds, before Ray starts
+    try:
+        found = input_problems(graph, config)   # model dirs, data, rewards: in seconds, before Ray starts
+    except KeyboardInterrupt:
+        print("\n[dataflow] interrupted while checking the inputs; nothing was started.", file=sys.stderr)
+        return 130
+    if found:
         for line in found:
             print(f"error: {line}", file=sys.stderr)
         return 2
