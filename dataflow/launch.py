@@ -97,7 +97,7 @@ async def join_in_thread(address: str, kwargs: dict, where: str = "--address") -
             ray.init(address=address, **kwargs)
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(e))
+            loop.call_soon_threadsafe(lambda e=e: done.done() or done.set_exception(e))
 
     threading.Thread(target=join, name="ray.init", daemon=True).start()
     try:

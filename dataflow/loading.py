@@ -2,10 +2,17 @@
 
     load_graph(path, overrides) -> (graph, config)   user mistakes raise UserError, nothing started
     describe(graph, config) -> str                   --describe: nodes, channels, placement, settings
+
+Every setting's declared range (dataflow/checks.py) is checked after --set and before build(), so
+--describe and a run refuse the same values, all of them at once (SettingProblems: one line each).
+After build() they are checked again: the shared settings were resolved by then (a value shared
+from another setting is named by that one), and a node's config outside the graph's `config`
+tree (a graph file that builds its configs in build()) is named by the node.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import sys
@@ -14,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from dataflow import placement
-from dataflow.config import apply_overrides, flatten
+from dataflow.checks import SettingProblems, problems
+from dataflow.config import apply_overrides, flatten, resolve
 from dataflow.errors import ConfigError, UserError
 from dataflow.graph import Graph
 
@@ -49,6 +57,8 @@ def load_graph(path: str, overrides: list[str] = ()) -> tuple[Graph, Any]:
         if config is None or not dataclasses.is_dataclass(config):
             raise ConfigError(f"{path}: --set given, but the graph file defines no `config` dataclass to set")
         config = apply_overrides(config, list(overrides))
+    if found := _merge(problems(config), _resolved_problems(config)):   # before build(), all at once
+        raise SettingProblems(found)
     if hasattr(module, "build"):
         try:
             graph = module.build(config) if config is not None else module.build()
@@ -62,6 +72,8 @@ def load_graph(path: str, overrides: list[str] = ()) -> tuple[Graph, Any]:
         raise UserError(f"{path}: defines neither `build(config) -> Graph` nor `graph = Graph(...)`; add one")
     if not isinstance(graph, Graph):
         raise UserError(f"{path}: build() returned {type(graph).__name__}, expected a dataflow Graph")
+    if found := built_problems(graph, config):
+        raise SettingProblems(found)
     graph.validate(source=path)
     return graph, config
 
@@ -73,6 +85,63 @@ def _user_frame(e: BaseException, file: Path) -> str:
         if Path(frame.filename).resolve() == file.resolve():
             where = f"{file}:{frame.lineno}"
     return where
+
+
+def built_problems(graph: Graph, config: Any) -> list[str]:
+    """Declared ranges broken after build(): in the config (build() may set values; a shared value is
+    named by its source setting) and in node configs that are not part of it (named by the node)."""
+    seen: set[int] = set()
+    found = _merge([], [_by_source(line, config) for line in problems(config, seen=seen)]) if config is not None else []
+    for node in graph.nodes.values():
+        found += [f"node '{node.name}': {line}" for line in problems(node.config, seen=seen)]
+    return found
+
+
+def _resolved_problems(config: Any) -> list[str]:
+    """Ranges broken once the config's rules have run (a value shared or filled from another), on a
+    copy: reported with the user's own values, in the same breath. A rule that fails is build()'s to
+    report."""
+    if config is None or not dataclasses.is_dataclass(config) or not getattr(type(config), "rules", ()):
+        return []
+    try:
+        resolved = resolve(copy.deepcopy(config))
+    except Exception:
+        return []
+    return [_by_source(line, config) for line in problems(resolved)]
+
+
+def _merge(found: list[str], more: list[str]) -> list[str]:
+    """`found` and the lines of `more` about settings it does not name yet (one line per setting)."""
+    out = list(found)
+    for line in more:
+        if line.split("=", 1)[0] not in (f.split("=", 1)[0] for f in out):
+            out.append(line)
+    return out
+
+
+def _by_source(line: str, config: Any) -> str:
+    """`learner.temperature=0.0: why` -> `generator.temperature=0.0: why (the graph shares it with
+    learner.temperature, ...)` for a target of a config's share rule, or of a fill rule from another
+    setting (a filled value the user did not set): the user sets the source, not the copy."""
+    for rule in getattr(type(config), "rules", ()):
+        if rule.kind not in ("share", "fill") or not rule.source:
+            continue
+        for target in rule.targets:
+            if line.startswith(f"{target}=") and (rule.kind == "share" or _left_at_default(config, target)):
+                value, why = line[len(target) + 1:].split(": ", 1)
+                verb = "shares it with" if rule.kind == "share" else "fills in from it"
+                return f"{rule.source}={value}: {why} (the graph {verb} {', '.join(rule.targets)})"
+    return line
+
+
+def _left_at_default(config: Any, key: str) -> bool:
+    *path, name = key.split(".")
+    for part in path:
+        config = getattr(config, part)
+    f = next(f for f in dataclasses.fields(config) if f.name == name)
+    default = f.default if f.default is not dataclasses.MISSING else (
+        f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+    return getattr(config, name) == default
 
 
 def describe(graph: Graph, config: Any = None) -> str:

@@ -65,13 +65,25 @@ def main(argv: list[str] | None = None) -> int:
         else:
             graph, config = load_graph(args.graph, args.overrides)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        for line in getattr(e, "lines", None) or [str(e)]:   # SettingProblems: one line per setting
+            print(f"error: {line}", file=sys.stderr)
         return 2
     if args.describe:
         print(describe(graph, config))
         return 0
     if args.max_steps is not None and args.max_steps < 1:
         print("error: --max-steps must be >= 1", file=sys.stderr)
+        return 2
+    from dataflow.preflight import input_problems
+
+    try:
+        found = input_problems(graph, config)   # model dirs, data, rewards: in seconds, before Ray starts
+    except KeyboardInterrupt:
+        print("\n[dataflow] interrupted while checking the inputs; nothing was started.", file=sys.stderr)
+        return 130
+    if found:
+        for line in found:
+            print(f"error: {line}", file=sys.stderr)
         return 2
     options = RunOptions(address=args.address, max_steps=args.max_steps, trace_path=args.trace,
                          trace_kernels=args.trace_kernels,

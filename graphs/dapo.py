@@ -13,9 +13,10 @@ source refills their batch, so every step trains on prompts_per_step groups with
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
-from dataflow import Graph, check, share
+from dataflow import Graph, share
+from dataflow.checks import AtLeast
 from dataflow.weights.sync import SYNC_EDGE
 from graphs.rlhf import PROGRESS, RLHFConfig
 from nodes.generator import Generator
@@ -28,11 +29,10 @@ from nodes.reference import Reference
 @dataclass(kw_only=True)
 class DAPOGraphConfig(RLHFConfig):
     filter: GroupFilterConfig = field(default_factory=GroupFilterConfig)
-    group_size: int = 8
+    group_size: Annotated[int, AtLeast(2, note='a group filter compares responses')] = 8
     """Responses per prompt; advantages are normalised within each group."""
     prompts_per_step: int = 16
     rules: ClassVar[tuple] = RLHFConfig.rules + (
-        check(lambda c: None if c.group_size >= 2 else f"group_size={c.group_size}: a group filter needs >= 2"),
         share("group_size", "generator.group_size", "learner.group_size"),
         share("prompts_per_step", "filter.prompts_per_step"),
     )

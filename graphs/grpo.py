@@ -12,9 +12,10 @@ are declared once in graphs/rlhf.py; --describe lists them).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 from dataflow import Graph, share
+from dataflow.checks import AtLeast
 from dataflow.weights.sync import SYNC_EDGE
 from graphs.rlhf import PROGRESS, RLHFConfig
 from nodes.generator import Generator
@@ -25,7 +26,7 @@ from nodes.reference import Reference
 
 @dataclass(kw_only=True)
 class GRPOGraphConfig(RLHFConfig):
-    group_size: int = 8
+    group_size: Annotated[int, AtLeast(1)] = 8
     """Responses per prompt; advantages are normalised within each group."""
     prompts_per_step: int = 16
     rules: ClassVar[tuple] = RLHFConfig.rules + (share("group_size", "generator.group_size", "learner.group_size"),)

@@ -9,9 +9,10 @@ before the graph's nodes are declared, so --describe and config.json show what r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from dataflow import Graph, check, fill, share
+from dataflow.checks import AtLeast, Each, Finite, Fraction, NonNegative, Range
 from dataflow.presets import auto_weight_transport
 from nodes.critic import CriticConfig
 from nodes.generator import GeneratorConfig
@@ -55,8 +56,6 @@ def _reward_model_share_problem(cfg: RLHFConfig) -> str | None:
     if share_ and kind != "model":
         return ("reward_model_gpu_share is set, but reward_kind is 'function' (a program on CPU); "
                 "set reward_kind=model or leave the share at 0")
-    if not 0 <= share_ < 1:
-        return f"reward_model_gpu_share must be in [0, 1) (got {share_})"
     if share_ and cfg.placement == "cpu":
         return "reward_model_gpu_share needs placement=colocated or split (placement=cpu uses no GPU)"
     return None
@@ -75,9 +74,9 @@ class RLHFConfig:
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
-    max_new_tokens: int = 0
+    max_new_tokens: Annotated[int, NonNegative] = 0
     """Longest response (0 = what the built-in task needs; set it for your own data)."""
-    max_staleness: int = 1
+    max_staleness: Annotated[int, NonNegative] = 1
     """Policy versions the generators may run ahead of the learner (0 = synchronous)."""
     weight_transport: Literal["auto", "object_store", "collective", "cuda_ipc"] = "auto"
     """How the learner's weights reach the generators. auto: cuda_ipc for placement=colocated with
@@ -91,22 +90,22 @@ class RLHFConfig:
     generator. Fails on CPU or across GPUs."""
     weight_checksums: bool = False
     """Log a checksum of the weights per version, learner and generators (metrics.jsonl)."""
-    prompts_per_step: int = 256
-    generator_replicas: int = 0
+    prompts_per_step: Annotated[int, AtLeast(1)] = 256
+    generator_replicas: Annotated[int, NonNegative] = 0
     """Generator actors (0 = one per generator GPU, or 1 on CPU)."""
-    channel_capacity: int = 64
+    channel_capacity: Annotated[int, AtLeast(1)] = 64
     placement: Literal["cpu", "colocated", "split"] = "cpu"
     """Where the model nodes run (dataflow/presets.py). cpu: no GPU. colocated: one pool of num_gpus
     GPUs that the generators (one per GPU), reference, critic and learner share, in equal shares, as
     evenly as they go. split: the generators get GPUs 0..num_gpus-2 (one whole GPU each), the learner
     side (reference, critic, learner: equal shares) the last GPU. Each share caps that node's GPU
     memory; gpu_shares sets them per node."""
-    num_gpus: int = 1
+    num_gpus: Annotated[int, AtLeast(1)] = 1
     """GPUs for placement=colocated or split (the cluster must have them; checked at start)."""
-    reward_model_gpu_share: float = 0.0
+    reward_model_gpu_share: Annotated[float, Range(0, 1, high_open=True)] = 0.0
     """With reward_kind=model and a GPU placement: the reward model's share of one GPU of the
     learner's pool (the other shares there shrink to make room). 0 = the reward model on CPU."""
-    gpu_shares: dict[str, float] = field(default_factory=dict)
+    gpu_shares: Annotated[dict[str, float], Each(Fraction)] = field(default_factory=dict)
     """A fraction of one GPU for named model nodes (generator, reference, critic, learner), each
     replica, e.g. '{"learner": 0.5}'. Where all of a pool's nodes share one GPU (colocated with
     num_gpus=1, split's learner GPU), the nodes not named split what is left equally; on several
@@ -116,13 +115,13 @@ class RLHFConfig:
     """Validation rounds on a held-out file (nodes/evaluator.py): val.path, val.every, val.n, val.k."""
     loggers: str = ""
     """Metric sinks besides metrics.jsonl: tensorboard, wandb, or both (dataflow/loggers.py)."""
-    max_steps: int = 200
+    max_steps: Annotated[int, AtLeast(1)] = 200
     """Stop after this many learner steps (--max-steps overrides)."""
-    target_reward: float = 0.0
+    target_reward: Annotated[float, Finite] = 0.0
     """Stop as soon as the mean reward reaches this (0 = off)."""
-    save_interval: int = 0
+    save_interval: Annotated[int, NonNegative] = 0
     """Checkpoint every this many steps and on Ctrl-C (0 = off); continue with --resume DIR."""
-    keep_checkpoints: int = 3
+    keep_checkpoints: Annotated[int, NonNegative] = 3
     """Checkpoints kept under <run>/checkpoints: older ones are deleted once a newer one is saved
     (0 = keep all)."""
     drop_bad_items: bool = False
@@ -132,7 +131,7 @@ class RLHFConfig:
     the root of the wait (dataflow/stall.py); None = max(300 s, 5 x the slowest step), < 0 = off."""
     stall_action: Literal["stop", "warn"] = "stop"
     """On a stall: stop the run (exit 1) naming the root, or warn and keep waiting."""
-    max_restarts: int = 3
+    max_restarts: Annotated[int, NonNegative] = 3
     """Times a generator, reward, reference, critic or prompt source replica is restarted after its
     process dies (its prompts are re-issued); the learner's death stops the run."""
 
@@ -155,6 +154,14 @@ class RLHFConfig:
         fill("learner.weight_sync.dtype", _travel_dtype),
         fill("reward.tokenizer_path", "policy.path"),  # responses decoded with the policy's tokenizer
     )
+
+    def preflight(self) -> list[str]:
+        """The data, the prompt lengths and the reward, checked before start (rl/preflight.py)."""
+        from rl.preflight import pipeline_problems
+
+        by_function = self.reward_kind == "function"
+        return pipeline_problems(self.prompts, self.generator, self.reward if by_function else None,
+                                 None if by_function else self.reward_model, max_new_tokens_key="max_new_tokens")
 
     def reward_node(self) -> dict:
         """g.node() arguments of the reward node reward_kind asks for: a program, or a sequence

@@ -21,10 +21,12 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import torch
 
 from dataflow import Node, checkpoint
+from dataflow.checks import AtLeast, NonNegative, Positive, Range
 from dataflow.errors import UserError
 from dataflow.weights.multirank import CRITIC_RANKS_EDGE, RankCommands
 from rl import policy
@@ -41,19 +43,19 @@ from rl.losses import value_loss
 class CriticConfig:
     policy: policy.PolicySpec = field(default_factory=policy.PolicySpec)
     """The value model's trunk starts as a copy of this policy's."""
-    gamma: float = 1.0
-    lam: float = 0.95
-    lr: float = 1e-3
-    epochs: int = 2
+    gamma: Annotated[float, Range(0, 1)] = 1.0
+    lam: Annotated[float, Range(0, 1)] = 0.95
+    lr: Annotated[float, Positive] = 1e-3
+    epochs: Annotated[int, AtLeast(1)] = 2
     """Passes over each training batch."""
-    minibatch_size: int = 64
-    train_samples: int = 128
+    minibatch_size: Annotated[int, AtLeast(1)] = 64
+    train_samples: Annotated[int, AtLeast(1)] = 128
     """Train after this many new samples (usually the learner's samples per step)."""
-    value_clip: float = 0.2
-    max_grad_norm: float = 1.0
+    value_clip: Annotated[float, Positive] = 0.2
+    max_grad_norm: Annotated[float, Positive] = 1.0
     gradient_checkpointing: bool = False
-    items_per_call: int = 32
-    micro_batch_size: int = 0
+    items_per_call: Annotated[int, AtLeast(1)] = 32
+    micro_batch_size: Annotated[int, NonNegative] = 0
     """Samples per forward/backward pass, in the value pass and in training (gradients accumulate
     into each minibatch's one optimizer step, same result as unsplit; 0 = no split)."""
     max_tokens_per_micro_batch: int = 0
@@ -69,17 +71,17 @@ class CriticConfig:
     """torch.compile each decoder layer of the trunk (None = on CUDA, one process, without
     gradient_checkpointing, whose pairing with compile is untried; rl/precision.compile_layers)."""
     seed: int = 0
-    snapshot_interval: int = -1
+    snapshot_interval: Annotated[int, AtLeast(-1, note='-1 = auto, 0 = off')] = -1
     """Every this many training passes, write the critic's state to <run>/snapshots/<replica>/:
     a critic restarted after its process died loads it, keeping its training since the last
     checkpoint (0 = off: it comes back as of the last checkpoint). Costs one write of the value
     model plus its AdamW state (3x the weights) per pass. -1 = auto: every pass while that state
     is under 256 MB (the built-in models), else off (said once in the log: set it to opt in)."""
-    dp: int = 1
+    dp: Annotated[int, AtLeast(1)] = 1
     """Data-parallel ranks (FSDP2 over them), as learner.dp; the graph runs dp x tp replicas."""
-    tp: int = 1
+    tp: Annotated[int, AtLeast(1)] = 1
     """Tensor-parallel ranks, as learner.tp."""
-    rendezvous_timeout_s: float = 600.0
+    rendezvous_timeout_s: Annotated[float, Positive] = 600.0
 
 
 def critic_update(model, optimizer, samples: list[dict], pad_id: int, c: CriticConfig, rng: random.Random,

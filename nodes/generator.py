@@ -34,12 +34,13 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 
 from dataflow import Node
 from dataflow.channel import EndOfChannel, WouldBlock
+from dataflow.checks import AtLeast, Each, NonNegative
 from dataflow.errors import UserError
 from rl import policy
 from rl.decoding import StaticDecoder, sample_key, unsupported_reason
@@ -51,14 +52,14 @@ from dataflow.weights.sync import SYNC_EDGE, GeneratorWeightSync, WeightSyncConf
 class GeneratorConfig:
     policy: policy.PolicySpec = field(default_factory=policy.PolicySpec)
     """The model to sample from (the learner pushes its weights here)."""
-    group_size: int = 1
+    group_size: Annotated[int, AtLeast(1)] = 1
     """Responses per prompt (GRPO groups; 1 for PPO)."""
-    max_new_tokens: int = 8
+    max_new_tokens: Annotated[int, AtLeast(1)] = 8
     """Longest response in tokens."""
-    min_new_tokens: int = 0
+    min_new_tokens: Annotated[int, NonNegative] = 0
     """Every stop token is masked out (of the sampled distribution and its log-probs) before this
     many tokens."""
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: Annotated[list[int], Each(NonNegative)] = field(default_factory=list)
     """Ids that end a response, besides the tokenizer's eos and every eos id of the model's
     generation_config.json (always on; rl/policy.stop_token_ids). The stop token stays in the
     trained response."""
@@ -66,10 +67,10 @@ class GeneratorConfig:
     """Texts that end a response: after generation, a response is cut after the token that
     completes the first one (rl/models.cut_at_stop_strings; the tokens past it were generated and
     are dropped). Prefer stop_token_ids where the stop is one token: it saves that compute."""
-    temperature: float = 1.0
-    top_k: int = 0
+    temperature: Annotated[float, NonNegative] = 1.0
+    top_k: Annotated[int, NonNegative] = 0
     """Sample from the k most likely tokens (0 = all)."""
-    prompts_per_call: int = 0
+    prompts_per_call: Annotated[int, NonNegative] = 0
     """Prompts decoded at once: the static decoder has prompts_per_call x group_size slots,
     refilled as prompts arrive; the HF loop takes up to this many per call. 0 = auto: 256 slots'
     worth on CUDA (256 // group_size prompts: 32 for GRPO's groups of 8, 256 for PPO), 32 prompts
@@ -81,7 +82,7 @@ class GeneratorConfig:
     are cast into it as they arrive."""
     decoder: Literal["auto", "hf"] = "auto"
     """auto: the static decoder for llama/qwen2 (else the HF loop, logged); hf: always the HF loop."""
-    max_prompt_tokens: int = 0
+    max_prompt_tokens: Annotated[int, NonNegative] = 0
     """Static decoder: longest prompt (sizes the KV cache with max_new_tokens). 0 = the model's
     max_position_embeddings - max_new_tokens, within [256, 1024]. A longer prompt fails the node."""
     cuda_graphs: bool = True
@@ -109,8 +110,6 @@ def prompts_per_call(c: GeneratorConfig, device, slot_bytes: int = 0, room_bytes
     elsewhere. Given a slot's KV-cache bytes and the bytes this replica may still allocate, auto
     also keeps the cache within half of that room (activations, the sampler and CUDA graphs need
     the rest), down to one prompt's group."""
-    if c.prompts_per_call < 0:
-        raise UserError(f"generator.prompts_per_call={c.prompts_per_call}: use 0 (auto) or a positive count")
     if c.prompts_per_call:
         return c.prompts_per_call
     if torch.device(device).type != "cuda":

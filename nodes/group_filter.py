@@ -35,20 +35,22 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Annotated
 
 from dataflow import Node, checkpoint
+from dataflow.checks import AtLeast, NonNegative
 from nodes.prompts import DROPPED_EDGE
 
 
 @dataclass(kw_only=True)
 class GroupFilterConfig:
-    prompts_per_step: int = 16
+    prompts_per_step: Annotated[int, AtLeast(1)] = 16
     """Groups with a learning signal per learner step (the graph shares its prompts_per_step)."""
-    max_num_gen_batches: int = 10
+    max_num_gen_batches: Annotated[int, NonNegative] = 10
     """verl's filter_groups.max_num_gen_batches: stop the run once a batch has taken this many
     batches' worth of prompts (x prompts_per_step) and is still not full; 0 = no limit (verl's
     default; its DAPO recipes use 10)."""
-    items_per_call: int = 32
+    items_per_call: Annotated[int, AtLeast(1)] = 32
     """Items taken from the input at once, as they are available."""
     record_prompt_ids: bool = False
     """Put the ids kept and dropped in each batch's metrics record."""

@@ -24,12 +24,13 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 
 from dataflow import Node
 from dataflow.channel import EndOfChannel
+from dataflow.checks import AtLeast, Each, Finite, NonNegative, Positive, Range
 from dataflow.errors import UserError
 from dataflow.weights.multirank import RANKS_EDGE, RankCommands
 from dataflow.weights.sync import SYNC_EDGE, LearnerWeightSync, WeightSyncConfig
@@ -48,10 +49,10 @@ from rl.schedule import lr_multiplier
 class KLConfig:
     kind: Literal["fixed", "adaptive"] = "fixed"
     """Fixed coefficient, or adaptive toward `target` (Ziegler et al. 2019)."""
-    coef: float = 0.01
+    coef: Annotated[float, NonNegative] = 0.01
     """KL coefficient (initial one when adaptive)."""
-    target: float = 0.1
-    horizon: float = 10000.0
+    target: Annotated[float, Positive] = 0.1
+    horizon: Annotated[float, Positive] = 10000.0
     estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token KL estimator (rl/kl.kl_penalty; k3 is verl's low_var_kl: unbiased and non-negative)."""
     placement: Literal["loss", "reward"] = "loss"
@@ -59,20 +60,20 @@ class KLConfig:
     (old policy vs reference) folded into the rewards before the advantages, the adaptive controller
     fed the rollout's mean per-sequence KL (verl's use_kl_in_reward; REINFORCE++). Needs a
     learner-side advantage (not gae: the critic computes GAE before the learner sees the batch)."""
-    clamp: float = 10.0
+    clamp: Annotated[float, NonNegative] = 10.0
     """Each token's KL estimate is clamped to [-clamp, clamp] (verl's low_var_kl bound; 0 = off)."""
 
 
 @dataclass(kw_only=True)
 class ScheduleConfig:
     """Learning rate per learner step: lr x rl/schedule.lr_multiplier(step)."""
-    warmup_steps: int = 0
+    warmup_steps: Annotated[int, NonNegative] = 0
     """Linear warmup from 0 over this many steps."""
     decay: Literal["constant", "linear", "cosine"] = "constant"
     """After warmup: constant, or linear / cosine decay to min_lr_ratio x lr at total_steps."""
-    total_steps: int = 0
+    total_steps: Annotated[int, NonNegative] = 0
     """Steps the decay spans (0 = the run's max_steps)."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: Annotated[float, Range(0, 1)] = 0.0
 
 
 @dataclass(kw_only=True)
@@ -80,16 +81,16 @@ class LearnerConfig:
     policy: policy.PolicySpec = field(default_factory=policy.PolicySpec)
     algorithm: Literal["ppo", "grpo"] = "ppo"
     """ppo: per-token advantages from the critic (GAE). grpo: group-normalised scores."""
-    prompts_per_step: int = 64
+    prompts_per_step: Annotated[int, AtLeast(1)] = 64
     """Prompt groups per step (must equal the prompt source's)."""
-    group_size: int = 1
-    max_staleness: int = 1
+    group_size: Annotated[int, AtLeast(1)] = 1
+    max_staleness: Annotated[int, NonNegative] = 1
     """The bound the prompt source enforces; a sample beyond it is an error."""
-    lr: float = 1e-3
-    ppo_epochs: int = 1
-    minibatch_size: int = 128
+    lr: Annotated[float, Positive] = 1e-3
+    ppo_epochs: Annotated[int, AtLeast(1)] = 1
+    minibatch_size: Annotated[int, AtLeast(1)] = 128
     """Samples per optimizer step."""
-    micro_batch_size: int = 0
+    micro_batch_size: Annotated[int, NonNegative] = 0
     """Samples per forward/backward pass; their gradients accumulate into each minibatch's one
     optimizer step, with the same result as the whole minibatch at once (0 = the whole minibatch).
     Bounds memory: the logits of a sample are (prompt + response) x vocab floats (W1: 0.16 GB)."""
@@ -111,9 +112,9 @@ class LearnerConfig:
     compile: bool | None = None
     """torch.compile each decoder layer (None = on CUDA, one process, without gradient_checkpointing,
     whose pairing with compile is untried; rl/precision.compile_layers)."""
-    weight_decay: float = 0.01
+    weight_decay: Annotated[float, NonNegative] = 0.01
     """AdamW's decoupled weight decay."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: Annotated[list[float], Each(Range(0, 1, high_open=True), count=2)] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW's (beta1, beta2)."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     advantage: Literal["auto", "gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"] = "auto"
@@ -122,7 +123,7 @@ class LearnerConfig:
     (REINFORCE++). auto: gae in the PPO graph, grpo in the GRPO graph. README "Algorithms"."""
     grpo_std_scaling: bool = True
     """advantage=grpo: divide by the group's std (False: Dr. GRPO's unscaled advantage)."""
-    gamma: float = 1.0
+    gamma: Annotated[float, Range(0, 1)] = 1.0
     """advantage=reinforce_pp: discount of the token rewards' returns."""
     policy_loss: PolicyLoss = "ppo"
     """ppo: clipped surrogate. dual_clip: also bounds negative-advantage tokens at dual_clip_c.
@@ -132,56 +133,56 @@ class LearnerConfig:
     """How token losses make a minibatch's loss (verl's names; rl/losses.agg_row_weights): token-mean,
     seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO). auto:
     seq-mean-token-mean for gspo, seq-mean-token-sum-norm for dr_grpo, else token-mean."""
-    loss_scale_factor: float = 0.0
+    loss_scale_factor: Annotated[float, NonNegative] = 0.0
     """seq-mean-token-sum-norm's constant divisor (0 = max_response_tokens)."""
-    clip_eps: float = 0.2
-    clip_eps_low: float | None = None
+    clip_eps: Annotated[float, Range(0, 1, low_open=True, high_open=True)] = 0.2
+    clip_eps_low: Annotated[float | None, Range(0, 1, low_open=True, high_open=True)] = None
     """Lower clip range 1 - clip_eps_low (None = clip_eps)."""
-    clip_eps_high: float | None = None
+    clip_eps_high: Annotated[float | None, Positive] = None
     """Upper clip range 1 + clip_eps_high (None = clip_eps; DAPO's clip-higher: 0.28 with 0.2 low)."""
-    dual_clip_c: float = 3.0
+    dual_clip_c: Annotated[float, Range(1, low_open=True)] = 3.0
     """policy_loss=dual_clip: a negative-advantage token's loss is at most c x |A| (c > 1)."""
-    log_ratio_clamp: float = 20.0
+    log_ratio_clamp: Annotated[float, NonNegative] = 20.0
     """log(pi / pi_old) is clamped to [-x, x] before exp (verl's 20), so one float32 overflow cannot
     make the minibatch's loss inf and skip it (0 = off)."""
-    is_truncation: float = 2.0
+    is_truncation: Annotated[float, Positive] = 2.0
     """Cap of the importance weight pi_old / pi_behaviour for stale samples (decoupled PPO)."""
     kl: KLConfig = field(default_factory=KLConfig)
-    entropy_coef: float = 0.0
-    max_grad_norm: float = 1.0
+    entropy_coef: Annotated[float, Finite] = 0.0
+    max_grad_norm: Annotated[float, Positive] = 1.0
     whiten_advantages: bool = True
     """advantage=gae: whiten the critic's advantages over the batch's tokens (verl's GAE). The
     learner-side estimators are normalised already and are never whitened again."""
-    max_response_tokens: int = 0
+    max_response_tokens: Annotated[int, NonNegative] = 0
     """The generators' max_new_tokens (the graph should share it): overlong shaping's cap and
     seq-mean-token-sum-norm's default divisor."""
-    overlong_buffer: int = 0
+    overlong_buffer: Annotated[int, NonNegative] = 0
     """DAPO's overlong shaping: over the last this many tokens before max_response_tokens the score
     falls linearly by up to overlong_penalty (rl/shaping.overlong_penalty; 0 = off)."""
-    overlong_penalty: float = 1.0
+    overlong_penalty: Annotated[float, NonNegative] = 1.0
     mask_truncated: bool = False
     """Leave responses that hit the length cap (no stop token) out of the loss (DAPO's overlong
     filtering); they still count in their group's baseline."""
-    temperature: float = 1.0
+    temperature: Annotated[float, Positive] = 1.0
     """Sampling temperature of the generators (log-probs are computed at the same one)."""
-    target_reward: float = 0.0
+    target_reward: Annotated[float, Finite] = 0.0
     """End the run once the step's mean reward reaches this (0 = off)."""
     save_final: bool = True
     """Save the final policy to <run dir>/final (a normal HF model directory)."""
-    max_bad_updates: int = 10
+    max_bad_updates: Annotated[int, NonNegative] = 10
     """Stop the run after this many optimizer steps in a row were skipped for a non-finite loss
     or gradient (each one is skipped and logged; 0 = never stop)."""
     record_prompt_ids: bool = False
     """Put the ids of the prompts each step trained on in its metrics ("prompt_ids")."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """How weights reach the generators: object store, or the HybridEngine push (dataflow/weights/sync.py)."""
-    dp: int = 1
+    dp: Annotated[int, AtLeast(1)] = 1
     """Data-parallel ranks: FSDP2 shards the model over them, each trains on its share of every
     minibatch. The graph runs the learner as dp x tp replicas (dataflow/weights/multirank.py)."""
-    tp: int = 1
+    tp: Annotated[int, AtLeast(1)] = 1
     """Tensor-parallel ranks (column/row-wise plans of Llama / Qwen2 blocks, dataflow/weights/layout.py):
     attention heads, KV heads, MLP width and vocab must divide by it."""
-    rendezvous_timeout_s: float = 600.0
+    rendezvous_timeout_s: Annotated[float, Positive] = 600.0
     """dp x tp > 1: how long the ranks wait for each other in their setups."""
     seed: int = 0
 
@@ -206,13 +207,6 @@ def check_config(c: LearnerConfig, max_steps: int | None) -> None:
     if c.overlong_buffer and not 0 < c.overlong_buffer <= c.max_response_tokens:
         raise UserError(f"learner.overlong_buffer={c.overlong_buffer} must be in (0, learner.max_response_tokens="
                         f"{c.max_response_tokens}]; set max_response_tokens to the generators' max_new_tokens")
-    if c.policy_loss == "dual_clip" and not c.dual_clip_c > 1:
-        raise UserError(f"learner.dual_clip_c={c.dual_clip_c} must be > 1")
-    for name in ("clip_eps", "clip_eps_low", "clip_eps_high"):
-        if (getattr(c, name) or 0) < 0:
-            raise UserError(f"learner.{name}={getattr(c, name)} must be >= 0")
-    if len(c.betas) != 2 or not all(0 <= b < 1 for b in c.betas):
-        raise UserError(f"learner.betas={c.betas}: give two numbers in [0, 1), e.g. 0.9,0.999")
     s = c.schedule
     if s.decay != "constant" and not (s.total_steps or max_steps or 0) > s.warmup_steps:
         raise UserError(f"learner.schedule.decay={s.decay} decays over the run's steps: set "

@@ -47,23 +47,24 @@ import asyncio
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 
 from dataflow import Node, UserError
 from nodes.evaluator import VALIDATED, ValidationConfig
+from dataflow.checks import AtLeast, ExistingPath, NonNegative, OneOf
 from rl import data, policy
-from rl.tasks import DEFAULT_NUM_DIGITS, DEFAULT_TASK, make_task
+from rl.tasks import DEFAULT_NUM_DIGITS, DEFAULT_TASK, TASK_NAMES, make_task
 
 
 @dataclass(kw_only=True)
 class PromptConfig:
-    task: str = DEFAULT_TASK
+    task: Annotated[str, OneOf(TASK_NAMES)] = DEFAULT_TASK
     """Built-in task (see rl/tasks.py) used when `path` is empty."""
-    num_digits: int = DEFAULT_NUM_DIGITS
+    num_digits: Annotated[int, AtLeast(1)] = DEFAULT_NUM_DIGITS
     """Size of the built-in task's problems."""
-    path: str = ""
+    path: Annotated[str, ExistingPath()] = ""
     """Dataset: a .jsonl, .json or .parquet file of rows {"prompt": text or [{"role", "content"}],
     <fields the reward needs>}, or a token file directory (rl/data.py); empty = the built-in task."""
     policy: policy.PolicySpec = field(default_factory=policy.PolicySpec)
@@ -78,20 +79,20 @@ class PromptConfig:
     """Put first in every chat that has no system message of its own."""
     apply_chat_template: bool = False
     """Render string prompts with the chat template too, as one user message."""
-    max_prompt_tokens: int = 0
+    max_prompt_tokens: Annotated[int, NonNegative] = 0
     """Longest prompt in tokens (0 = no limit here; the generator's own limit still applies)."""
     truncation: Literal["error", "left", "right"] = "error"
     """A longer prompt is a bad row (error: stops, naming file and row, or is skipped with
     skip_bad_lines), or is cut to keep its end (left) or its start (right), counted."""
     skip_bad_lines: bool = False
     """Skip (and count) malformed rows instead of stopping with file:line."""
-    epochs: int = 0
+    epochs: Annotated[int, NonNegative] = 0
     """Passes over a dataset (0 = repeat until the run ends). The built-in task never ends."""
     shuffle: bool = False
     """Go over a dataset in a random order, a new one each epoch, from `seed` (the same on resume)."""
-    prompts_per_step: int = 64
+    prompts_per_step: Annotated[int, AtLeast(1)] = 64
     """Prompts admitted per learner step (samples per step = this x group size)."""
-    max_staleness: int = 1
+    max_staleness: Annotated[int, NonNegative] = 1
     """How many policy versions the generators may run ahead of the learner (0 = synchronous)."""
     seed: int = 0
     val: ValidationConfig = field(default_factory=ValidationConfig)

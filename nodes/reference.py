@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import torch
 
 from dataflow import Node
 from dataflow.errors import UserError
+from dataflow.checks import AtLeast, NonNegative, Positive
 from rl import policy
 from rl.microbatch import check_micro_batch_settings, padding_metrics, rank_micro_batches, sample_lengths
 from rl.models import pad_batch, unpad_tokens
@@ -27,9 +29,9 @@ from rl.precision import Precision, compile_layers, prepare_frozen
 class ReferenceConfig:
     policy: policy.PolicySpec = field(default_factory=policy.PolicySpec)
     """The initial policy (the same spec the learner starts from)."""
-    items_per_call: int = 32
+    items_per_call: Annotated[int, AtLeast(1)] = 32
     """Items (prompt groups) taken from the input at once, as they are available."""
-    micro_batch_size: int = 0
+    micro_batch_size: Annotated[int, NonNegative] = 0
     """Samples per forward pass (0 = all of a call's samples at once). Bounds memory: a sample's
     logits are (prompt + response) x vocab values (W1: 0.08 GB in bf16)."""
     max_tokens_per_micro_batch: int = 0
@@ -42,7 +44,7 @@ class ReferenceConfig:
     """auto: bf16 weights on CUDA (frozen, so no fp32 master copy is needed), fp32 on CPU."""
     compile: bool | None = None
     """torch.compile each decoder layer (None = on CUDA; rl/precision.compile_layers)."""
-    temperature: float = 1.0
+    temperature: Annotated[float, Positive] = 1.0
     """Temperature of the log-probs: the generators' sampling temperature, as the learner's (the
     graph shares it), so the KL compares two distributions at the same temperature."""
 

@@ -27,8 +27,10 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Annotated
 
 from dataflow import Node, UserError
+from dataflow.checks import AtLeast, ExistingPath, NonNegative, Positive
 from rl import tasks
 from rl.reward_calls import Request, RewardRunner
 from rl.rewards import load_reward_fn
@@ -36,28 +38,28 @@ from rl.rewards import load_reward_fn
 
 @dataclass(kw_only=True)
 class RewardConfig:
-    path: str = ""
+    path: Annotated[str, ExistingPath(kind="file")] = ""
     """Python file with the reward function; empty = the built-in task's scorer."""
     function: str = "reward"
     """Name of the function (or class) in `path` (verl's files: compute_score)."""
     weights: dict = field(default_factory=dict)
     """Weights of a dict-valued reward's named scores ({} = equal weights of 1)."""
-    timeout_s: float = 10.0
+    timeout_s: Annotated[float, Positive] = 10.0
     """Longest one reward call may take before its response is marked failed (a batched
     function: the whole call). Calls run concurrently: a reward that hangs costs about one
     timeout per batch. Above rl/math_reward.py's own 6 s per comparison."""
-    max_concurrency: int = 32
+    max_concurrency: Annotated[int, AtLeast(1)] = 32
     """Reward calls running at once (threads, or coroutines of an async function)."""
-    max_failed_batches: int = 3
+    max_failed_batches: Annotated[int, NonNegative] = 3
     """Stop the run when the reward fails for every response of this many consecutive batches of
     `items_per_call` prompts (0 = never stop)."""
-    log_every_s: float = 10.0
+    log_every_s: Annotated[float, NonNegative] = 10.0
     """At most one on-screen line about failed rewards per this many seconds."""
     per_token: bool = True
     """Built-in tasks: put per-position credit on each token (else the whole score on the last)."""
-    tokenizer_path: str = ""
+    tokenizer_path: Annotated[str, ExistingPath(kind="dir")] = ""
     """Where to load the tokenizer from (the policy's model dir); empty = built-in tokenizer."""
-    items_per_call: int = 16
+    items_per_call: Annotated[int, AtLeast(1)] = 16
     """Prompts (each with its group of responses) scored together as one batch."""
     rollouts_every: int = 10
     """Every this many learner steps (and at step 1), send a few of the step's training rollouts

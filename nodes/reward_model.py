@@ -16,22 +16,24 @@ import asyncio
 import math
 import os
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 
 from dataflow import Node, UserError
+from dataflow.checks import AtLeast, ExistingPath, Finite
 from rl.models import pad_batch
 
 
 @dataclass(kw_only=True)
 class RewardModelConfig:
-    path: str = ""
+    path: Annotated[str, ExistingPath(kind="dir")] = ""
     """Local directory of a sequence-classification model with num_labels=1 (required)."""
-    items_per_call: int = 16
+    items_per_call: Annotated[int, AtLeast(1)] = 16
     """Items (prompt groups) scored in one forward pass, as they are available."""
-    scale: float = 1.0
+    scale: Annotated[float, Finite] = 1.0
     """Multiply the logit by this (reward models are often trained with arbitrary offsets)."""
-    shift: float = 0.0
+    shift: Annotated[float, Finite] = 0.0
 
 
 def load_reward_model(path: str):

@@ -18,12 +18,14 @@ import copy
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 from torch import nn
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
+from dataflow.checks import AtLeast, NonNegative
 from rl.logprobs import logprobs_from_logits, token_logprobs
 from rl.tasks import load_tokenizer
 
@@ -34,17 +36,17 @@ class ModelConfig:
 
     family: str = "llama"
     """Architecture: "llama" or "qwen2" (both RoPE, RMSNorm, SwiGLU)."""
-    n_layer: int = 2
+    n_layer: Annotated[int, AtLeast(1)] = 2
     """Transformer blocks."""
-    n_embd: int = 128
+    n_embd: Annotated[int, AtLeast(1)] = 128
     """Hidden size."""
-    n_head: int = 4
+    n_head: Annotated[int, AtLeast(1)] = 4
     """Attention heads (n_embd must be divisible by it)."""
-    n_kv_head: int = 0
+    n_kv_head: Annotated[int, NonNegative] = 0
     """Key/value heads (grouped-query attention; must divide n_head). 0 = n_head."""
-    intermediate_size: int = 256
+    intermediate_size: Annotated[int, AtLeast(1)] = 256
     """MLP width."""
-    max_position_embeddings: int = 64
+    max_position_embeddings: Annotated[int, AtLeast(2)] = 64
     """Longest prompt + response, in tokens."""
     seed: int = 0
     """Seed of the random initialisation (the global torch RNG is left untouched)."""
@@ -52,10 +54,11 @@ class ModelConfig:
     def __post_init__(self):
         if self.family not in ("llama", "qwen2"):
             raise ValueError(f"ModelConfig.family={self.family!r}; use 'llama' or 'qwen2'")
-        if self.n_embd % self.n_head:
+        # (ranges: the annotations, dataflow/checks.py; a zero must not divide here first)
+        if self.n_head > 0 and self.n_embd % self.n_head:
             raise ValueError(f"ModelConfig: n_embd={self.n_embd} is not divisible by "
                              f"n_head={self.n_head}; change one of them")
-        if self.n_kv_head < 0 or (self.n_kv_head and self.n_head % self.n_kv_head):
+        if self.n_kv_head > 0 and self.n_head % self.n_kv_head:
             raise ValueError(f"ModelConfig: n_kv_head={self.n_kv_head} must divide "
                              f"n_head={self.n_head} (or be 0 = n_head)")
 

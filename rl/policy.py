@@ -16,7 +16,10 @@ tokenizer may name a different eos than the model was tuned to emit), and the id
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
 
+
+from dataflow.checks import ExistingPath
 from dataflow.errors import UserError
 from rl.models import ModelConfig, build_policy, load_policy
 from rl import tasks
@@ -24,10 +27,18 @@ from rl import tasks
 
 @dataclass(kw_only=True)
 class PolicySpec:
-    path: str = ""
+    path: Annotated[str, ExistingPath(kind="dir")] = ""
     """Local HF model directory (config.json, safetensors, tokenizer.json). Empty: build `model`."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Shape of the random-init model used when `path` is empty (built-in tasks)."""
+
+    def preflight(self) -> list[str]:
+        """What is wrong with the model directory, before anything starts (dataflow/preflight.py)."""
+        if not self.path:
+            return []
+        from rl.preflight import model_dir_problems
+
+        return [f"path={self.path}: {why}" for why in model_dir_problems(self.path)]
 
 
 def ensure_pad_token(tokenizer) -> str | None:

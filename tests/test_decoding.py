@@ -228,8 +228,6 @@ def test_prompts_per_call_auto_fills_256_slots_on_cuda_and_32_prompts_on_cpu():
     assert prompts_per_call(GeneratorConfig(group_size=512), "cuda") == 1
     assert prompts_per_call(GeneratorConfig(group_size=1), "cpu") == 32
     assert prompts_per_call(GeneratorConfig(group_size=8, prompts_per_call=5), "cuda") == 5
-    with pytest.raises(UserError, match="generator.prompts_per_call=-1"):
-        prompts_per_call(GeneratorConfig(prompts_per_call=-1), "cpu")
     # With the KV cache's size known: half the room left, in whole groups, at least one group.
     grpo = GeneratorConfig(group_size=8)
     assert prompts_per_call(grpo, "cuda", slot_bytes=2**20, room_bytes=2**30) == 32     # 512 slots fit: 256

@@ -130,17 +130,19 @@ def test_a_node_blocking_its_event_loop_is_named_and_does_not_freeze_the_driver(
     assert seconds < 60, seconds
 
 
-def test_max_staleness_minus_one_is_a_deadlock_named_at_the_admission(capsys, ray_instance, tmp_path, monkeypatch):
+def test_an_admission_deadlock_is_named_at_the_admission(capsys, ray_instance, tmp_path, monkeypatch):
     """Every node waits and nothing moves: reported after DEADLOCK_S (2 s here), long before the
-    stall timeout (600 s here)."""
+    stall timeout (600 s here). (The trainer wants 8 prompts a step, the source admits 4 per
+    version: max_staleness=-1 did it once, and is refused before start now.)"""
     monkeypatch.setattr(stall, "DEADLOCK_S", 2.0)
     monkeypatch.setattr(stall, "SNAPSHOT_EVERY_S", 0.5)
     rc, out, err, seconds = main(capsys, STALLS, "--set", "case=admission", "--set", "stall_timeout_s=600",
-                                 "--set", "prompts.max_staleness=-1", "--out", tmp_path)
+                                 "--set", "prompts.max_staleness=0", "--set", "trainer_prompts_per_step=8", "--out", tmp_path)
     assert rc == 1, err
     assert "[dataflow] stalled: every node waits and nothing has moved for" in err, err
-    assert ("prompts  waits for 'policy' version >= 1 (has 0) from trainer: staleness admission of batch 0 "
-            "(max_staleness=-1)") in err, err
+    assert ("waits for 'policy' version >= 1 (has 0) from trainer: staleness admission of batch 1 "
+            "(max_staleness=0)") in err, err
+    assert "root of the wait: prompts waits for" in err, err
     assert "a cycle of waits no node can break: prompts -> trainer -> prompts" in err, err
     assert seconds < 60, seconds
 

@@ -60,10 +60,11 @@ import json
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 
+from dataflow.checks import Positive
 from dataflow.errors import UserError
 from dataflow.weights import ipc as cuda_ipc
 from dataflow.weights.rendezvous import device_info, free_port, tcp_store
@@ -85,10 +86,10 @@ class WeightSyncConfig:
     object_store sends the learner's own dtype, cuda_ipc bfloat16. collective asks the generators."""
     backend: Literal["auto", "gloo"] = "auto"
     """collective: auto = NCCL when every end has a CUDA device of its own, else gloo."""
-    timeout_s: float = 120.0
+    timeout_s: Annotated[float, Positive] = 120.0
     """collective: a push, or a generator's wait for a version, that takes longer fails naming both ends.
     cuda_ipc: a generator's wait for a version it has not staged yet."""
-    rendezvous_timeout_s: float = 600.0
+    rendezvous_timeout_s: Annotated[float, Positive] = 600.0
     """collective: how long the learner and the generators wait for each other in their setups
     (which include loading the models)."""
     checksums: bool = False

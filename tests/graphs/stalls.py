@@ -3,8 +3,9 @@
     never_sends:  silent (never sends) -> sink            root: silent, running its own code
     blocks_loop:  blocking (time.sleep in run()) -> sink  root: blocking, not answering
     admission:    prompts (PromptSource) -> trainer, trainer publishes `policy` after each batch;
-                  with prompts.max_staleness=-1 the source waits for a version the trainer can
-                  publish only after the batch the source holds back: a deadlock, root prompts;
+                  with trainer_prompts_per_step=8 (twice the source's batch) and
+                  prompts.max_staleness=0 the source waits for a version the trainer can publish only
+                  after the batch the source holds back: a deadlock, root prompts;
                   with prompts.path + prompts.epochs=1 the data runs out before max_steps.
 
 Run: python -m dataflow.run tests/graphs/stalls.py --set case=never_sends
@@ -85,6 +86,8 @@ class StallsConfig:
     stall_action: str = "stop"
     max_steps: int = 5
     prompts: PromptConfig = field(default_factory=lambda: PromptConfig(prompts_per_step=4))
+    trainer_prompts_per_step: int = 0
+    """admission: prompts per trainer step (0 = the source's prompts_per_step)."""
 
 
 config = StallsConfig()
@@ -95,7 +98,7 @@ def build(cfg: StallsConfig) -> Graph:
               stall_action=cfg.stall_action)
     if cfg.case == "admission":
         g.node("prompts", PromptSource, cfg.prompts, cpus=0.1)
-        g.node("trainer", BatchTrainer, TrainerConfig(prompts_per_step=cfg.prompts.prompts_per_step),
+        g.node("trainer", BatchTrainer, TrainerConfig(prompts_per_step=cfg.trainer_prompts_per_step or cfg.prompts.prompts_per_step),
                cpus=0.1, ends_run=True)
         g.channel("prompts.prompts", "trainer.prompts", capacity=8, name="prompts")
         g.versioned("policy", src="trainer", dst=["prompts"])

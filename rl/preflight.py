@@ -1,0 +1,329 @@
+"""What the RLHF nodes will read, checked in the driver before Ray starts (dataflow/preflight.py).
+
+Each check returns one line per problem, naming the setting, the file and what to do; the CLI
+prints them and exits 2. The nodes would find the same mistakes after start-up (26-45 s in, and
+the message would depend on which node reads the input first); here they come in seconds.
+
+    model_dir_problems(path)          a policy / reward model directory: config.json readable, its
+                                      weights complete (a truncated safetensors file is named), the
+                                      tokenizer loads and can pad (not for a reward model)
+    pipeline_problems(...)            the prompts as the prompt source reads them (the same loader,
+                                      rl/data.py: the same messages), at least one usable row, prompt
+                                      length + max_new_tokens within the model's positions, and the
+                                      reward (built-in scorer, or a reward file) against the rows' fields
+
+The dataset is read whole, as the prompt source reads it at its setup: a check of the first rows
+could not say how many rows are usable nor how long the longest prompt is, and the cost is that of
+the source's own setup once more (a token file, `python -m rl.data convert`, is mapped: its
+lengths come from its offsets, at once). The fields a reward needs are looked at in the first
+FIELD_ROWS rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import json
+import os
+import re
+import struct
+
+from dataflow.errors import UserError
+
+FIELD_ROWS = 100_000
+"""Rows whose fields are checked against the reward's signature (a token file decodes each)."""
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+# ---- model directories ----------------------------------------------------------------------------
+
+def safetensors_problem(file: str) -> str | None:
+    """Why a .safetensors file cannot be read whole (None: its header parses and the file is as
+    long as the header says). Reads the header only, not the tensors."""
+    size = os.path.getsize(file)
+    name = os.path.basename(file)
+    try:
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{name} is truncated ({size} bytes, not even a header)"
+            (header_len,) = struct.unpack("<Q", head)
+            if 8 + header_len > size:
+                return f"{name} is truncated ({size} bytes; its header alone is {8 + header_len})"
+            header = json.loads(f.read(header_len))
+    except (OSError, ValueError) as e:
+        return f"{name} is not a readable safetensors file ({e})"
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
+    expected = 8 + header_len + max(ends, default=0)
+    if size < expected:
+        return (f"{name} is truncated: {size} bytes, its header describes {expected} "
+                "(an interrupted download or save: copy or save it again)")
+    return None
+
+
+def _weights_problems(path: str) -> list[str]:
+    present = [w for w in WEIGHT_FILES if os.path.isfile(os.path.join(path, w))]
+    if not present:
+        return ["missing weights (model.safetensors, its .index.json, or pytorch_model.bin); the save was "
+                "incomplete: save it again with save_pretrained"]
+    first = present[0]
+    if first == "model.safetensors":
+        why = safetensors_problem(os.path.join(path, first))
+        return [why] if why else []
+    if first == "model.safetensors.index.json":
+        try:
+            with open(os.path.join(path, first)) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            return [f"{first} is not a readable index ({e})"]
+        found = []
+        for shard in shards:
+            file = os.path.join(path, shard)
+            why = f"{shard} (listed in {first}) is missing" if not os.path.isfile(file) else safetensors_problem(file)
+            if why:
+                found.append(why)
+        return found
+    import zipfile   # pytorch_model.bin: torch.save's zip; a truncated one has no central directory
+
+    file = os.path.join(path, first)
+    if not zipfile.is_zipfile(file):
+        return [f"{first} is truncated or not a torch.save file ({os.path.getsize(file)} bytes)"]
+    return []
+
+
+@functools.lru_cache(maxsize=16)
+def _model_dir_problems(path: str, mtime: float, tokenizer: bool) -> tuple[str, ...]:
+    if not os.path.isdir(path):
+        return (f"{path} is not a directory" if os.path.exists(path) else "the model directory does not exist",)
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        return ("no config.json there: not a saved HF model directory (save it with save_pretrained)",)
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:   # unreadable JSON, an unknown model_type: whatever transformers says
+        return (f"config.json cannot be read: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",)
+    found = _weights_problems(path)
+    if tokenizer:
+        try:
+            from rl.policy import PolicySpec, load_tokenizer
+
+            load_tokenizer(PolicySpec(path=path))   # tokenizer.json, and a pad token (eos/unk)
+        except UserError as e:
+            found.append(str(e).removeprefix(f"policy.path={path}: ").removeprefix(f"{path}: "))
+        except Exception as e:
+            found.append(f"its tokenizer does not load: {type(e).__name__}: {e}")
+    return tuple(found)
+
+
+def model_dir_problems(path: str, tokenizer: bool = True) -> list[str]:
+    """What is wrong with a local HF model directory (reasons, without the path; [] = fine)."""
+    mtime = os.path.getmtime(path) if os.path.exists(path) else 0.0
+    return list(_model_dir_problems(str(path), mtime, tokenizer))
+
+
+def model_config(path: str) -> dict:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def context_of(policy) -> tuple[int | None, str]:
+    """(positions of the policy's model, where that number is set), from config.json or the
+    random-init model's settings; (None, "") when the directory does not tell."""
+    if not policy.path:
+        return policy.model.max_position_embeddings, "policy.model.max_position_embeddings"
+    value = model_config(policy.path).get("max_position_embeddings")
+    return (int(value), f"{policy.path}/config.json max_position_embeddings") if value else (None, "")
+
+
+# ---- prompts, lengths and the reward --------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Rows:
+    """The dataset as the prompt source would send it: prompt lengths in tokens, the fields the
+    reward gets, and where each row is (file:line, when it can be told)."""
+    lengths: list[int]
+    fields: list[dict]
+    where: list[str]
+
+
+def _open_rows(prompts, tokenizer) -> _Rows:
+    """Read `prompts.path` with the prompt source's loader; raises its DatasetError/UserError."""
+    from rl import data, tasks
+
+    fmt = data._format(prompts.path)
+    if fmt == "tokens":
+        encoded = data.open_prompts(prompts.path, prompts, tokenizer, prompts.policy.path, setting="prompts")
+        n = len(encoded)
+        lengths = (encoded.offsets[1:] - encoded.offsets[:-1]).tolist()
+        fields = [encoded.records[i][1] for i in range(min(n, FIELD_ROWS))]
+        return _Rows(lengths, fields, [f"{prompts.path} row {i}" for i in range(n)])
+    rows = data.load_prompts(prompts.path, prompts, setting="prompts")
+    encoded = data.encode_prompts(rows, tokenizer, prompts.policy.path, prompts, setting="prompts")
+    if encoded.tokens is not None:
+        lengths = (encoded.offsets[1:] - encoded.offsets[:-1]).tolist()
+    else:   # no policy tokenizer: the generator tokenizes the text with the built-in one
+        builtin = tasks.build_tokenizer()
+        lengths = [len(ids) for ids in builtin([text for text, _ in encoded.records])["input_ids"]]
+    same_rows = len(encoded) == len(rows)   # else rows were dropped in rendering: positions shift
+    where = [rows.where(i) if same_rows else f"{prompts.path} usable row {i}" for i in range(len(encoded))]
+    return _Rows(lengths, [fields for _, fields in encoded.records], where)
+
+
+def _builtin_rows(prompts, tokenizer) -> _Rows:
+    """A few of the built-in task's prompts (all of one task and size have the same length)."""
+    from rl import tasks
+
+    records = tasks.make_task(prompts.task, prompts.num_digits, seed=prompts.seed).take(4)
+    tok = tokenizer or tasks.build_tokenizer()
+    lengths = [len(ids) for ids in tok([r["prompt"] for r in records])["input_ids"]]
+    where = f"prompts.task={prompts.task} with prompts.num_digits={prompts.num_digits}"
+    return _Rows(lengths, [{k: v for k, v in r.items() if k != "prompt"} for r in records], [where] * len(records))
+
+
+def _no_usable_rows(prompts, tokenizer, error: UserError) -> str:
+    """The line for a dataset with no usable row: how many were skipped, and why the first was."""
+    from rl import data
+
+    skipped = re.search(r"\((\d+) skipped\)", str(error))
+    if not skipped or skipped.group(1) == "0":
+        return f"prompts.path={prompts.path}: no rows at all (an empty file?); give a dataset with prompts"
+    try:   # read again without skipping: the first bad row's own message says why
+        strict = dataclasses.replace(prompts, skip_bad_lines=False)
+        data.open_prompts(prompts.path, strict, tokenizer, prompts.policy.path, setting="prompts")
+        why = ""
+    except UserError as first:
+        why = f"; the first: {str(first).split('; fix it')[0]}"
+    return (f"prompts.path={prompts.path}: no usable rows: all {skipped.group(1)} were skipped "
+            f"(prompts.skip_bad_lines=true){why}")
+
+
+def _field_params(fn, form: str) -> list[str]:
+    """Parameters of a reward function that only the rows' fields can fill (no default, not given
+    by the engine): SAMPLE's first two positional ones take (prompt, response)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    P = inspect.Parameter
+    if form == "sample":
+        params = [p for p in params if p not in [q for q in params if q.kind in (P.POSITIONAL_ONLY,
+                                                                                 P.POSITIONAL_OR_KEYWORD)][:2]]
+    given = {"prompts", "completions", "completion_ids"}
+    return [p.name for p in params if p.default is P.empty and p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)
+            and p.name not in given]
+
+
+def _missing(rows: _Rows, has) -> tuple[int, int, str]:
+    """(rows lacking it, rows looked at, where the first is). A null counts as lacking: Arrow fills
+    a field that a row of a JSONL file lacks with null."""
+    bad = [i for i, f in enumerate(rows.fields) if not has(f)]
+    return len(bad), len(rows.fields), rows.where[bad[0]] if bad else ""
+
+
+def _of(k: int, n: int) -> str:
+    """How many rows: "the one row", "all 3 rows", "2 of 5 rows (of the first 100000)"."""
+    if k == n:
+        return "the one row" if n == 1 else f"all {n} rows"
+    return f"{k} of {n} rows" + (f" (of the first {FIELD_ROWS})" if n == FIELD_ROWS else "")
+
+
+def _reward_problems(reward, rows: _Rows, data_path: str) -> list[str]:
+    """The reward (built-in scorer, or reward.path's function) against the fields of the rows."""
+    from rl.rewards import BATCHED, SAMPLE, VERL, load_reward_fn
+
+    source = f"prompts.path={data_path}" if data_path else "the built-in task"
+    if not reward.path:
+        if not data_path:
+            return []
+        k, n, first = _missing(rows, lambda f: isinstance(f.get("answer"), str))
+        return [f"{source}: {_of(k, n)} have no `answer` field (a string; the first: {first}); the built-in "
+                "scorer (reward.path empty) needs one: set reward.path to your reward file, or "
+                "prompts.answer_key to the field that holds the answer"] if k else []
+    try:
+        fn = load_reward_fn(reward.path, reward.function, reward.weights)
+    except UserError as e:
+        return [f"reward.path: {e}"]
+    if fn.form == VERL:
+        k, n, first = _missing(rows, lambda f: f.get("answer") is not None or (
+            isinstance(f.get("reward_model"), dict) and f["reward_model"].get("ground_truth") is not None))
+        return [f"{source}: {_of(k, n)} have neither reward_model.ground_truth nor an `answer` field (the first: "
+                f"{first}), which {fn.where}, verl's compute_score, needs as its ground_truth; set "
+                "prompts.answer_key to the field that holds it"] if k else []
+    found = []
+    for name in _field_params(fn.fn, "sample" if fn.form == SAMPLE else "batched"):
+        if fn.form == BATCHED:   # a batch gets every field any row has (None where one lacks it)
+            k = 0 if any(f.get(name) is not None for f in rows.fields) else len(rows.fields)
+            n, first = len(rows.fields), rows.where[0] if rows.where else ""
+        else:
+            k, n, first = _missing(rows, lambda f, name=name: f.get(name) is not None)
+        if k:
+            found.append(f"reward.path={reward.path}: {fn.where} takes `{name}`, which {_of(k, n)} of {source} lack "
+                         f"(the first: {first}); give the parameter a default or add the field to the data")
+    return found
+
+
+def pipeline_problems(prompts, generator, reward=None, reward_model=None,
+                      max_new_tokens_key: str = "generator.max_new_tokens") -> list[str]:
+    """The inputs of a prompts -> generator -> reward pipeline (PromptConfig, GeneratorConfig,
+    RewardConfig or None, RewardModelConfig or None), one line per problem. Policy directory
+    problems are PolicySpec.preflight's: with a broken policy the checks needing it are skipped."""
+    from rl import policy as policy_lib
+
+    found = []
+    if reward_model is not None:
+        if not reward_model.path:
+            found.append("reward_model.path is empty: set --set reward_model.path=/dir/of/a/sequence/classifier")
+        else:
+            found += [f"reward_model.path={reward_model.path}: {why}"
+                      for why in model_dir_problems(reward_model.path, tokenizer=False)]
+            if not found:
+                labels = model_config(reward_model.path)
+                num = labels.get("num_labels") or len(labels.get("id2label") or {}) or 2
+                if num != 1:
+                    found.append(f"reward_model.path={reward_model.path}: num_labels={num}, a reward model has 1 "
+                                 "(a sequence classifier with one output)")
+    spec = prompts.policy if prompts.policy.path else generator.policy
+    if any(s.path and model_dir_problems(s.path) for s in (prompts.policy, generator.policy)):
+        return found   # PolicySpec.preflight names the directory's problems
+    positions, where = context_of(spec)
+    new = generator.max_new_tokens
+    if positions is not None and new >= positions:
+        found.append(f"{max_new_tokens_key}={new}: the model has {positions} positions ({where}) for prompt and "
+                     f"response together; set it below {positions}")
+    tokenizer = policy_lib.load_tokenizer(prompts.policy) if prompts.policy.path else None
+    try:
+        rows = _open_rows(prompts, tokenizer) if prompts.path else _builtin_rows(prompts, tokenizer)
+    except UserError as e:
+        return found + [_no_usable_rows(prompts, tokenizer, e) if "no usable rows" in str(e) else str(e)]
+    if positions is not None and new < positions and rows.lengths:
+        longest = max(range(len(rows.lengths)), key=rows.lengths.__getitem__)
+        top = rows.lengths[longest]
+        if top + new > positions:
+            cut = (f"cut the prompts with prompts.max_prompt_tokens={positions - new} and prompts.truncation=left, "
+                   "or " if prompts.path else "")
+            found.append(f"prompts up to {top} tokens (the longest: {rows.where[longest]}) + {max_new_tokens_key} "
+                         f"{new} > the model's {positions} positions ({where}); {cut}lower {max_new_tokens_key}")
+        else:
+            found += _decoder_room(generator, spec, top, rows.where[longest], positions, new)
+    if reward is not None:
+        found += _reward_problems(reward, rows, prompts.path)
+    return found
+
+
+def _decoder_room(generator, spec, longest: int, where: str, positions: int, new: int) -> list[str]:
+    """The static decoder (llama / qwen2 policies) sizes its KV cache for generator.max_prompt_tokens
+    (0: max_position_embeddings - max_new_tokens within [256, 1024]) and refuses a longer prompt."""
+    family = model_config(spec.path).get("model_type") if spec.path else spec.model.family
+    if generator.decoder == "hf" or family not in ("llama", "qwen2"):
+        return []
+    room = generator.max_prompt_tokens or min(max(positions - new, 256), 1024)
+    if longest <= room:
+        return []
+    setting = f"generator.max_prompt_tokens={generator.max_prompt_tokens}" if generator.max_prompt_tokens else \
+        f"generator.max_prompt_tokens=0 (auto: {room})"
+    return [f"prompts up to {longest} tokens (the longest: {where}) > {setting}, the static decoder's room for a "
+            f"prompt; set generator.max_prompt_tokens={min(longest, positions - new)}"]
