@@ -60,8 +60,12 @@ class KLConfig:
     (old policy vs reference) folded into the rewards before the advantages, the adaptive controller
     fed the rollout's mean per-sequence KL (verl's use_kl_in_reward; REINFORCE++). Needs a
     learner-side advantage (not gae: the critic computes GAE before the learner sees the batch)."""
-    clamp: Annotated[float, NonNegative] = 10.0
-    """Each token's KL estimate is clamped to [-clamp, clamp] (verl's low_var_kl bound; 0 = off)."""
+    clamp: Annotated[float, NonNegative] = 0.0
+    """Each token's KL estimate is clamped to [-clamp, clamp] (verl's low_var_kl uses 10; 0 = off).
+    Off by default: k3 is large exactly on the tokens the policy has made rare, and clamping there
+    drops the KL's pull back toward the reference: on the CPU demo (PPO, 120 steps) clamp=10 halved
+    the reported KL and collapsed the entropy (0.03 vs 0.22; reward 0.74-0.80 vs 0.88, the code
+    before the clamp 0.94). k3 stays finite without it: its log-ratio is clamped inside (20)."""
 
 
 @dataclass(kw_only=True)

@@ -407,13 +407,20 @@ def test_an_overflowing_log_ratio_is_clamped_not_a_skipped_minibatch(setup):
     samples = with_advantages([dict(s) for s in samples], LearnerConfig())
     samples[0]["ref_logprobs"] = [v + 100.0 for v in samples[0]["ref_logprobs"]]
     cfg = LearnerConfig(minibatch_size=len(samples), ppo_epochs=2, kl=LearnerConfig().kl)
-    cfg.kl.coef, cfg.kl.estimator = 0.1, "k3"
+    cfg.kl.coef, cfg.kl.estimator, cfg.kl.clamp = 0.1, "k3", 10.0
     m = fresh(model)
     stats = ppo_update(m, torch.optim.SGD(m.parameters(), lr=1e-3), samples, 0.1, tok.pad_token_id, cfg,
                        random.Random(0), stale=False)
     assert stats["updates/skipped"] == 0 and math.isfinite(stats["losses/kl"])
     assert stats["losses/kl"] == pytest.approx(10.0 * len(samples[0]["response_ids"]) /
                                                sum(len(s["response_ids"]) for s in samples), rel=0.05)
+    # The default leaves the estimate unclamped (see KLConfig.clamp); the log ratio's clamp alone
+    # keeps it finite, so the update still goes through.
+    cfg.kl.clamp = LearnerConfig().kl.clamp
+    m = fresh(model)
+    stats = ppo_update(m, torch.optim.SGD(m.parameters(), lr=1e-3), samples, 0.1, tok.pad_token_id, cfg,
+                       random.Random(0), stale=False)
+    assert stats["updates/skipped"] == 0 and math.isfinite(stats["losses/kl"]) and stats["losses/kl"] > 1e3
 
 
 def test_settings_that_do_not_fit_together_are_clear_errors():
