@@ -121,7 +121,7 @@ class RLHFConfig:
     """Stop as soon as the mean reward reaches this (0 = off)."""
     save_interval: Annotated[int, NonNegative] = 0
     """Checkpoint every this many steps and on Ctrl-C (0 = off); continue with --resume DIR."""
-    keep_checkpoints: Annotated[int, NonNegative] = 3
+    keep_checkpoints: Annotated[int, AtLeast(0, note="0 keeps every checkpoint")] = 3
     """Checkpoints kept under <run>/checkpoints: older ones are deleted once a newer one is saved
     (0 = keep all)."""
     drop_bad_items: bool = False

@@ -167,7 +167,7 @@ def test_keep_checkpoints_deletes_older_ones_after_a_newer_commits(tmp_path):
     assert save(6)[1] == [] and names() == ["step_10.tmp", "step_4", "step_6"]
     assert save(8)[1] == [run / "checkpoints" / "step_4"] and names() == ["step_10.tmp", "step_6", "step_8"]
     assert checkpoint.prune(run, 0, run / "checkpoints" / "step_8") == []  # 0 keeps all
-    with pytest.raises(Exception, match=r"keep_checkpoints must be an integer >= 0 \(got -1\); 0 keeps every"):
+    with pytest.raises(Exception, match=r"keep_checkpoints=-1: must be >= 0 \(0 keeps every checkpoint\)"):
         load_graph(str(ROOT / "graphs/ppo.py"), ["keep_checkpoints=-1"])
 
 
