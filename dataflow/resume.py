@@ -19,6 +19,7 @@ file's own `defines_the_run`) is refused naming the setting, unless `--allow-cha
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -114,26 +115,38 @@ def damage(ckpt: Path) -> str | None:
     return None
 
 
+def safetensors_extent(path) -> tuple[int, int | None, int | None]:
+    """(the file's size, the bytes its header ends at, the bytes its data ends at) of a safetensors
+    file: an 8-byte header length, a JSON header giving each tensor's byte range, then the data.
+    None where the file is too short to say (no 8-byte length; a header cut off). Reads the header
+    only. OSError: unreadable; ValueError: a corrupt header."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return size, None, None
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            return size, 8 + n, None
+        header = json.loads(f.read(n))
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
+    return size, 8 + n, 8 + n + max(ends, default=0)
+
+
 def safetensors_damage(path: Path) -> str | None:
-    """A safetensors file is an 8-byte header length, a JSON header giving each tensor's byte
-    range, then the data: it is complete when its size is exactly what the header says."""
+    """Why a checkpoint's safetensors file is not complete (None: it is as long as its header says)."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                return f"is truncated ({size} bytes: not even its header)"
-            (n,) = struct.unpack("<Q", head)
-            if 8 + n > size:
-                return f"is truncated ({size} bytes; its header alone needs {8 + n})"
-            header = json.loads(f.read(n))
+        size, header_end, data_end = safetensors_extent(path)
     except OSError as e:
         return f"unreadable: {e.strerror or e}"
     except ValueError:
         return "has a corrupt header"
-    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    if size < 8 + n + end:
-        return f"is truncated ({size} of {8 + n + end} bytes)"
+    if header_end is None:
+        return f"is truncated ({size} bytes: not even its header)"
+    if data_end is None:
+        return f"is truncated ({size} bytes; its header alone needs {header_end})"
+    if size < data_end:
+        return f"is truncated ({size} of {data_end} bytes)"
     return None
 
 

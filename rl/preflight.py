@@ -27,9 +27,9 @@ import inspect
 import json
 import os
 import re
-import struct
 
 from dataflow.errors import UserError
+from dataflow.resume import safetensors_extent
 
 FIELD_ROWS = 100_000
 """Rows whose fields are checked against the reward's signature (a token file decodes each)."""
@@ -42,23 +42,17 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 def safetensors_problem(file: str) -> str | None:
     """Why a .safetensors file cannot be read whole (None: its header parses and the file is as
     long as the header says). Reads the header only, not the tensors."""
-    size = os.path.getsize(file)
     name = os.path.basename(file)
     try:
-        with open(file, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                return f"{name} is truncated ({size} bytes, not even a header)"
-            (header_len,) = struct.unpack("<Q", head)
-            if 8 + header_len > size:
-                return f"{name} is truncated ({size} bytes; its header alone is {8 + header_len})"
-            header = json.loads(f.read(header_len))
+        size, header_end, data_end = safetensors_extent(file)
     except (OSError, ValueError) as e:
         return f"{name} is not a readable safetensors file ({e})"
-    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
-    expected = 8 + header_len + max(ends, default=0)
-    if size < expected:
-        return (f"{name} is truncated: {size} bytes, its header describes {expected} "
+    if header_end is None:
+        return f"{name} is truncated ({size} bytes, not even a header)"
+    if data_end is None:
+        return f"{name} is truncated ({size} bytes; its header alone is {header_end})"
+    if size < data_end:
+        return (f"{name} is truncated: {size} bytes, its header describes {data_end} "
                 "(an interrupted download or save: copy or save it again)")
     return None
 
