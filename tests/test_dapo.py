@@ -121,7 +121,9 @@ def test_dapo_killed_filter_and_reference_keep_every_step_full_and_every_prompt_
         os.kill(json.loads((run_dir / "processes.json").read_text())[node], signal.SIGKILL)
     thread.join(600)
     assert outcome.get("summary") is not None and outcome["summary"].status == "max steps reached", outcome
-    assert [r["restarted"] for r in records() if r.get("restarted")] == ["filter", "reference"]
+    # Each was restarted once; the records' order is when each restart completed, and the filter's
+    # (which reloads its snapshot) can complete after the reference's (seen in CI: a flake).
+    assert sorted(r["restarted"] for r in records() if r.get("restarted")) == ["filter", "reference"]
     trained = [r["prompt_ids"] for r in steps()]
     assert len(trained) == 10 and all(len(ids) == pps for ids in trained)
     flat = [i for ids in trained for i in ids]
