@@ -49,6 +49,21 @@ def prepare(args, tag: str) -> tuple[str, str, str]:
     return model, str(data / "train.jsonl"), str(data / "val.jsonl")
 
 
+# --reward: (file, function); both engines load the same function from the same file.
+REWARDS = {"last_number": (ROOT / "bench" / "last_number_reward.py", "last_number_reward"),
+           "math": (ROOT / "rl" / "rewards.py", "math_reward")}
+
+
+def reward_function(name: str):
+    """The --reward function itself, loaded from its file as the reward node loads it."""
+    import importlib.util
+    path, function = REWARDS[name]
+    spec = importlib.util.spec_from_file_location(f"bench_reward_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, function)
+
+
 def add_common_args(p, tiny_defaults: dict) -> None:
     """Arguments every real_* script takes; --tiny swaps in `tiny_defaults` (a CPU smoke run)."""
     p.add_argument("--model", default="", help="converted model dir (default: convert into --work)")
@@ -65,6 +80,9 @@ def add_common_args(p, tiny_defaults: dict) -> None:
     p.add_argument("--lr", type=float, default=2e-6)
     p.add_argument("--kl", type=float, default=0.0, help="KL coefficient (beta)")
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--reward", choices=tuple(REWARDS), default="last_number",
+                   help="last_number: bench/last_number_reward.py (the held-out judge's rule); math: rl/rewards.py's "
+                        "math_reward, which this task games (math-verify evaluates a restated '47 + 38')")
     p.add_argument("--tiny", action="store_true", help="CPU smoke: " + ", ".join(f"{k}={v}" for k, v in tiny_defaults.items()))
     p.set_defaults(_tiny=tiny_defaults)
 

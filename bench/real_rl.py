@@ -7,13 +7,14 @@ with a held-out accuracy curve (issue 18, items 3 and 5).
     ... --set learner.lr=5e-6 --set max_staleness=1                   # any graph setting
 
 Model and data: --model / --data, or converted and written under --work (tools/smollm2.py,
-tools/make_arithmetic.py). The graph runs with the project's reward file (rl/rewards.py,
-math_reward) and saves a checkpoint every --eval-every steps (save_interval, every checkpoint
-kept). After the run every checkpoint's learner weights, and the base model (step 0), are
-evaluated greedily on the held-out split by tools/heldout.py (the same judge bench/real_trl.py
-uses): evaluating after the run keeps the training clock clean of evaluation. Saving the
-checkpoints is in the clock (their saves are timed from the checkpoint directories appearing and
-reported apart: train_s = wall_s minus saves so far).
+tools/make_arithmetic.py). The graph runs with the --reward file (default
+bench/last_number_reward.py; `--reward math` = rl/rewards.py's math_reward) and saves a
+checkpoint every --eval-every steps (save_interval, every checkpoint kept). After the run every
+checkpoint's learner weights, and the base model (step 0), are evaluated greedily on the held-out
+split by tools/heldout.py (the same judge bench/real_trl.py uses): evaluating after the run keeps
+the training clock clean of evaluation. Saving the checkpoints is in the clock (their saves are
+timed from the checkpoint directories appearing and reported apart: train_s = wall_s minus saves
+so far).
 
 Writes --out/curve.json, curve.md, curve.png, the run directory (metrics.jsonl, config.json)
 and, with --trace, a Chrome trace plus its idle report (item 7: GPU idle per step).
@@ -36,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_common import ROOT, Evaluator, GpuMemory, add_common_args, apply_tiny, log, prepare, write_curve  # noqa: E402
+from real_common import REWARDS, ROOT, Evaluator, GpuMemory, add_common_args, apply_tiny, log, prepare, write_curve  # noqa: E402
 
 TINY = {"steps": 2, "eval_every": 1, "val_n": 8, "eval_batch": 8, "prompts_per_step": 2, "group": 2,
         "max_new_tokens": 16}
@@ -46,8 +47,9 @@ def graph_overrides(args, model: str, train: str, on_gpu: bool) -> list[str]:
     ppo = args.algo == "ppo"
     prompts = args.prompts_per_step * (args.group if ppo else 1)
     samples = prompts * (1 if ppo else args.group)
-    sets = [f"policy.path={model}", f"prompts.path={train}", f"reward.path={ROOT / 'rl' / 'rewards.py'}",
-            "reward.function=math_reward", f"prompts_per_step={prompts}", f"max_new_tokens={args.max_new_tokens}",
+    reward_path, reward_function = REWARDS[args.reward]
+    sets = [f"policy.path={model}", f"prompts.path={train}", f"reward.path={reward_path}",
+            f"reward.function={reward_function}", f"prompts_per_step={prompts}", f"max_new_tokens={args.max_new_tokens}",
             f"learner.lr={args.lr}", f"learner.kl.coef={args.kl}", f"generator.temperature={args.temperature}",
             f"learner.minibatch_size={samples}", "max_staleness=0", f"save_interval={args.eval_every}",
             "keep_checkpoints=0", f"max_steps={args.steps}"]

@@ -12,8 +12,8 @@ gradient_accumulation_steps = the step's completions), --lr constant, AdamW weig
 --temperature with top_k 0 / top_p 1, --max-new-tokens as max_completion_length with EOS
 allowed (responses stop at <|im_end|>), fp32 master weights under bf16 autocast (as our
 learner), no gradient checkpointing (ours has none). Plain transformers generation (no vLLM).
-The reward is rl/rewards.py's math_reward, called on each completion's text with the row's
-"answer"; prompts are the rows' chat messages, which TRL renders with the model's template.
+The reward is the --reward function (default bench/last_number_reward.py, as real_rl.py), called
+on each completion's text with the row's "answer"; prompts are the rows' chat messages, which TRL renders with the model's template.
 
 Held-out accuracy: every --eval-every steps a callback copies the weights to CPU (the copy is
 timed and left out of train_s); after training each copy is evaluated by tools/heldout.py, the
@@ -30,27 +30,33 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_common import ROOT, Evaluator, GpuMemory, add_common_args, apply_tiny, log, prepare, write_curve  # noqa: E402
+from real_common import (Evaluator, GpuMemory, add_common_args, apply_tiny, log, prepare,  # noqa: E402
+                         reward_function, write_curve)
 
 TINY = {"steps": 2, "eval_every": 1, "val_n": 8, "eval_batch": 8, "prompts_per_step": 2, "group": 2,
         "max_new_tokens": 16}
 
 
-def math_reward_for_trl():
-    """rl/rewards.py's math_reward in TRL's batched form: f(prompts, completions, answer, **kw)."""
-    from rl.rewards import math_reward
+def reward_for_trl(name: str):
+    """The --reward function (the same file and function our reward node loads) in TRL's batched
+    form: f(prompts, completions, answer, **kw) -> list of floats."""
+    score = reward_function(name)
 
-    def math_reward_trl(prompts, completions, answer, **kwargs):
+    def reward_trl(prompts, completions, answer, **kwargs):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [float(math_reward("", t, str(a))) for t, a in zip(texts, answer)]
+        return [float(score("", t, answer=str(a))) for t, a in zip(texts, answer)]
 
-    return math_reward_trl
+    reward_trl.__name__ = name     # TRL logs rewards/<name>/mean
+    return reward_trl
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--micro-batch", type=int, default=0, help="per_device_train_batch_size (0 = whole step)")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--max-wall", type=float, default=0,
+                   help="stop training after this many seconds from the model and data existing (0 = no limit); "
+                        "the step reached is snapshotted and evaluated")
     add_common_args(p, TINY)
     args = p.parse_args()
     apply_tiny(args)
@@ -106,7 +112,10 @@ def main() -> int:
             if on_gpu:
                 torch.cuda.synchronize()
             stamps[state.global_step] = time.time()
-            if state.global_step % args.eval_every == 0 or state.global_step == args.steps:
+            out_of_time = args.max_wall and time.time() - t_ready > args.max_wall
+            if out_of_time:
+                control.should_training_stop = True
+            if state.global_step % args.eval_every == 0 or state.global_step == args.steps or out_of_time:
                 t = time.time()
                 weights = {k: v.detach().to("cpu", copy=True) for k, v in kw["model"].state_dict().items()}
                 snapshot_s[0] += time.time() - t
@@ -118,7 +127,7 @@ def main() -> int:
             if entry:
                 logs.append({"step": state.global_step, **entry})
 
-    trainer = GRPOTrainer(model=model, reward_funcs=math_reward_for_trl(), args=config, train_dataset=dataset,
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_for_trl(args.reward), args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[Snapshots()])
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
