@@ -4,6 +4,7 @@
     python bench/real_tail.py --out runs/real_tail [--prompts 64 --group 8 --max-new-tokens 512]
     python bench/real_tail.py --tiny --out /tmp/real_tail_tiny       # CPU smoke
     python bench/real_tail.py --trace runs/real_grpo/trace.json --out runs/real_tail   # + a run's trace
+    python bench/real_tail.py --prompts 0 --trace trace.json.gz --out /tmp/tail       # the trace only (CPU)
 
 Part 1, the decoder alone: one GRPO step's generation (--prompts held-out prompts x --group, T=1,
 stop at <|im_end|>) through rl/decoding.StaticDecoder, the generator node's decoder, with all
@@ -14,16 +15,20 @@ responses"), and the slot occupancy (busy slot-steps / slots x steps): 1 - occup
 decode work spent on finished rows.
 
 Part 2, with --trace (a Chrome trace of a graph run, bench/real_rl.py --trace): per training
-step, the generator's busy time, the learner's train time and wait, and the run's GPU idle %
-(dataflow/trace/report.summarize, the numbers of the end-of-run report).
+step, the generator's generate span, when 50% / 90% of its groups reached the reward node, the
+tail (the span's end minus the 90% time: decoding only the longest responses), the learner's
+train time, the GPU idle share of the step (NVML samples, as the end-of-run report); medians
+over the steps after the first.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -84,24 +89,75 @@ def decode_tail(model, tokenizer, prompts: list, group: int, max_new_tokens: int
 
 
 def trace_steps(trace_path: str) -> dict:
-    """Per training step (between the ends of the learner's 'train step' slices): the generators'
-    'generate' time in that window, the learner's train time and its wait before it; and the
-    run's idle summary (dataflow/trace/report.summarize)."""
-    from dataflow.trace.report import load_trace, summarize
-    doc = json.loads(Path(trace_path).read_text())
-    names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
-    slices = [(names.get(e["pid"], ""), e["name"], e["ts"], e["ts"] + e["dur"])
-              for e in doc["traceEvents"] if e["ph"] == "X"]
-    train = sorted((s for s in slices if s[0].startswith("learner") and s[1] == "train step"), key=lambda s: s[2])
-    gen = [s for s in slices if s[0].startswith("generator") and s[1] == "generate"]
-    steps, window_start = [], min((g[2] for g in gen), default=train[0][2] if train else 0)
-    for k, (_, _, t0, t1) in enumerate(train, 1):
-        busy = sum(max(0, min(g3, t1) - max(g2, window_start)) for _, _, g2, g3 in gen)
-        steps.append({"step": k, "window_s": (t1 - window_start) / 1e6, "generate_s": busy / 1e6,
-                      "train_s": (t1 - t0) / 1e6, "learner_wait_s": (t0 - window_start) / 1e6})
-        window_start = t1
+    """Per training step, from a graph run's trace: the window (end of the previous 'train step'
+    to the end of this one), the generator's 'generate' span, when its groups reached the reward
+    node (the start of each 'score' slice, weighted by its items: groups stream downstream as they
+    finish), the tail = the generate span's end minus the time 90% of the step's groups had
+    arrived (the generator decoding only the longest responses), the learner's train time, and
+    the GPU idle share of the window (the GPU track's 'busy' spans, from NVML samples); plus
+    the run's idle summary (dataflow/trace/report.summarize, the end-of-run report's numbers)."""
+    from dataflow.trace.chrome import load_trace
+    from dataflow.trace.intervals import sampled_idle
+    from dataflow.trace.report import summarize
+    opener = gzip.open if trace_path.endswith(".gz") else open
+    with opener(trace_path, "rt") as f:
+        doc = json.load(f)
+    events = doc["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    slices = [(names.get(e["pid"], ""), e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e.get("args", {}))
+              for e in events if e["ph"] == "X"]
+
+    def spans(node: str, name: str) -> list:
+        return sorted((s for s in slices if s[0].startswith(node) and s[1] == name), key=lambda s: s[2])
+
+    train, gen, scores = spans("learner", "train step"), spans("generator", "generate"), spans("reward", "score")
+    # The GPU track's NVML samples (what the end-of-run report uses without --trace-kernels; its
+    # 'busy' slices are span events, which count launch gaps as busy): [t0, t1, percent].
+    points = sorted((e["ts"] / 1e6, e["args"]["busy"]) for e in events
+                    if e["ph"] == "C" and names.get(e["pid"], "").startswith("GPU") and "busy" in e.get("args", {}))
+    nvml = [[a, b, pct] for (a, pct), (b, _) in zip(points, points[1:])]
+    steps, prev_end = [], None
+    for k, (g, t) in enumerate(zip(gen, train), 1):
+        window_start = prev_end if prev_end is not None else g[2]
+        prev_end = t[3]
+        arrivals = sorted((s[2], s[4].get("items", 1)) for s in scores if g[2] <= s[2] <= g[3] + 0.05)
+        total = sum(n for _, n in arrivals)
+
+        def time_until(frac: float) -> float:
+            done = 0
+            for at, n in arrivals:
+                done += n
+                if done >= frac * total:
+                    return at - g[2]
+            return float("nan")
+
+        window = t[3] - window_start
+        t90 = time_until(0.9) if total else float("nan")
+        steps.append({"step": k, "window_s": window, "generate_s": g[3] - g[2], "groups": total,
+                      "t_half_groups_s": time_until(0.5) if total else float("nan"), "t_90pct_groups_s": t90,
+                      "tail_s": (g[3] - g[2]) - t90, "train_s": t[3] - t[2],
+                      "gpu_idle_frac": sampled_idle(nvml, (window_start, t[3])) if nvml and window > 0 else float("nan")})
+    if trace_path.endswith(".gz"):      # load_trace reads plain JSON
+        plain = Path(tempfile.mkdtemp()) / "trace.json"
+        plain.write_text(json.dumps(doc))
+        trace_path = str(plain)
     summary = summarize(load_trace(trace_path)[0])
-    return {"steps": steps, "devices": summary.get("devices", {}), "idle_causes": summary.get("idle_causes", [])}
+    later = steps[1:] or steps     # step 1 carries the first compile and CUDA-graph capture
+
+    def median(key: str) -> float:
+        values = [s[key] for s in later if s[key] == s[key]]
+        return statistics.median(values) if values else float("nan")
+
+    medians = {key: median(key) for key in ("window_s", "generate_s", "t_90pct_groups_s", "tail_s", "train_s",
+                                            "gpu_idle_frac")}
+    medians["tail_share_of_step"] = median_ratio(later, "tail_s", "window_s")
+    return {"steps": steps, "median_after_step_1": medians, "devices": summary.get("devices", {}),
+            "idle_causes": summary.get("idle_causes", [])}
+
+
+def median_ratio(steps: list, num: str, den: str) -> float:
+    values = [s[num] / s[den] for s in steps if s[num] == s[num] and s[den] > 0]
+    return statistics.median(values) if values else float("nan")
 
 
 def main() -> int:
@@ -110,7 +166,7 @@ def main() -> int:
     p.add_argument("--data", default="")
     p.add_argument("--work", default="/tmp/real")
     p.add_argument("--out", required=True)
-    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=64, help="part 1's prompts (0: only part 2, the --trace)")
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--trace", default="", help="a graph run's trace.json to break down per step")
@@ -119,19 +175,21 @@ def main() -> int:
     if args.tiny:
         for k, v in TINY.items():
             setattr(args, k, v)
-    import torch
-    model_dir, _, val = prepare(args, "tail")
-    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
-    model, tokenizer = heldout.load_model(model_dir, device)
-    rows = heldout.read_rows(val, args.prompts)
-    result = {"decoder": decode_tail(model, tokenizer, [r["prompt"] for r in rows], args.group, args.max_new_tokens),
-              "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-              "settings": {"prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens}}
-    log("tail", json.dumps(result["decoder"]))
+    result = {"settings": {"prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens}}
+    if args.prompts:
+        import torch
+        model_dir, _, val = prepare(args, "tail")
+        device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+        model, tokenizer = heldout.load_model(model_dir, device)
+        rows = heldout.read_rows(val, args.prompts)
+        result["decoder"] = decode_tail(model, tokenizer, [r["prompt"] for r in rows], args.group, args.max_new_tokens)
+        result["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+        log("tail", json.dumps(result["decoder"]))
     if args.trace:
         result["trace"] = trace_steps(args.trace)
         for s in result["trace"]["steps"]:
-            log("tail", json.dumps(s))
+            log("tail", json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()}))
+        log("tail", "median after step 1: " + json.dumps(result["trace"]["median_after_step_1"]))
         log("tail", json.dumps({k: {"idle": v.get("idle")} for k, v in result["trace"]["devices"].items()}))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
