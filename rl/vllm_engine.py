@@ -193,7 +193,10 @@ def engine_dir(model, path: str) -> tuple[str, bool]:
     import tempfile
 
     out = tempfile.mkdtemp(prefix="vllm-policy-")
-    model.config.save_pretrained(out)
+    config = model.config
+    if not config.architectures:      # a config built in code names none; vLLM picks its model by it
+        config.architectures = [type(model).__name__]
+    config.save_pretrained(out)
     return out, True
 
 
