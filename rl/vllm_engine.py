@@ -18,12 +18,13 @@ imports (and CI runs) without it. Verified against vllm 0.26.0's source (the whe
     samples from, the learner's convention (log-probs at the sampling temperature) and what the
     static decoder records. `SamplingParams(logprobs=0)` asks for the sampled token's only;
     `flat_logprobs=True` returns them as one `vllm.logprobs.FlatLogprobs` (no dict per token).
-  - weights: `llm.apply_model(fn)` (collective_rpc("apply_model"): fn(model) on every worker), fn
-    calling the vLLM model's `load_weights(iterable of (HF name, tensor))`, which fuses q/k/v and
-    gate/up itself; then `llm.reset_prefix_cache()`, or cached prompt blocks would mix versions.
+  - weights: `llm.collective_rpc(fn, args=...)` (v1/serial_utils.run_method: fn(worker, *args) on
+    every worker), fn calling `worker.get_model().load_weights(iterable of (HF name, tensor))`, which
+    fuses q/k/v and gate/up itself; then `llm.reset_prefix_cache()`, or cached prompt blocks would
+    mix versions.
   - sleep mode: `enable_sleep_mode=True`, `llm.sleep(level)` (1: weights to CPU, KV cache freed;
     2: both freed), `llm.wake_up()`.
-The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): apply_model then hands
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): collective_rpc then hands
 the weight tensors over by reference, with nothing serialised; tensor_parallel_size > 1 uses
 vLLM's multiprocessing executor, whose workers receive CUDA IPC handles of the tensors instead.
 """
@@ -164,15 +165,18 @@ def engine_weights(model) -> list[tuple[str, object]]:
     return list(WeightAdapter(family, "hf").to_engine(params).items())
 
 
-def _load(model, weights) -> int:
-    """Runs in a vLLM worker (apply_model): load (name, tensor) pairs, or CUDA IPC handles of them."""
+def _worker_load(worker, weights) -> int:
+    """Runs on every vLLM worker (collective_rpc; `worker` is vLLM's GPU worker): load (name,
+    tensor) pairs, or CUDA IPC handles of them, with the model's own load_weights. A module-level
+    function: vLLM's multiprocessing executor sends it by name (cloudpickle) and its arguments
+    with pickle, which a lambda would not survive."""
     import torch
     from dataflow.weights.ipc import open_handle
 
     if weights and isinstance(weights[0][1], tuple):        # tensor parallel: open the handles
         weights = [(n, open_handle(h, 0)) for n, h in weights]
     with torch.no_grad():
-        model.load_weights(weights)
+        worker.get_model().load_weights(weights)
     torch.cuda.synchronize()
     return len(weights)
 
@@ -344,10 +348,12 @@ class VllmDecoder:
         """The replica's HF weights into vLLM (between serving periods), then forget cached prompt
         blocks: they hold K/V of the old weights."""
         weights = engine_weights(self.model)
-        if self.tp > 1:      # the workers are other processes: send CUDA IPC handles
+        tensors = weights          # referenced until every worker loaded them (the handles point here)
+        if self.tp > 1 and weights and weights[0][1].is_cuda:   # workers in other processes: CUDA IPC
             from dataflow.weights.ipc import share
-            weights = [(n, share(t.contiguous())) for n, t in weights]
-        self.llm.apply_model(lambda model: _load(model, weights))
+            weights = [(n, share(t)) for n, t in weights]      # (CPU tensors travel pickled)
+        self.llm.collective_rpc(_worker_load, args=(weights,))
+        del tensors
         self.llm.reset_prefix_cache()
         self.weight_loads += 1
 
