@@ -13,8 +13,10 @@ prompts arrive and sequences finish, and each prompt's item goes downstream as s
 group finished, not after a batch. A prompt's group is admitted at once, and only while no newer
 weight version is announced: then admission stops, the slots drain, the weights switch (between
 serving() blocks), and admission resumes, so no response or group mixes versions. Prompts already
-taken are generated, never lost. Other models use the HF loop (rl/models.py:sample_responses)
-in batches of up to prompts_per_call prompts, switching weights between batches.
+taken are generated, never lost. generator.backend=vllm runs a vLLM engine in the same loop
+(rl/vllm_engine.VllmDecoder has the decoder's interface; the weight sync writes into this replica's
+HF copy, which is loaded into vLLM at each switch). The HF loop (rl/models.py:sample_responses)
+runs in batches of up to prompts_per_call prompts, switching weights between batches.
 Generation runs in a worker thread so the actor keeps answering channel pulls and weight pushes.
 
 Validation prompts (data "val", nodes/evaluator.py) get 1 + val.n responses instead of a group:
@@ -45,6 +47,7 @@ from dataflow.errors import UserError
 from rl import policy
 from rl.decoding import StaticDecoder, sample_key, unsupported_reason
 from rl.models import cut_at_stop_strings, sample_responses
+from rl.vllm_engine import VllmConfig, choose_backend, missing_vllm, vllm_installed
 from dataflow.weights.sync import SYNC_EDGE, GeneratorWeightSync, WeightSyncConfig
 
 
@@ -80,8 +83,12 @@ class GeneratorConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and KV cache dtype (auto: bfloat16 on CUDA, float32 on CPU). The learner's weights
     are cast into it as they arrive."""
-    decoder: Literal["auto", "hf"] = "auto"
-    """auto: the static decoder for llama/qwen2 (else the HF loop, logged); hf: always the HF loop."""
+    backend: Literal["auto", "static", "hf", "vllm"] = "auto"
+    """static: our decoder (rl/decoding.py; llama / qwen2); hf: the plain transformers loop; vllm: a
+    vLLM engine per replica (rl/vllm_engine.py; CUDA, `pip install -e '.[vllm]'`). auto: static for
+    the models it covers, else vllm on CUDA when installed, else hf. The choice and why: logged."""
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    """backend=vllm: the engine's memory share and sleep mode (rl/vllm_engine.VllmConfig)."""
     max_prompt_tokens: Annotated[int, NonNegative] = 0
     """Static decoder: longest prompt (sizes the KV cache with max_new_tokens). 0 = the model's
     max_position_embeddings - max_new_tokens, within [256, 1024]. A longer prompt fails the node."""
@@ -94,6 +101,10 @@ class GeneratorConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """How the learner's weights arrive (must match the learner's; dataflow/weights/sync.py)."""
     seed: int = 0
+
+    def preflight(self) -> list[str]:
+        """backend=vllm where vllm is not installed: one line, before anything starts."""
+        return [missing_vllm("backend=vllm")] if self.backend == "vllm" and not vllm_installed() else []
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -143,18 +154,28 @@ class Generator(Node):
             self.ctx.log(f"generator: responses stop at ids {self.stop_ids} "
                          f"{self.tokenizer.convert_ids_to_tokens(self.stop_ids)}"
                          + (f" and strings {c.stop_strings}" if c.stop_strings else ""))
-        # Cast before the weight sync's setup: it tells the learner the dtype to push in.
-        self.model.to(self.ctx.device, dtype=resolve_dtype(c.dtype, self.ctx.device)).eval()
+        backend, why = choose_backend(c.backend, unsupported_reason(self.model), self.ctx.device)
+        self.ctx.log(f"generator: backend {backend} ({why})")
+        # Cast before the weight sync's setup: it tells the learner the dtype to push in. With vLLM
+        # this copy only receives the pushes (vLLM holds its own): on the CPU where it can be.
+        held = "cpu" if backend == "vllm" and c.weight_sync.transport == "object_store" else self.ctx.device
+        self.model.to(held, dtype=resolve_dtype(c.dtype, self.ctx.device)).eval()
         self.version = 0
         self.weight_sync = GeneratorWeightSync(self.ctx, c.weight_sync)
         await self.weight_sync.setup(self.model)
         self.decoder = None
-        reason = "generator.decoder=hf" if c.decoder == "hf" else unsupported_reason(self.model)
-        if reason:
-            self.ctx.log(f"generator: HF sampling loop ({reason})")
+        if backend == "hf":
             return
         max_pos = self.model.config.max_position_embeddings
         self.max_prompt = c.max_prompt_tokens or min(max(max_pos - c.max_new_tokens, 256), 1024)
+        if backend == "vllm":
+            from rl.vllm_engine import build_decoder
+            # a minute or so: in a thread, so the actor keeps answering (weight sync, channels)
+            self.decoder = await asyncio.to_thread(
+                build_decoder, c, self.model, self.stop_ids, self.prompts_per_call * c.group_size,
+                self.max_prompt + c.max_new_tokens, self.ctx.gpu_share, lambda: self.weight_sync.version,
+                self.ctx.log)
+            return
         if c.prompts_per_call == 0 and self.ctx.device == "cuda":
             slot = kv_bytes_per_slot(self.model, self.max_prompt + c.max_new_tokens)
             total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory

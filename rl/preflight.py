@@ -309,15 +309,16 @@ def pipeline_problems(prompts, generator, reward=None, reward_model=None,
 
 
 def _decoder_room(generator, spec, longest: int, where: str, positions: int, new: int) -> list[str]:
-    """The static decoder (llama / qwen2 policies) sizes its KV cache for generator.max_prompt_tokens
-    (0: max_position_embeddings - max_new_tokens within [256, 1024]) and refuses a longer prompt."""
+    """The static decoder (llama / qwen2 policies) and the vLLM engine are sized for
+    generator.max_prompt_tokens (0: max_position_embeddings - max_new_tokens within [256, 1024]) and
+    refuse a longer prompt."""
     family = model_config(spec.path).get("model_type") if spec.path else spec.model.family
-    if generator.decoder == "hf" or family not in ("llama", "qwen2"):
+    if generator.backend == "hf" or (generator.backend != "vllm" and family not in ("llama", "qwen2")):
         return []
     room = generator.max_prompt_tokens or min(max(positions - new, 256), 1024)
     if longest <= room:
         return []
     setting = f"generator.max_prompt_tokens={generator.max_prompt_tokens}" if generator.max_prompt_tokens else \
         f"generator.max_prompt_tokens=0 (auto: {room})"
-    return [f"prompts up to {longest} tokens (the longest: {where}) > {setting}, the static decoder's room for a "
+    return [f"prompts up to {longest} tokens (the longest: {where}) > {setting}, the decoder's room for a "
             f"prompt; set generator.max_prompt_tokens={min(longest, positions - new)}"]

@@ -124,7 +124,7 @@ def test_asynchronous_run_hf_loop_and_wandb_offline(tmp_path, monkeypatch):
     loggers = "tensorboard,wandb" if use_wandb else "tensorboard"
     summary, records, rollouts = run(
         tmp_path, f"val.path={val_path}", "val.every=1", "val.n=2", "val.max_prompts=4", "val.rollouts=1",
-        "generator.decoder=hf", "max_steps=3", "max_staleness=1", "learner.record_prompt_ids=true",
+        "generator.backend=hf", "max_steps=3", "max_staleness=1", "learner.record_prompt_ids=true",
         "learner.minibatch_size=32", f"loggers={loggers}")
     val = [r for r in records if "val/step" in r]
     rounds = [r["val/step"] for r in val]
