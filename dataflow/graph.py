@@ -40,10 +40,11 @@ RUN_SETTINGS = ("max_steps", "save_interval", "keep_checkpoints", "max_restarts"
 
 def _caller_location() -> str:
     """file:line of the first frame outside the engine's declaration code (where the user declared
-    the thing; a pool a preset declares: the g.place line)."""
+    the thing; a pool a preset declares: the g.place line; the weight edges: the policy_edge line)."""
     from dataflow import presets
+    from dataflow.weights import edges
 
-    engine = {__file__, presets.__file__}
+    engine = {__file__, presets.__file__, edges.__file__}
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename in engine:
         frame = frame.f_back

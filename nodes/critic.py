@@ -83,6 +83,11 @@ class CriticConfig:
     """Tensor-parallel ranks, as learner.tp."""
     rendezvous_timeout_s: Annotated[float, Positive] = 600.0
 
+    @property
+    def num_ranks(self) -> int:
+        """dp x tp: the replicas the graph declares the critic with."""
+        return self.dp * self.tp
+
 
 def critic_update(model, optimizer, samples: list[dict], pad_id: int, c: CriticConfig, rng: random.Random,
                   ranks=None) -> dict:
@@ -199,7 +204,7 @@ class Critic(RankCommands, Node):
 
     async def setup(self):
         c = self.config
-        if c.dp * c.tp > 1:
+        if c.num_ranks > 1:
             from dataflow.weights.layout import ParallelLayout
             from dataflow.weights.multirank import join
 

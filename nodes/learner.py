@@ -190,6 +190,11 @@ class LearnerConfig:
     """dp x tp > 1: how long the ranks wait for each other in their setups."""
     seed: int = 0
 
+    @property
+    def num_ranks(self) -> int:
+        """dp x tp: the replicas the graph declares the learner with."""
+        return self.dp * self.tp
+
 
 def check_config(c: LearnerConfig, max_steps: int | None) -> None:
     """Raise UserError naming the setting when the learner's settings do not fit together."""
@@ -229,7 +234,7 @@ class Learner(RankCommands, Node):
     async def setup(self):
         c = self.config
         self.ranks = None           # dataflow.weights.multirank.TrainRanks when dp x tp > 1
-        if c.dp * c.tp > 1:
+        if c.num_ranks > 1:
             from dataflow.weights.layout import ParallelLayout
             from dataflow.weights.multirank import join
 
