@@ -25,7 +25,7 @@ from typing import Annotated
 
 import torch
 
-from dataflow import Node, checkpoint
+from dataflow import Node, snapshots
 from dataflow.checks import AtLeast, NonNegative, Positive, Range
 from dataflow.errors import UserError
 from dataflow.weights.multirank import CRITIC_RANKS_EDGE, RankCommands
@@ -286,7 +286,7 @@ class Critic(RankCommands, Node):
 
     async def _snapshot(self) -> None:
         """After a training pass (under the state lock): every snapshot_interval passes, the state
-        to <run>/snapshots/ (dataflow/checkpoint.py), for a restart of this replica."""
+        to <run>/snapshots/ (dataflow/snapshots.py), for a restart of this replica."""
         self.progress += 1
         every = self.config.snapshot_interval
         if every < 0:  # auto: decided once, from the size of what a snapshot writes
@@ -297,7 +297,7 @@ class Critic(RankCommands, Node):
                              "critic resumes from the last checkpoint (set critic.snapshot_interval=N to opt in)")
         if every and self.progress % every == 0:
             with self.ctx.span("critic snapshot"):
-                await asyncio.to_thread(checkpoint.write_snapshot, self.ctx.run_dir, self.ctx.full_name,
+                await asyncio.to_thread(snapshots.write_snapshot, self.ctx.run_dir, self.ctx.full_name,
                                         self.state_dict())
 
     async def run(self):
