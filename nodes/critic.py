@@ -31,7 +31,8 @@ from dataflow.errors import UserError
 from dataflow.weights.multirank import CRITIC_RANKS_EDGE, RankCommands
 from rl import policy
 from rl.microbatch import check_micro_batch_settings, padding_metrics, rank_micro_batches, sample_lengths
-from rl.models import ValueModel, pad_batch, unpad_tokens
+from rl.models import ValueModel
+from rl.padded_batch import pad_batch, unpad_tokens
 from rl.packing import micro_batch, micro_batch_values, use_varlen_attention
 from rl.precision import Precision, autocast, compile_layers, compute_dtype, prepare_trained
 from rl.advantages import gae_advantages

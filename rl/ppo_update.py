@@ -36,7 +36,7 @@ from rl.kl import kl_penalty, kl_shaped_rewards, sequence_kl
 from rl.losses import agg_row_weights, policy_loss, weighted_token_sum
 from rl.masked import masked_mean, masked_whiten
 from rl.microbatch import padding_metrics, rank_micro_batches, sample_lengths
-from rl.models import pad_batch
+from rl.padded_batch import pad_batch
 from rl.packing import micro_batch, micro_batch_logprobs
 from rl.precision import autocast, compute_dtype
 from rl.shaping import overlong_penalty
