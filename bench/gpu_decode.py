@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from rl.decoding import StaticDecoder, decode_responses  # noqa: E402
-from rl.models import pad_batch, sample_responses, sequence_logprobs  # noqa: E402
+from rl.models import sample_responses  # noqa: E402
+from rl.padded_batch import pad_batch, sequence_logprobs  # noqa: E402
 
 W1 = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
           num_key_value_heads=2, intermediate_size=4864, max_position_embeddings=32768,

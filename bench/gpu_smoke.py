@@ -30,7 +30,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from rl.decoding import decode_responses  # noqa: E402
 from nodes.learner import LearnerConfig, ppo_update, step_advantages  # noqa: E402
-from rl.models import ModelConfig, build_policy, pad_batch, sample_responses, sequence_logprobs  # noqa: E402
+from rl.models import ModelConfig, build_policy, sample_responses  # noqa: E402
+from rl.padded_batch import pad_batch, sequence_logprobs  # noqa: E402
 from rl.tasks import build_tokenizer, make_task, score  # noqa: E402
 
 

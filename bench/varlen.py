@@ -100,7 +100,7 @@ def bench_train_step(model, opt, samples, plan: list[list[int]], layout: str, am
     from rl.losses import ppo_policy_loss
     from rl.masked import masked_mean
     from rl.microbatch import micro_batch_weights
-    from rl.models import pad_batch, sequence_logprobs
+    from rl.padded_batch import pad_batch, sequence_logprobs
     from rl.packing import micro_batch, micro_batch_logprobs
     from rl.precision import autocast
 
@@ -132,7 +132,7 @@ def bench_train_step(model, opt, samples, plan: list[list[int]], layout: str, am
 
 
 def bench_reference(model, samples, plan, amp, device) -> None:
-    from rl.models import pad_batch
+    from rl.padded_batch import pad_batch
     from rl.packing import micro_batch, micro_batch_logprobs
     from rl.precision import autocast
 
@@ -147,7 +147,7 @@ def bench_reference(model, samples, plan, amp, device) -> None:
 
 def bf16_agreement(model, samples, rows, amp, device) -> dict:
     """max / mean |packed - padded| of the response log-probs of `rows` under the run's autocast."""
-    from rl.models import pad_batch, sequence_logprobs
+    from rl.padded_batch import pad_batch, sequence_logprobs
     from rl.packing import pack_rows, packed_sequence_logprobs
     from rl.precision import autocast
 

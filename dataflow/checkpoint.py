@@ -45,16 +45,9 @@ sees them twice). An interrupt (Ctrl-C) checkpoint is taken at the learner's las
 (the learner holds its state lock while updating); in-flight batches are treated as above.
 
 Restarts. A replica restarted after its process died (runtime.py) loads its latest state: its
-snapshot if it has a newer one, else its state in the last checkpoint (a generator has none).
-Snapshots: a node may write its state between checkpoints with write_snapshot() to
-<run>/snapshots/<replica>/ (replaced atomically each time; cleared when a run starts, so a resumed
-run never loads its predecessor's). The critic does after every critic.snapshot_interval training
-passes, so a restarted critic keeps its training since the last checkpoint; "progress" (training
-passes) in its state says which of snapshot and checkpoint is newer. It comes back without the
-samples it had received but not trained on: those of batches not yet trained are re-issued and
-reach it again; those of batches the learner has trained already are lost to the critic's
-training (not to the learner's). A replica that is dead while a checkpoint is saved keeps its
-state from the previous checkpoint there (the manifest lists it under "stale").
+snapshot (written between checkpoints, dataflow/snapshots.py) if it has a newer one, else its
+state in the last checkpoint (a generator has none). A replica that is dead while a checkpoint is
+saved keeps its state from the previous checkpoint there (the manifest lists it under "stale").
 
 Retention. After a checkpoint commits, older ones beyond the graph's keep_checkpoints (default 3;
 0 = all) are deleted (prune()); the one a run resumed from is older than any it commits, so it
@@ -291,53 +284,6 @@ def prune(run_dir: str | Path, keep: int, newest: Path) -> list[Path]:
         path.rename(gone)
         shutil.rmtree(gone)
     return doomed
-
-
-# ---- snapshots: a replica's latest state between checkpoints, for its restart ---------------------
-def snapshot_dir(run_dir: str | Path, replica: str) -> Path:
-    return Path(run_dir) / "snapshots" / replica
-
-
-def write_snapshot(run_dir: str | Path, replica: str, node_state: dict) -> None:
-    """Replace `replica`'s snapshot with `node_state` (and the process RNG states), atomically:
-    written to <replica>.tmp, then swapped in. `node_state` must hold a "progress" counter that
-    grows with every change worth keeping (restore_dir compares it with the last checkpoint's)."""
-    final = snapshot_dir(run_dir, replica)
-    tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
-    for leftover in (tmp, old):
-        if leftover.exists():
-            shutil.rmtree(leftover)
-    # Not fsynced: a snapshot has to outlive its process, not the machine (the page cache does),
-    # and the fsyncs would cost more than the write (about 100 ms of a ~5 ms write here).
-    write_state(tmp, {"node": node_state, "rng": rng_state(), "steps": 0}, durable=False)
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-def clear_snapshots(run_dir: str | Path) -> None:
-    """At a run's start: snapshots of an earlier run in the same directory (a resumed one's
-    future) must never be loaded."""
-    shutil.rmtree(Path(run_dir) / "snapshots", ignore_errors=True)
-
-
-def restore_dir(run_dir: str | Path, last: Path | None, replica: str) -> Path | None:
-    """Where a restarted `replica` loads its state from: its snapshot if that is newer (a higher
-    "progress") than its state in the last checkpoint `last`, else that state (None: neither)."""
-    saved = replica_state_dir(last, replica) if last is not None else None
-    snap = snapshot_dir(run_dir, replica)
-    if not (snap / STATE_JSON).is_file():
-        snap = snap.with_name(snap.name + ".old")  # a crash between the two renames
-        if not (snap / STATE_JSON).is_file():
-            return saved
-
-    def progress(d: Path) -> int:
-        node = json.loads((d / STATE_JSON).read_text()).get("node")
-        return node.get("progress", -1) if isinstance(node, dict) else -1
-
-    return snap if saved is None or progress(snap) > progress(saved) else saved
 
 
 def resolve(path: str | Path) -> Path:

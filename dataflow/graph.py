@@ -19,14 +19,12 @@ Every declaration remembers the file:line it was made on, so validation errors p
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from dataflow.errors import GraphError
-from dataflow.node import Node
+from dataflow.validation import graph_problems, is_node_class
 
 # Counters of trouble the user must see without opening metrics.jsonl (Graph.alerts): failed and
 # timed-out rewards, skipped data lines, channel items dropped undecoded, restarted processes.
@@ -40,10 +38,11 @@ RUN_SETTINGS = ("max_steps", "save_interval", "keep_checkpoints", "max_restarts"
 
 def _caller_location() -> str:
     """file:line of the first frame outside the engine's declaration code (where the user declared
-    the thing; a pool a preset declares: the g.place line)."""
+    the thing; a pool a preset declares: the g.place line; the weight edges: the policy_edge line)."""
     from dataflow import presets
+    from dataflow.weights import edges
 
-    engine = {__file__, presets.__file__}
+    engine = {__file__, presets.__file__, edges.__file__}
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename in engine:
         frame = frame.f_back
@@ -182,7 +181,7 @@ class Graph:
         if config is None and isinstance(kind, type) and getattr(kind, "Config", None) is not None:
             config = kind.Config()
         self.nodes[name] = NodeSpec(name, kind, config, cpus, gpus, replicas, where, ends_run, pool, side)
-        if _is_node_class(kind) and kind.inputs_on_replica_0 and isinstance(replicas, int) and replicas > 1:
+        if is_node_class(kind) and kind.inputs_on_replica_0 and isinstance(replicas, int) and replicas > 1:
             for edge in [e for e in kind.publishes if e in kind.subscribes]:
                 self.versioned_edges[edge] = VersionedSpec(edge, name, [name], where, auto=True)
         return name
@@ -252,105 +251,11 @@ class Graph:
 
     # ---- validation -------------------------------------------------------------------------
     def validate(self, source: str = "graph") -> None:
-        """Raise GraphError listing every problem (file:line, node/channel, what to change)."""
-        problems = list(self._problems)
-        if self.stall_action not in ("stop", "warn"):
-            problems.append(f"{source}: stall_action must be 'stop' or 'warn' (got {self.stall_action!r})")
-        if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 0:
-            problems.append(f"{source}: keep_checkpoints must be an integer >= 0 (got {self.keep_checkpoints!r}); "
-                            "0 keeps every checkpoint")
-        from dataflow import loggers
-
-        problems += [f"{source}: {p}" for p in loggers.problems(self.loggers)]
-        for spec in self.nodes.values():
-            problems += _node_problems(spec)
-            if spec.side is not None and spec.side not in ("rollout", "train"):
-                problems.append(f"{spec.where}: node '{spec.name}': side must be 'rollout' or 'train' (got {spec.side!r})")
-            elif spec.side is not None and self.placement is None:
-                problems.append(f"{spec.where}: node '{spec.name}' has side='{spec.side}', but no GPU preset places it; "
-                                "call g.place('cpu' | 'colocated' | 'split', num_gpus=N) after declaring the nodes")
-        if not problems:  # pools, and which GPU each replica gets (needs sound node resources)
-            from dataflow import placement
-
-            problems += placement.problems(self)
-        bound: dict[tuple[str, str, str], str] = {}  # (node, direction, port) -> channel
-        for ch in self.channels.values():
-            at = f"{ch.where}: channel '{ch.name}'"
-            if not isinstance(ch.capacity, int) or isinstance(ch.capacity, bool) or ch.capacity < 1:
-                problems.append(f"{at}: capacity must be an integer >= 1 (got {ch.capacity!r})")
-            if not ch.src:
-                problems.append(f"{at} has no producer: give src='node.port'")
-            if not ch.dst:
-                problems.append(f"{at} has no consumer: give dst='node.port'")
-            for direction, ports in (("output", ch.src), ("input", ch.dst)):
-                for node, port in ports:
-                    spec = self.nodes.get(node)
-                    if spec is None:
-                        problems.append(f"{at}: unknown node '{node}' (nodes: {', '.join(self.nodes) or 'none'})")
-                        continue
-                    declared = getattr(spec.kind, "outputs" if direction == "output" else "inputs", ())
-                    if port not in declared:
-                        problems.append(f"{at}: node '{node}' ({spec.kind.__name__}) has no {direction} port '{port}'"
-                                        f" ({direction} ports: {', '.join(declared) or 'none'})")
-                        continue
-                    key = (node, direction, port)
-                    if key in bound:
-                        problems.append(f"{at}: {direction} port '{node}.{port}' is already connected to channel '{bound[key]}'")
-                    bound[key] = ch.name
-        for spec in self.nodes.values():
-            if not _is_node_class(spec.kind):
-                continue
-            for direction, ports in (("input", spec.kind.inputs), ("output", spec.kind.outputs)):
-                for port in ports:
-                    if (spec.name, direction, port) not in bound:
-                        problems.append(f"{spec.where}: node '{spec.name}': {direction} port '{port}' is not connected;"
-                                        f" add g.channel(...) with {'dst' if direction == 'input' else 'src'}='{spec.name}.{port}'")
-        for edge in self.versioned_edges.values():
-            at = f"{edge.where}: versioned edge '{edge.name}'"
-            for node, attr in [(edge.src, "publishes")] + [(d, "subscribes") for d in edge.dst]:
-                spec = self.nodes.get(node)
-                if spec is None:
-                    problems.append(f"{at}: unknown node '{node}'")
-                elif _is_node_class(spec.kind) and edge.name not in getattr(spec.kind, attr):
-                    problems.append(f"{at}: node '{node}' ({spec.kind.__name__}) does not list '{edge.name}' in {attr}")
-        if not problems:
-            cycle = self._find_cycle()
-            if cycle:
-                problems.append(f"{self.channels[cycle[0]].where}: channels {' -> '.join(cycle)} form a cycle;"
-                                " pass feedback=True to the channel that closes it if the loop is intended")
-        if not self.nodes and not problems:
-            problems.append(f"{source}: the graph has no nodes")
+        """Raise GraphError listing every problem (file:line, node/channel, what to change); the
+        rules are in dataflow/validation.py."""
+        problems = graph_problems(self, source)
         if problems:
             raise GraphError(f"{source}: invalid graph '{self.name}':\n  " + "\n  ".join(problems))
-
-    def _find_cycle(self) -> list[str] | None:
-        """A list of channel names forming a cycle over non-feedback channels, or None."""
-        out_edges: dict[str, list[tuple[str, str]]] = {n: [] for n in self.nodes}
-        for ch in self.channels.values():
-            if ch.feedback:
-                continue
-            for a, _ in ch.src:
-                for b, _ in ch.dst:
-                    out_edges[a].append((b, ch.name))
-        state: dict[str, int] = {}
-        stack: list[str] = []
-
-        def visit(node: str) -> list[str] | None:
-            state[node] = 1
-            for nxt, ch_name in out_edges[node]:
-                stack.append(ch_name)
-                if state.get(nxt) == 1:
-                    return list(stack)
-                if nxt not in state and (found := visit(nxt)):
-                    return found
-                stack.pop()
-            state[node] = 2
-            return None
-
-        for n in self.nodes:
-            if n not in state and (found := visit(n)):
-                return found
-        return None
 
     def producers(self, channel: str) -> list[str]:
         """Replica names producing into `channel`."""
@@ -364,45 +269,3 @@ class Graph:
         spec = self.nodes[node]
         names = spec.replica_names()
         return names[:1] if getattr(spec.kind, "inputs_on_replica_0", False) else names
-
-
-def _is_node_class(kind: Any) -> bool:
-    return isinstance(kind, type) and issubclass(kind, Node)
-
-
-def _node_problems(spec: NodeSpec) -> list[str]:
-    at = f"{spec.where}: node '{spec.name}'"
-    if not _is_node_class(spec.kind):
-        return [f"{at}: {spec.kind!r} is not a Node subclass (from dataflow import Node)"]
-    problems = []
-    want = spec.kind.Config
-    if want is not None and not isinstance(spec.config, want):
-        problems.append(f"{at}: config must be a {want.__name__} (got {type(spec.config).__name__})")
-    elif want is not None and dataclasses.is_dataclass(want):
-        problems += [f"{at}: {p}" for p in _field_type_problems(spec.config)]
-    if not isinstance(spec.replicas, int) or spec.replicas < 1:
-        problems.append(f"{at}: replicas must be an integer >= 1 (got {spec.replicas!r})")
-    if not isinstance(spec.cpus, (int, float)) or spec.cpus < 0:
-        problems.append(f"{at}: cpus must be >= 0 (got {spec.cpus!r})")
-    if not isinstance(spec.gpus, (int, float)) or spec.gpus < 0 or (spec.gpus > 1 and not float(spec.gpus).is_integer()):
-        problems.append(f"{at}: gpus must be a fraction <= 1 or a whole number (got {spec.gpus!r})")
-    return problems
-
-
-def _field_type_problems(config: Any, prefix: str = "") -> list[str]:
-    """Scalar fields whose value does not match the declared type (a wrong type in a graph file)."""
-    from dataflow.config import _resolved_hints
-
-    problems = []
-    hints = _resolved_hints(type(config))
-    for f in dataclasses.fields(config):
-        value, tp = getattr(config, f.name), hints.get(f.name)
-        if dataclasses.is_dataclass(value):
-            problems += _field_type_problems(value, f"{prefix}{f.name}.")
-        elif tp in (int, float, str, bool):
-            ok = isinstance(value, tp) and not (tp is int and isinstance(value, bool))
-            if tp is float and isinstance(value, int) and not isinstance(value, bool):
-                ok = math.isfinite(value)
-            if not ok:
-                problems.append(f"setting {prefix}{f.name} must be {tp.__name__} (got {value!r})")
-    return problems

@@ -24,6 +24,7 @@ from typing import Any
 
 from dataflow import channel as channels
 from dataflow import checkpoint
+from dataflow.channel.tracked import TrackedInput
 from dataflow.errors import UserError
 from dataflow.node import NodeContext
 from dataflow.trace.kernels import KernelRecorder
@@ -111,7 +112,7 @@ class NodeHost:
                 prefetch=w["prefetch"], tracer=self.tracer,
                 on_bad_item=self._drop_bad_item if self.spec.drop_bad_items else None,
                 retry_s=RESTART_WAIT_S if self.spec.max_restarts else 0.0)
-            inputs[port] = _TrackedInput(end, self._last_item)
+            inputs[port] = TrackedInput(end, self._last_item)
         for edge, subs in wiring["publishes"].items():
             self._subscribers[edge] = subs
             self._publish_timeout[edge] = wiring["publish_timeout"][edge]
@@ -390,51 +391,3 @@ class NodeHost:
             self._version_waits.pop(key, None)
         return self.latest_version(edge)
 
-
-class _TrackedInput:
-    """A ReceiveEnd that remembers the meta of the last item it handed out (for error reports)."""
-
-    def __init__(self, end, last_item: dict):
-        self._end = end
-        self._last = last_item
-        self.channel = end.channel
-
-    def _seen(self, msg):
-        self._last.pop(self.channel, None)
-        self._last[self.channel] = msg.meta
-        return msg
-
-    async def recv(self):
-        return self._seen(await self._end.recv())
-
-    def recv_nowait(self):
-        return self._seen(self._end.recv_nowait())
-
-    async def recv_batch(self, max_items: int, timeout_s: float | None = None):
-        batch = await self._end.recv_batch(max_items, timeout_s)
-        if batch:
-            self._seen(batch[-1])
-        return batch
-
-    async def batches(self, max_items: int, timeout_s: float):
-        """`async for batch in inp.batches(n, t)`: recv_batch until the channel ends."""
-        while True:
-            try:
-                yield await self.recv_batch(max_items, timeout_s)
-            except channels.EndOfChannel:
-                return
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        try:
-            return await self.recv()
-        except channels.EndOfChannel:
-            raise StopAsyncIteration from None
-
-    def statistics(self):
-        return self._end.statistics()
-
-    def close(self):
-        self._end.close()

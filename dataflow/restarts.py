@@ -11,7 +11,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
-from dataflow import checkpoint
+from dataflow import checkpoint, snapshots
 from dataflow.errors import NodeFailed
 from dataflow.failures import awaitable, death_summary, gather_named, raise_if_failed
 from dataflow.graph import Graph
@@ -34,7 +34,7 @@ def restartable(graph: Graph, name: str, result: Any, monitor: Monitor) -> bool:
 async def restart(graph: Graph, hosts: dict, name: str, monitor: Monitor) -> asyncio.Future:
     """Bring back replica `name`, whose process died: Ray restarts its actor (same handle, a fresh
     process); here it gets the latest versions of its edges, is set up again, loads its latest state
-    (its snapshot, if newer than the last checkpoint: dataflow/checkpoint.py), and runs. The takes
+    (its snapshot, if newer than the last checkpoint: dataflow/snapshots.py), and runs. The takes
     its dead process left waiting at its producers are dropped, and every node hears of the restart:
     the prompt source re-issues the prompts not yet trained on (the items the dead process held are
     lost). Returns its run() future."""
@@ -56,7 +56,7 @@ async def restart(graph: Graph, hosts: dict, name: str, monitor: Monitor) -> asy
     try:
         monitor.trace.set_clock_offset(name, await clock_offset(host))
         # its latest state: a snapshot it wrote since the last checkpoint (the critic's), else that checkpoint's
-        state_dir = checkpoint.restore_dir(monitor.run_dir, last, name)
+        state_dir = snapshots.restore_dir(monitor.run_dir, last, name)
         if state_dir is not None:
             await host.load_state.remote(str(state_dir), checkpoint.read_manifest(last)["step"] if last else 0)
     except Exception as e:

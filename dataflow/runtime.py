@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dataflow import checkpoint, placement
+from dataflow import checkpoint, placement, snapshots
 from dataflow.errors import NodeFailed, UserError
 from dataflow.failures import (awaitable, death_summary, discard, failed, gather_named, gather_setups,
                                raise_first_failure, raise_if_failed, result_of, wait_for_root_cause)
@@ -68,7 +68,7 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
     default_dir = resume.parent.parent if resume else f"runs/{graph.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(options.out_dir or default_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint.clear_snapshots(run_dir)
+    snapshots.clear_snapshots(run_dir)
     max_steps = options.max_steps if options.max_steps is not None else graph.max_steps
     started_ray = await start_ray(graph, options)
     monitor = Monitor(graph, run_dir, options, config, resume, resume_step)

@@ -15,15 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
 
-from dataflow import Graph, share
+from dataflow import Graph, policy_edge, share
 from dataflow.checks import AtLeast
-from dataflow.weights.sync import SYNC_EDGE
 from graphs.rlhf import PROGRESS, RLHFConfig
-from nodes.generator import Generator
-from nodes.group_filter import GroupFilter, GroupFilterConfig
-from nodes.learner import Learner
-from nodes.prompts import DROPPED_EDGE, PromptSource
-from nodes.reference import Reference
+from nodes import DROPPED_EDGE, Generator, GroupFilter, GroupFilterConfig, Learner, PromptSource, Reference
 
 
 @dataclass(kw_only=True)
@@ -49,8 +44,7 @@ def build(cfg: DAPOGraphConfig) -> Graph:
     g.node("reward", **cfg.reward_node())
     g.node("filter", GroupFilter, cfg.filter, cpus=0.1)
     g.node("reference", Reference, cfg.reference, cpus=0.2, side="train")
-    g.node("learner", Learner, cfg.learner, cpus=1, side="train", replicas=cfg.learner.dp * cfg.learner.tp,
-           ends_run=True)
+    g.node("learner", Learner, cfg.learner, cpus=1, side="train", replicas=cfg.learner.num_ranks, ends_run=True)
     cap = cfg.channel_capacity
     g.channel("prompts.prompts", "generator.prompts", capacity=cap, name="prompts")
     g.channel("generator.samples", "reward.samples", capacity=cap, name="samples")
@@ -58,10 +52,8 @@ def build(cfg: DAPOGraphConfig) -> Graph:
     g.channel("filter.kept", "reference.scored", capacity=cap, name="kept")
     g.channel("reference.with_ref", "learner.rollouts", capacity=cap, name="rollouts")
     # Generators first: the prompt source must not admit a batch before they hold its weights.
-    g.versioned("policy", src="learner", dst=["generator", "prompts", "filter"])
+    policy_edge(g, src="learner", dst=["generator", "prompts", "filter"], transport=cfg.weight_transport)
     g.versioned(DROPPED_EDGE, src="filter", dst=["prompts"])
-    if cfg.weight_transport == "collective":  # the push group's rendezvous (dataflow/weights/sync.py)
-        g.versioned(SYNC_EDGE, src="learner", dst=["generator"])
     cfg.add_validation(g)   # with val.path: reward -> evaluator, rounds between steps
     g.place(cfg.placement, num_gpus=cfg.num_gpus, gpu_shares=cfg.gpu_shares)
     return g

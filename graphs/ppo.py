@@ -19,14 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dataflow import Graph, share
-from dataflow.weights.sync import SYNC_EDGE
+from dataflow import Graph, policy_edge, share
 from graphs.rlhf import PROGRESS, RLHFConfig
-from nodes.critic import Critic
-from nodes.generator import Generator
-from nodes.learner import Learner
-from nodes.prompts import PromptSource
-from nodes.reference import Reference
+from nodes import Critic, Generator, Learner, PromptSource, Reference
 
 
 @dataclass(kw_only=True)
@@ -46,9 +41,8 @@ def build(cfg: PPOGraphConfig) -> Graph:
     g.node("generator", Generator, cfg.generator, cpus=1, side="rollout", replicas=cfg.generator_replicas)
     g.node("reward", **cfg.reward_node())
     g.node("reference", Reference, cfg.reference, cpus=0.2, side="train")
-    g.node("critic", Critic, cfg.critic, cpus=0.5, side="train", replicas=cfg.critic.dp * cfg.critic.tp)
-    g.node("learner", Learner, cfg.learner, cpus=1, side="train", replicas=cfg.learner.dp * cfg.learner.tp,
-           ends_run=True)
+    g.node("critic", Critic, cfg.critic, cpus=0.5, side="train", replicas=cfg.critic.num_ranks)
+    g.node("learner", Learner, cfg.learner, cpus=1, side="train", replicas=cfg.learner.num_ranks, ends_run=True)
     cap = cfg.channel_capacity
     g.channel("prompts.prompts", "generator.prompts", capacity=cap, name="prompts")
     g.channel("generator.samples", "reward.samples", capacity=cap, name="samples")
@@ -56,9 +50,7 @@ def build(cfg: PPOGraphConfig) -> Graph:
     g.channel("reference.with_ref", "critic.with_ref", capacity=cap, name="with_ref")
     g.channel("critic.advantaged", "learner.rollouts", capacity=cap, name="rollouts")
     # Generators first: the prompt source must not admit a batch before they hold its weights.
-    g.versioned("policy", src="learner", dst=["generator", "prompts"])
-    if cfg.weight_transport == "collective":  # the push group's rendezvous (dataflow/weights/sync.py)
-        g.versioned(SYNC_EDGE, src="learner", dst=["generator"])
+    policy_edge(g, src="learner", dst=["generator", "prompts"], transport=cfg.weight_transport)
     cfg.add_validation(g)   # with val.path: reward -> evaluator, rounds between steps
     g.place(cfg.placement, num_gpus=cfg.num_gpus, gpu_shares=cfg.gpu_shares)
     return g

@@ -25,13 +25,14 @@ from typing import Annotated
 
 import torch
 
-from dataflow import Node, checkpoint
+from dataflow import Node, snapshots
 from dataflow.checks import AtLeast, NonNegative, Positive, Range
 from dataflow.errors import UserError
 from dataflow.weights.multirank import CRITIC_RANKS_EDGE, RankCommands
 from rl import policy
 from rl.microbatch import check_micro_batch_settings, padding_metrics, rank_micro_batches, sample_lengths
-from rl.models import ValueModel, pad_batch, unpad_tokens
+from rl.models import ValueModel
+from rl.padded_batch import pad_batch, unpad_tokens
 from rl.packing import micro_batch, micro_batch_values, use_varlen_attention
 from rl.precision import Precision, autocast, compile_layers, compute_dtype, prepare_trained
 from rl.advantages import gae_advantages
@@ -82,6 +83,11 @@ class CriticConfig:
     tp: Annotated[int, AtLeast(1)] = 1
     """Tensor-parallel ranks, as learner.tp."""
     rendezvous_timeout_s: Annotated[float, Positive] = 600.0
+
+    @property
+    def num_ranks(self) -> int:
+        """dp x tp: the replicas the graph declares the critic with."""
+        return self.dp * self.tp
 
 
 def critic_update(model, optimizer, samples: list[dict], pad_id: int, c: CriticConfig, rng: random.Random,
@@ -199,7 +205,7 @@ class Critic(RankCommands, Node):
 
     async def setup(self):
         c = self.config
-        if c.dp * c.tp > 1:
+        if c.num_ranks > 1:
             from dataflow.weights.layout import ParallelLayout
             from dataflow.weights.multirank import join
 
@@ -281,7 +287,7 @@ class Critic(RankCommands, Node):
 
     async def _snapshot(self) -> None:
         """After a training pass (under the state lock): every snapshot_interval passes, the state
-        to <run>/snapshots/ (dataflow/checkpoint.py), for a restart of this replica."""
+        to <run>/snapshots/ (dataflow/snapshots.py), for a restart of this replica."""
         self.progress += 1
         every = self.config.snapshot_interval
         if every < 0:  # auto: decided once, from the size of what a snapshot writes
@@ -292,7 +298,7 @@ class Critic(RankCommands, Node):
                              "critic resumes from the last checkpoint (set critic.snapshot_interval=N to opt in)")
         if every and self.progress % every == 0:
             with self.ctx.span("critic snapshot"):
-                await asyncio.to_thread(checkpoint.write_snapshot, self.ctx.run_dir, self.ctx.full_name,
+                await asyncio.to_thread(snapshots.write_snapshot, self.ctx.run_dir, self.ctx.full_name,
                                         self.state_dict())
 
     async def run(self):

@@ -37,7 +37,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Annotated
 
-from dataflow import Node, checkpoint
+from dataflow import Node, snapshots
 from dataflow.checks import AtLeast, NonNegative
 from nodes.prompts import DROPPED_EDGE
 
@@ -79,7 +79,7 @@ class GroupFilter(Node):
 
     def state_dict(self) -> dict:
         # A checkpoint: nothing (after --resume the source sends the untrained batches afresh);
-        # progress -1 so that a restarted filter loads its snapshot instead (dataflow/checkpoint.py).
+        # progress -1 so that a restarted filter loads its snapshot instead (dataflow/snapshots.py).
         return {"progress": -1, "surplus": self.surplus}
 
     def load_state_dict(self, state: dict) -> None:
@@ -160,7 +160,7 @@ class GroupFilter(Node):
                     refill = refill or verdict is None
                 state = self._snapshot_state() if self.progress != before else None
             if state is not None:  # before anything leaves: a restarted filter decides alike
-                await asyncio.to_thread(checkpoint.write_snapshot, self.ctx.run_dir, self.ctx.full_name, state)
+                await asyncio.to_thread(snapshots.write_snapshot, self.ctx.run_dir, self.ctx.full_name, state)
             self._report()
             if refill:
                 await self._publish_dropped()

@@ -35,49 +35,14 @@ from dataflow.errors import UserError
 from dataflow.weights.multirank import RANKS_EDGE, RankCommands
 from dataflow.weights.sync import SYNC_EDGE, LearnerWeightSync, WeightSyncConfig
 from rl import policy
-from rl.kl import AdaptiveKLController, FixedKLController
+from rl.kl import AdaptiveKLController, FixedKLController, KLConfig
 from rl.losses import PolicyLoss
-from rl.microbatch import check_micro_batch_settings, enable_gradient_checkpointing
+from rl.microbatch import enable_gradient_checkpointing
 from rl.models import save_policy
 from rl.packing import use_varlen_attention
-from rl.ppo_update import ppo_update, resolved_advantage, resolved_loss_agg_mode, step_advantages  # noqa: F401
+from rl.ppo_update import check_config, ppo_update, step_advantages  # noqa: F401 (step_advantages: tests, bench)
 from rl.precision import Precision, compile_layers, compute_dtype, prepare_trained
-from rl.schedule import lr_multiplier
-
-
-@dataclass(kw_only=True)
-class KLConfig:
-    kind: Literal["fixed", "adaptive"] = "fixed"
-    """Fixed coefficient, or adaptive toward `target` (Ziegler et al. 2019)."""
-    coef: Annotated[float, NonNegative] = 0.01
-    """KL coefficient (initial one when adaptive)."""
-    target: Annotated[float, Positive] = 0.1
-    horizon: Annotated[float, Positive] = 10000.0
-    estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token KL estimator (rl/kl.kl_penalty; k3 is verl's low_var_kl: unbiased and non-negative)."""
-    placement: Literal["loss", "reward"] = "loss"
-    """loss: coef x KL(policy || reference) in the loss (GRPO's). reward: -coef x KL_t of the rollout
-    (old policy vs reference) folded into the rewards before the advantages, the adaptive controller
-    fed the rollout's mean per-sequence KL (verl's use_kl_in_reward; REINFORCE++). Needs a
-    learner-side advantage (not gae: the critic computes GAE before the learner sees the batch)."""
-    clamp: Annotated[float, NonNegative] = 0.0
-    """Each token's KL estimate is clamped to [-clamp, clamp] (verl's low_var_kl uses 10; 0 = off).
-    Off by default: k3 is large exactly on the tokens the policy has made rare, and clamping there
-    drops the KL's pull back toward the reference: on the CPU demo (PPO, 120 steps) clamp=10 halved
-    the reported KL and collapsed the entropy (0.03 vs 0.22; reward 0.74-0.80 vs 0.88, the code
-    before the clamp 0.94). k3 stays finite without it: its log-ratio is clamped inside (20)."""
-
-
-@dataclass(kw_only=True)
-class ScheduleConfig:
-    """Learning rate per learner step: lr x rl/schedule.lr_multiplier(step)."""
-    warmup_steps: Annotated[int, NonNegative] = 0
-    """Linear warmup from 0 over this many steps."""
-    decay: Literal["constant", "linear", "cosine"] = "constant"
-    """After warmup: constant, or linear / cosine decay to min_lr_ratio x lr at total_steps."""
-    total_steps: Annotated[int, NonNegative] = 0
-    """Steps the decay spans (0 = the run's max_steps)."""
-    min_lr_ratio: Annotated[float, Range(0, 1)] = 0.0
+from rl.schedule import ScheduleConfig, lr_multiplier
 
 
 @dataclass(kw_only=True)
@@ -190,31 +155,10 @@ class LearnerConfig:
     """dp x tp > 1: how long the ranks wait for each other in their setups."""
     seed: int = 0
 
-
-def check_config(c: LearnerConfig, max_steps: int | None) -> None:
-    """Raise UserError naming the setting when the learner's settings do not fit together."""
-    advantage = resolved_advantage(c)
-    try:
-        check_micro_batch_settings("learner", c.micro_batch_size, c.max_tokens_per_micro_batch)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    if advantage == "gae" and c.algorithm != "ppo":
-        raise UserError("learner.advantage=gae needs the critic's values: run graphs/ppo.py, or pick grpo, "
-                        "dr_grpo, rloo or reinforce_pp")
-    if advantage == "gae" and (c.kl.placement == "reward" or c.overlong_buffer):
-        raise UserError("learner.kl.placement=reward and learner.overlong_buffer change the rewards, but with "
-                        "advantage=gae the critic has computed GAE from them before the learner sees the batch; "
-                        "use them with a learner-side advantage (grpo, dr_grpo, rloo, reinforce_pp)")
-    if resolved_loss_agg_mode(c) == "seq-mean-token-sum-norm" and not (c.loss_scale_factor or c.max_response_tokens) > 0:
-        raise UserError("learner.loss_agg_mode=seq-mean-token-sum-norm divides by a constant: set "
-                        "learner.loss_scale_factor or learner.max_response_tokens (the generators' max_new_tokens)")
-    if c.overlong_buffer and not 0 < c.overlong_buffer <= c.max_response_tokens:
-        raise UserError(f"learner.overlong_buffer={c.overlong_buffer} must be in (0, learner.max_response_tokens="
-                        f"{c.max_response_tokens}]; set max_response_tokens to the generators' max_new_tokens")
-    s = c.schedule
-    if s.decay != "constant" and not (s.total_steps or max_steps or 0) > s.warmup_steps:
-        raise UserError(f"learner.schedule.decay={s.decay} decays over the run's steps: set "
-                        f"learner.schedule.total_steps (> warmup_steps={s.warmup_steps}) or --max-steps")
+    @property
+    def num_ranks(self) -> int:
+        """dp x tp: the replicas the graph declares the learner with."""
+        return self.dp * self.tp
 
 
 class Learner(RankCommands, Node):
@@ -229,7 +173,7 @@ class Learner(RankCommands, Node):
     async def setup(self):
         c = self.config
         self.ranks = None           # dataflow.weights.multirank.TrainRanks when dp x tp > 1
-        if c.dp * c.tp > 1:
+        if c.num_ranks > 1:
             from dataflow.weights.layout import ParallelLayout
             from dataflow.weights.multirank import join
 

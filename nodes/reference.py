@@ -20,7 +20,7 @@ from dataflow.errors import UserError
 from dataflow.checks import AtLeast, NonNegative, Positive
 from rl import policy
 from rl.microbatch import check_micro_batch_settings, padding_metrics, rank_micro_batches, sample_lengths
-from rl.models import pad_batch, unpad_tokens
+from rl.padded_batch import pad_batch, unpad_tokens
 from rl.packing import micro_batch, micro_batch_logprobs, use_varlen_attention
 from rl.precision import Precision, compile_layers, prepare_frozen
 

@@ -22,7 +22,7 @@ import torch
 
 from dataflow import Node, UserError
 from dataflow.checks import AtLeast, ExistingPath, Finite
-from rl.models import pad_batch
+from rl.padded_batch import pad_batch
 
 
 @dataclass(kw_only=True)

@@ -1,7 +1,7 @@
 """Prompt datasets: JSONL, JSON and parquet files, chat prompts rendered with the policy's chat
 template, and memory-mapped token files for large datasets. No network.
 
-Files (`prompts.path`, and any other dataset setting such as a validation file):
+Files (`prompts.path`, and any other dataset setting such as a validation file; read by rl/dataset_files.py):
   .jsonl / .ndjson  one JSON object per line, read by pyarrow; if pyarrow cannot (a malformed or
                     non-UTF-8 line, a field whose type changes between rows), line by line with
                     the json module, which names the bad line and column or skips it
@@ -33,9 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
-import json
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
@@ -43,10 +40,7 @@ from typing import Literal, Sequence
 import numpy as np
 
 from dataflow.errors import UserError
-
-
-class DatasetError(UserError, ValueError):
-    """A malformed prompt dataset; the message starts with where: "path:line:" or "path row N:"."""
+from rl.dataset_files import DatasetError, file_format, read_rows
 
 
 @dataclass(kw_only=True)
@@ -152,90 +146,16 @@ def _check_row(raw, cfg, setting: str) -> tuple[object, dict] | str:
     return prompt, fields
 
 
-def _jsonl_lines(path: str):
-    """(line number, parsed object or None, problem) per non-blank line, with the json module
-    ("line:column" in place of the number for malformed JSON)."""
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield line_no, None, f"not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)"
-                continue
-            try:
-                yield line_no, json.loads(text), None
-            except json.JSONDecodeError as e:
-                yield f"{line_no}:{e.colno}", None, f"invalid JSON ({e.msg}); write one JSON object per line"
-
-
-def _read_rows(path: str, fmt: str):
-    """(position, parsed row, problem) for every row of a file (positions as in Prompts)."""
-    import pyarrow as pa
-
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
-        try:
-            rows = pq.read_table(path).to_pylist()
-        except (pa.ArrowException, OSError) as e:
-            raise DatasetError(f"{path}: not a readable parquet file ({e})") from None
-        return ((i, row, None) for i, row in enumerate(rows))
-    if fmt == "json":
-        try:
-            with open(path, encoding="utf-8") as f:
-                rows = json.load(f)
-        except UnicodeDecodeError as e:
-            raise DatasetError(f"{path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
-        except json.JSONDecodeError as e:
-            raise DatasetError(f"{path}:{e.lineno}:{e.colno}: invalid JSON ({e.msg}); a .json file is an "
-                               "array of objects or one object per line") from None
-        if not isinstance(rows, list):
-            raise DatasetError(f"{path}: a .json file must hold an array of row objects (or one object per "
-                               f"line), not a {type(rows).__name__}")
-        return ((i, row, None) for i, row in enumerate(rows))
-    import pyarrow.json as pj
-    try:   # fast path: pyarrow (lines of the whole file must parse and agree on types)
-        rows = pj.read_json(path, read_options=pj.ReadOptions(block_size=1 << 24)).to_pylist()
-    except (pa.ArrowException, UnicodeDecodeError, OSError):
-        return _jsonl_lines(path)
-    with open(path, "rb") as f:   # pyarrow skips blank lines: number the others
-        lines = [n for n, raw in enumerate(f, start=1) if raw.strip()]
-    if len(lines) != len(rows):   # a line pyarrow and Python disagree is blank: the exact path
-        return _jsonl_lines(path)
-    return zip(lines, rows, itertools.repeat(None))
-
-
-def _format(path: str) -> str:
-    if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "meta.json")):
-            return "tokens"
-        raise DatasetError(f"{path}: a directory without meta.json; give a .jsonl, .json or .parquet file, or a "
-                           "token file directory written by `python -m rl.data convert`")
-    if not os.path.isfile(path):
-        raise DatasetError(f"{path}: no such file; give the path of a .jsonl, .json or .parquet prompt dataset")
-    ext = os.path.splitext(path)[1].lower()
-    if ext in (".parquet", ".pq"):
-        return "parquet"
-    if ext in (".jsonl", ".ndjson"):
-        return "jsonl"
-    if ext == ".json":
-        with open(path, "rb") as f:
-            head = f.read(4096).lstrip()
-        return "json" if head.startswith(b"[") else "jsonl"
-    raise DatasetError(f"{path}: unknown dataset format {ext or '(no extension)'!r}; use .jsonl, .json or .parquet")
-
-
 def load_prompts(path: str, cfg=None, setting: str = "prompts") -> Prompts:
     """The usable rows of a JSONL, JSON or parquet file. `cfg`: a DataConfig or any object with its
     fields (prompt_key, answer_key, skip_bad_lines); `setting` names it in error messages
     (e.g. "prompts", "val"). A bad row raises DatasetError, or is skipped and counted."""
     cfg = cfg or DataConfig()
-    fmt = _format(path)
+    fmt = file_format(path)
     if fmt == "tokens":
         raise DatasetError(f"{path}: a token file holds tokenized prompts; open it with open_prompts")
     out = Prompts(path, by_line=fmt == "jsonl")
-    for position, raw, problem in _read_rows(path, fmt):
+    for position, raw, problem in read_rows(path, fmt):
         checked = _check_row(raw, cfg, setting) if problem is None else problem
         if isinstance(checked, str):
             if not cfg.skip_bad_lines:
@@ -371,7 +291,7 @@ def open_prompts(path: str, cfg=None, tokenizer=None, tokenizer_dir: str = "",
     """A dataset ready to send, from a file (read, rendered, tokenized now) or a token file
     (mapped). The entry point for every dataset setting (training prompts, validation files)."""
     cfg = cfg or DataConfig()
-    if _format(path) == "tokens":
+    if file_format(path) == "tokens":
         from rl.token_file import open_token_file
         return open_token_file(path, tokenizer, tokenizer_dir, cfg, setting)
     return encode_prompts(load_prompts(path, cfg, setting), tokenizer, tokenizer_dir, cfg, setting)

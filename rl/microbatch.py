@@ -5,7 +5,7 @@ rank_micro_batches (which the nodes call: a dp rank's share of the plan).
 A row's length is its (prompt, response) token counts. A micro-batch's cost in tokens depends on
 the layout it runs in:
   "packed"  sum of its rows' prompt + response (rl/packing.py: no padding at all);
-  "padded"  rows x (longest prompt + longest response), pad_batch's [B, T] (rl/models.py).
+  "padded"  rows x (longest prompt + longest response), pad_batch's [B, T] (rl/padded_batch.py).
 `max_tokens_per_micro_batch` bounds that cost per forward/backward pass on each GPU (verl's
 `ppo_max_token_len_per_gpu`, slime's `max_tokens_per_gpu`). A row whose own length exceeds the budget
 is an error, as in verl (rearrange_micro_batches asserts it): the budget is the memory bound the

@@ -1,15 +1,12 @@
-"""Small causal LMs for the built-in tasks: build/load, a value model, sampling, log-probs, batching.
+"""Small causal LMs for the built-in tasks: build/load, a value model, the HF sampling loop.
 
-Token alignment used everywhere in this file and expected by rl/ (masked, advantages, losses, kl, logprobs): a batch is
-`input_ids [B, T]` laid out as [left-padded prompt | right-padded response] (see pad_batch), and
-any per-token quantity at column t concerns the action input_ids[:, t]:
-  logprobs[:, t] = log pi(input_ids[:, t] | input_ids[:, :t])   (from the logits at t - 1)
-  values[:, t]   = V(input_ids[:, :t])                          (the state token t is chosen in)
-so masks, rewards, log-probs and values share one [B, T] layout with response_mask = 1 on the
-response tokens (their <eos> included).
+Every per-token tensor here and in rl/ uses the [B, T] token layout of rl/padded_batch.py
+(pad_batch): [left-padded prompt | right-padded response], a quantity at column t concerning the
+action input_ids[:, t]; values[:, t] = V(input_ids[:, :t]), the state token t is chosen in.
 
-Position ids are always cumsum(attention_mask) - 1, so a sequence gets the same log-probs whatever
-padding surrounds it (sampling with a KV cache and a fresh forward agree to ~1e-6).
+Position ids are always cumsum(attention_mask) - 1 (padded_batch.mask_position_ids), so a
+sequence gets the same log-probs whatever padding surrounds it (sampling with a KV cache and a
+fresh forward agree to ~1e-6).
 """
 
 from __future__ import annotations
@@ -26,7 +23,8 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Q
                           Qwen2ForCausalLM)
 
 from dataflow.checks import AtLeast, NonNegative
-from rl.logprobs import logprobs_from_logits, token_logprobs
+from rl.logprobs import logprobs_from_logits
+from rl.padded_batch import mask_position_ids
 from rl.tasks import load_tokenizer
 
 
@@ -169,17 +167,13 @@ class ValueModel(nn.Module):
         every row, and each row's first token gets 0. Always through this module (not the
         backbone alone), so FSDP2's hooks on it gather its parameters."""
         if position_ids is None:
-            position_ids = _position_ids(attention_mask)
+            position_ids = mask_position_ids(attention_mask)
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                                position_ids=position_ids, use_cache=False).last_hidden_state
         v = self.value_head(hidden).squeeze(-1)
         v = v if v.dtype == torch.float64 else v.float()  # fp32 out of bf16 autocast; a float64 test model stays exact
         shifted = torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
         return shifted if attention_mask is not None else shifted * (position_ids > 0)
-
-
-def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def _cache_kwarg(model: nn.Module, out) -> dict:
@@ -264,7 +258,7 @@ def sample_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int
     was_training = model.training
     model.eval()
     out = model(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=_position_ids(attention_mask), use_cache=True, logits_to_keep=1)
+                position_ids=mask_position_ids(attention_mask), use_cache=True, logits_to_keep=1)
     next_pos = attention_mask.sum(1, keepdim=True)
     tokens, logprobs = [], []
     alive = torch.ones(num, dtype=torch.bool, device=device)
@@ -338,88 +332,3 @@ def cut_at_stop_strings(sample: dict, tokenizer, stop_strings: list[str]) -> dic
         else:
             lo = mid + 1
     return {**sample, "response_ids": response[:lo], "logprobs": sample["logprobs"][:lo], "finished": True}
-
-
-def pad_batch(samples: list[dict], pad_id: int, token_keys: tuple[str, ...] = ("logprobs",),
-              device: str | torch.device = "cpu") -> dict:
-    """Padded tensors for a list of samples (dicts with prompt_ids and response_ids).
-
-    Layout: prompts LEFT-padded to the longest prompt P, responses RIGHT-padded to the longest
-    response R, so every response starts at column P and T = P + R. Returns
-      input_ids [B, T] long, attention_mask [B, T] long (1 = real token),
-      response_mask [B, T] float (1 = response token), prompt_len P,
-      and for each key in token_keys (per-response-token lists, e.g. behaviour "logprobs",
-      "token_rewards") a float [B, T] tensor laid on the response columns, 0 elsewhere.
-    """
-    num = len(samples)
-    prompt_len = max(len(s["prompt_ids"]) for s in samples)
-    response_len = max(len(s["response_ids"]) for s in samples)
-    total = prompt_len + response_len
-    input_ids = torch.full((num, total), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((num, total), dtype=torch.long)
-    response_mask = torch.zeros((num, total), dtype=torch.float32)
-    per_token = {k: torch.zeros((num, total), dtype=torch.float32) for k in token_keys}
-    for i, s in enumerate(samples):
-        p, r = s["prompt_ids"], s["response_ids"]
-        start, end = prompt_len - len(p), prompt_len + len(r)
-        input_ids[i, start:end] = torch.tensor(list(p) + list(r), dtype=torch.long)
-        attention_mask[i, start:end] = 1
-        response_mask[i, prompt_len:end] = 1
-        for k in token_keys:
-            if len(s[k]) != len(r):
-                raise ValueError(f"pad_batch: sample {i} has {len(s[k])} {k!r} values for "
-                                 f"{len(r)} response tokens")
-            per_token[k][i, prompt_len:end] = torch.tensor(s[k], dtype=torch.float32)
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask,
-             "response_mask": response_mask, **per_token}
-    batch = {k: v.to(device) for k, v in batch.items()}
-    batch["prompt_len"] = prompt_len
-    return batch
-
-
-def unpad_tokens(x: torch.Tensor, response_mask: torch.Tensor) -> list[list[float]]:
-    """Inverse of pad_batch for one [B, T] per-token tensor: each row's response-token values."""
-    rows = x.detach().float().cpu().tolist()
-    masks = (response_mask > 0).cpu().tolist()
-    return [[v for v, m in zip(row, mrow) if m] for row, mrow in zip(rows, masks)]
-
-
-def sequence_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      response_mask: torch.Tensor, temperature: float = 1.0,
-                      with_entropy: bool = True,
-                      entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logprobs [B, T], entropy [B, T] or None) of the tokens in input_ids, token-aligned.
-
-    logprobs[:, t] = log softmax(logits[:, t - 1] / temperature)[input_ids[:, t]] and entropy[:, t]
-    the entropy of that distribution, both 0 where response_mask is 0. Keeps the autograd graph
-    (wrap in torch.no_grad() for old/ref log-probs). Only the logits from the first response
-    column on are computed (logits_to_keep).
-
-    Memory and time (a 152k vocab makes the logits the largest tensor of a step): the softmax math
-    is rl/logprobs.token_logprobs, float32 a few rows at a time from half-precision logits
-    (float64 models stay float64), no float32 copy of the logits kept for backward.
-    entropy_grad=False computes the entropy as a detached metric (the learner does this when
-    entropy_coef is 0).
-    """
-    num_tokens = input_ids.shape[1]
-    cols = torch.nonzero(response_mask.sum(0) > 0)
-    first = int(cols[0]) if len(cols) else num_tokens - 1
-    keep = num_tokens - max(first, 1) + 1              # logits at columns first-1 .. T-1
-    start = num_tokens - keep + 1                      # first column whose log-prob is computed
-    out = model(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=_position_ids(attention_mask), use_cache=False, logits_to_keep=keep)
-    logits = out.logits                                # column j predicts column start + j
-    del out
-    # The last column predicts past the end: give it token 0 and drop its result (not slicing the
-    # logits keeps them one contiguous [B * keep, V] block for the chunked kernel).
-    targets = torch.cat([input_ids[:, start:], torch.zeros_like(input_ids[:, :1])], dim=1)
-    token_lp, token_ent = token_logprobs(logits, targets, temperature, with_entropy=with_entropy,
-                                         entropy_grad=entropy_grad)
-    mask = response_mask[:, start:].to(token_lp.dtype)
-    logprobs = torch.zeros(input_ids.shape, dtype=token_lp.dtype, device=token_lp.device)
-    logprobs[:, start:] = token_lp[:, :-1] * mask
-    entropy = None
-    if with_entropy:
-        entropy = torch.zeros_like(logprobs)
-        entropy[:, start:] = token_ent[:, :-1] * mask
-    return logprobs, entropy

@@ -1,7 +1,7 @@
 """Packed (padding-free) forward passes: a micro-batch's rows end to end in one [1, N] sequence.
 
 Layout. pack_rows takes rows of a pad_batch layout ([left-padded prompt | right-padded response],
-rl/models.py) and lays their real tokens end to end: input_ids [1, N] (N = the rows' prompt +
+rl/padded_batch.py) and lays their real tokens end to end: input_ids [1, N] (N = the rows' prompt +
 response tokens, no padding), position_ids restarting at 0 for every row, and `index` [N], the flat
 position in the padded [B, T] batch each packed token came from. Any padded per-token tensor packs
 with `take` (behaviour / ref log-probs, advantages, loss masks) and packed results go back with
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from rl.logprobs import token_logprobs
-from rl.models import pad_batch, sequence_logprobs
+from rl.padded_batch import pad_batch, sequence_logprobs
 
 
 @dataclass
@@ -202,7 +202,7 @@ def micro_batch(batch: dict, rows: list[int], packing: bool, response_mask: torc
 def micro_batch_logprobs(model: nn.Module, mb: PackedBatch | PaddedRows, temperature: float = 1.0,
                          with_entropy: bool = True, entropy_grad: bool = True):
     """(logprobs, entropy or None) of a micro_batch, in its own layout ([1, N] or [b, t]):
-    packed_sequence_logprobs or rl/models.sequence_logprobs."""
+    packed_sequence_logprobs or rl/padded_batch.sequence_logprobs."""
     if isinstance(mb, PackedBatch):
         return packed_sequence_logprobs(model, mb, temperature, with_entropy, entropy_grad)
     return sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.response_mask, temperature,
@@ -228,7 +228,7 @@ def _predicting_columns(packed: PackedBatch) -> torch.Tensor:
 def packed_sequence_logprobs(model: nn.Module, packed: PackedBatch, temperature: float = 1.0,
                              with_entropy: bool = True, entropy_grad: bool = True
                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logprobs [1, N], entropy [1, N] or None) of the packed tokens: rl/models.sequence_logprobs
+    """(logprobs [1, N], entropy [1, N] or None) of the packed tokens: rl/padded_batch.sequence_logprobs
     for a packed batch, 0 off the response tokens.
 
     logprobs[0, t] = log softmax(logits[0, t - 1] / temperature)[input_ids[0, t]] on response

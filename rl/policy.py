@@ -4,7 +4,7 @@ tasks. Generator, reference, learner and critic all load the same PolicySpec, so
 Pad token. Many Llama-family tokenizers ship without one, and every node that batches sequences
 (generator's HF loop, reference, critic, learner) pads. A tokenizer without a pad token gets its
 eos token as pad (what verl's `set_pad_token_id` and TRL's examples do), else its unk token. This
-is safe here because no mask is ever taken from `ids == pad_id`: rl/models.pad_batch builds the
+is safe here because no mask is ever taken from `ids == pad_id`: rl/padded_batch.pad_batch builds the
 attention and response masks from the sequence lengths, so a real eos at the end of a response
 stays a trained token even where it equals the pad id (tests/test_data.py checks it).
 

@@ -31,12 +31,13 @@ import random
 
 import torch
 
+from dataflow.errors import UserError
 from rl.advantages import grpo_advantages, reinforce_pp_advantages, rloo_advantages
 from rl.kl import kl_penalty, kl_shaped_rewards, sequence_kl
 from rl.losses import agg_row_weights, policy_loss, weighted_token_sum
 from rl.masked import masked_mean, masked_whiten
-from rl.microbatch import padding_metrics, rank_micro_batches, sample_lengths
-from rl.models import pad_batch
+from rl.microbatch import check_micro_batch_settings, padding_metrics, rank_micro_batches, sample_lengths
+from rl.padded_batch import pad_batch
 from rl.packing import micro_batch, micro_batch_logprobs
 from rl.precision import autocast, compute_dtype
 from rl.shaping import overlong_penalty
@@ -59,6 +60,32 @@ def resolved_loss_agg_mode(c) -> str:
     if resolved_advantage(c) == "dr_grpo":
         return "seq-mean-token-sum-norm"
     return "token-mean"
+
+
+def check_config(c, max_steps: int | None) -> None:
+    """Raise UserError naming the setting when the learner's settings do not fit together."""
+    advantage = resolved_advantage(c)
+    try:
+        check_micro_batch_settings("learner", c.micro_batch_size, c.max_tokens_per_micro_batch)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if advantage == "gae" and c.algorithm != "ppo":
+        raise UserError("learner.advantage=gae needs the critic's values: run graphs/ppo.py, or pick grpo, "
+                        "dr_grpo, rloo or reinforce_pp")
+    if advantage == "gae" and (c.kl.placement == "reward" or c.overlong_buffer):
+        raise UserError("learner.kl.placement=reward and learner.overlong_buffer change the rewards, but with "
+                        "advantage=gae the critic has computed GAE from them before the learner sees the batch; "
+                        "use them with a learner-side advantage (grpo, dr_grpo, rloo, reinforce_pp)")
+    if resolved_loss_agg_mode(c) == "seq-mean-token-sum-norm" and not (c.loss_scale_factor or c.max_response_tokens) > 0:
+        raise UserError("learner.loss_agg_mode=seq-mean-token-sum-norm divides by a constant: set "
+                        "learner.loss_scale_factor or learner.max_response_tokens (the generators' max_new_tokens)")
+    if c.overlong_buffer and not 0 < c.overlong_buffer <= c.max_response_tokens:
+        raise UserError(f"learner.overlong_buffer={c.overlong_buffer} must be in (0, learner.max_response_tokens="
+                        f"{c.max_response_tokens}]; set max_response_tokens to the generators' max_new_tokens")
+    s = c.schedule
+    if s.decay != "constant" and not (s.total_steps or max_steps or 0) > s.warmup_steps:
+        raise UserError(f"learner.schedule.decay={s.decay} decays over the run's steps: set "
+                        f"learner.schedule.total_steps (> warmup_steps={s.warmup_steps}) or --max-steps")
 
 
 def loss_scale_factor(c) -> float:

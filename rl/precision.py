@@ -16,7 +16,7 @@ from typing import Callable, Literal
 
 import torch
 
-from rl.models import sequence_logprobs
+from rl.padded_batch import sequence_logprobs
 
 Precision = Literal["auto", "fp32", "bf16"]
 

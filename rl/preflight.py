@@ -146,9 +146,9 @@ class _Rows:
 
 def _open_rows(prompts, tokenizer) -> _Rows:
     """Read `prompts.path` with the prompt source's loader; raises its DatasetError/UserError."""
-    from rl import data, tasks
+    from rl import data, dataset_files, tasks
 
-    fmt = data._format(prompts.path)
+    fmt = dataset_files.file_format(prompts.path)
     if fmt == "tokens":
         encoded = data.open_prompts(prompts.path, prompts, tokenizer, prompts.policy.path, setting="prompts")
         n = len(encoded)

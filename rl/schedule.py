@@ -1,8 +1,25 @@
-"""The learning-rate schedule: linear warmup, then constant, linear or cosine decay (pure Python)."""
+"""The learning-rate schedule: linear warmup, then constant, linear or cosine decay (pure Python);
+ScheduleConfig is its setting (learner.schedule)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from dataflow.checks import NonNegative, Range
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    """Learning rate per learner step: lr x rl/schedule.lr_multiplier(step)."""
+    warmup_steps: Annotated[int, NonNegative] = 0
+    """Linear warmup from 0 over this many steps."""
+    decay: Literal["constant", "linear", "cosine"] = "constant"
+    """After warmup: constant, or linear / cosine decay to min_lr_ratio x lr at total_steps."""
+    total_steps: Annotated[int, NonNegative] = 0
+    """Steps the decay spans (0 = the run's max_steps)."""
+    min_lr_ratio: Annotated[float, Range(0, 1)] = 0.0
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, decay: str = "constant",

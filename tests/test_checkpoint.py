@@ -20,7 +20,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import ray  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from dataflow import checkpoint  # noqa: E402
+from dataflow import checkpoint, snapshots  # noqa: E402
 from dataflow.runtime import RunOptions, load_graph, run_graph  # noqa: E402
 from tests.conftest import run_then_interrupt  # noqa: E402
 
@@ -176,18 +176,18 @@ def test_a_restarted_replica_loads_the_newer_of_its_snapshot_and_the_last_checkp
     tmp = checkpoint.begin(run, 4)
     checkpoint.write_state(tmp / "critic", {"node": {"progress": 4, "w": torch.zeros(2)}})
     last = checkpoint.commit(tmp, {"graph": "g", "step": 4})
-    assert checkpoint.restore_dir(run, last, "critic") == last / "critic"  # no snapshot yet
-    checkpoint.write_snapshot(run, "critic", {"progress": 6, "w": torch.ones(2)})
-    checkpoint.write_snapshot(run, "critic", {"progress": 7, "w": torch.full((2,), 7.0)})  # replaces it
-    assert checkpoint.restore_dir(run, last, "critic") == run / "snapshots" / "critic"
-    assert checkpoint.restore_dir(run, None, "critic") == run / "snapshots" / "critic"
+    assert snapshots.restore_dir(run, last, "critic") == last / "critic"  # no snapshot yet
+    snapshots.write_snapshot(run, "critic", {"progress": 6, "w": torch.ones(2)})
+    snapshots.write_snapshot(run, "critic", {"progress": 7, "w": torch.full((2,), 7.0)})  # replaces it
+    assert snapshots.restore_dir(run, last, "critic") == run / "snapshots" / "critic"
+    assert snapshots.restore_dir(run, None, "critic") == run / "snapshots" / "critic"
     assert torch.equal(checkpoint.read_state(run / "snapshots" / "critic")["node"]["w"], torch.full((2,), 7.0))
     assert sorted(p.name for p in (run / "snapshots").iterdir()) == ["critic"]
-    checkpoint.write_snapshot(run, "critic", {"progress": 4, "w": torch.ones(2)})  # not newer: the checkpoint
-    assert checkpoint.restore_dir(run, last, "critic") == last / "critic"
-    checkpoint.clear_snapshots(run)  # a new (or resumed) run never loads an earlier run's snapshot
-    assert checkpoint.restore_dir(run, last, "critic") == last / "critic"
-    assert checkpoint.restore_dir(run, last, "generator") is None
+    snapshots.write_snapshot(run, "critic", {"progress": 4, "w": torch.ones(2)})  # not newer: the checkpoint
+    assert snapshots.restore_dir(run, last, "critic") == last / "critic"
+    snapshots.clear_snapshots(run)  # a new (or resumed) run never loads an earlier run's snapshot
+    assert snapshots.restore_dir(run, last, "critic") == last / "critic"
+    assert snapshots.restore_dir(run, last, "generator") is None
 
 
 def test_metrics_continue_from_the_checkpoint_step(tmp_path):

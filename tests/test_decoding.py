@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rl import decoding
-from rl import models
+from rl import models, padded_batch
 from rl import tasks
 
 
@@ -60,9 +60,9 @@ def test_behaviour_logprobs_equal_sequence_logprobs(tok, policy, temperature):
         assert 1 <= len(s["response_ids"]) == len(s["logprobs"]) <= 8
         assert s["finished"] == (s["response_ids"][-1] == tok.eos_token_id)
         assert tok.eos_token_id not in s["response_ids"][:-1]
-    b = models.pad_batch(samples, tok.pad_token_id)
+    b = padded_batch.pad_batch(samples, tok.pad_token_id)
     with torch.no_grad():
-        lp, _ = models.sequence_logprobs(policy, b["input_ids"], b["attention_mask"],
+        lp, _ = padded_batch.sequence_logprobs(policy, b["input_ids"], b["attention_mask"],
                                          b["response_mask"], temperature, with_entropy=False)
     assert ((lp - b["logprobs"]).abs() * b["response_mask"]).max() < 1e-5
 
@@ -130,10 +130,10 @@ def test_min_new_tokens_masks_eos(tok, policy):
     samples = decoding.decode_responses(policy, tok, ps, 8, seed=1, min_new_tokens=8)
     assert all(len(s["response_ids"]) == 8 and not s["finished"] for s in samples)
     # the behaviour log-probs are of the distribution without <eos>: log p - log(1 - p_eos)
-    b = models.pad_batch(samples, tok.pad_token_id)
+    b = padded_batch.pad_batch(samples, tok.pad_token_id)
     with torch.no_grad():
         logits = policy(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                        position_ids=models._position_ids(b["attention_mask"])).logits.float()
+                        position_ids=padded_batch.mask_position_ids(b["attention_mask"])).logits.float()
     logits[..., tok.eos_token_id] = float("-inf")
     lp = torch.log_softmax(logits[:, :-1], -1).gather(2, b["input_ids"][:, 1:, None]).squeeze(2)
     mask = b["response_mask"][:, 1:]

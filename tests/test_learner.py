@@ -80,7 +80,7 @@ def test_update_raises_logprob_of_positive_advantage_tokens(setup):
     samples = with_advantages([dict(s) for s in samples], cfg)
     m = fresh(model)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    from rl.models import pad_batch, sequence_logprobs
+    from rl.padded_batch import pad_batch, sequence_logprobs
 
     batch = pad_batch(samples, tok.pad_token_id, token_keys=("advantage_tokens",))
     def objective():
@@ -238,7 +238,7 @@ def test_precision_settings():
 def test_sequence_logprobs_match_a_plain_log_softmax_of_the_whole_forward(setup):
     # logits_to_keep, the chunked kernel and a detached entropy give the textbook numbers:
     # log_softmax(logits[t - 1] / T)[token t] on response tokens, 0 elsewhere.
-    from rl.models import _position_ids, pad_batch, sequence_logprobs
+    from rl.padded_batch import mask_position_ids as _position_ids, pad_batch, sequence_logprobs
 
     tok, model, samples = setup
     m = fresh(model).double()

@@ -23,7 +23,8 @@ from rl.microbatch import (
     sample_lengths,
     token_budget_micro_batches,
 )
-from rl.models import ValueModel, pad_batch, sequence_logprobs
+from rl.models import ValueModel
+from rl.padded_batch import pad_batch, sequence_logprobs
 from rl.packing import micro_batch, micro_batch_logprobs, micro_batch_values
 from tests.test_packing import assert_grads_close, grads, random_samples, tiny_model
 

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from rl import models
+from rl import models, padded_batch
 from rl import tasks
 
 
@@ -53,9 +53,9 @@ def test_sampled_logprobs_match_fresh_forward(tok, policy, temperature):
     prompts = varied_prompts(tok)
     samples = models.sample_responses(policy, tok, prompts, max_new_tokens=6,
                                       temperature=temperature, seed=0)
-    batch = models.pad_batch(samples, tok.pad_token_id)
+    batch = padded_batch.pad_batch(samples, tok.pad_token_id)
     with torch.no_grad():
-        logprobs, entropy = models.sequence_logprobs(policy, batch["input_ids"],
+        logprobs, entropy = padded_batch.sequence_logprobs(policy, batch["input_ids"],
                                                      batch["attention_mask"],
                                                      batch["response_mask"], temperature)
     mask = batch["response_mask"]
@@ -64,11 +64,11 @@ def test_sampled_logprobs_match_fresh_forward(tok, policy, temperature):
     assert (entropy * mask > 0).sum() == mask.sum()
     # each sample alone (no padding at all) gives the same log-probs
     for i in (0, 1, 2):
-        alone = models.pad_batch([samples[i]], tok.pad_token_id)
+        alone = padded_batch.pad_batch([samples[i]], tok.pad_token_id)
         with torch.no_grad():
-            lp, _ = models.sequence_logprobs(policy, alone["input_ids"], alone["attention_mask"],
+            lp, _ = padded_batch.sequence_logprobs(policy, alone["input_ids"], alone["attention_mask"],
                                              alone["response_mask"], temperature)
-        got = models.unpad_tokens(lp, alone["response_mask"])[0]
+        got = padded_batch.unpad_tokens(lp, alone["response_mask"])[0]
         assert got == pytest.approx(samples[i]["logprobs"], abs=1e-5)
 
 
@@ -105,23 +105,23 @@ def test_untrained_policy_scores_like_chance(tok):
 def test_pad_batch_layout(tok):
     samples = [{"prompt_ids": [1, 5, 6], "response_ids": [7, 2], "logprobs": [-0.5, -0.25]},
                {"prompt_ids": [1, 5], "response_ids": [8, 9, 2], "logprobs": [-1.0, -2.0, -3.0]}]
-    b = models.pad_batch(samples, pad_id=0)
+    b = padded_batch.pad_batch(samples, pad_id=0)
     assert b["prompt_len"] == 3
     assert b["input_ids"].tolist() == [[1, 5, 6, 7, 2, 0], [0, 1, 5, 8, 9, 2]]
     assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]]
     assert b["response_mask"].tolist() == [[0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1]]
     assert b["logprobs"].tolist() == [[0, 0, 0, -0.5, -0.25, 0], [0, 0, 0, -1.0, -2.0, -3.0]]
-    assert models.unpad_tokens(b["logprobs"], b["response_mask"]) == [[-0.5, -0.25],
+    assert padded_batch.unpad_tokens(b["logprobs"], b["response_mask"]) == [[-0.5, -0.25],
                                                                       [-1.0, -2.0, -3.0]]
     samples[0]["logprobs"] = [-0.5]
     with pytest.raises(ValueError, match="sample 0 has 1 'logprobs' values for 2"):
-        models.pad_batch(samples, pad_id=0)
+        padded_batch.pad_batch(samples, pad_id=0)
 
 
 def test_value_model_alignment_and_checkpointing(tok, policy):
     critic = models.ValueModel.from_policy(policy, gradient_checkpointing=True)
     samples = models.sample_responses(policy, tok, varied_prompts(tok, 6), 4, seed=0)
-    b = models.pad_batch(samples, tok.pad_token_id)
+    b = padded_batch.pad_batch(samples, tok.pad_token_id)
     values = critic(b["input_ids"], b["attention_mask"])
     assert values.shape == b["input_ids"].shape and torch.all(values[:, 0] == 0)
     # values[:, t] sees tokens < t only: changing the last token changes no value of a full row

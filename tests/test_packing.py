@@ -1,4 +1,4 @@
-"""Packed forward/backward (rl/packing.py) against the padded path (rl/models.sequence_logprobs on
+"""Packed forward/backward (rl/packing.py) against the padded path (rl/padded_batch.sequence_logprobs on
 pad_batch), on real small Llama / Qwen2 models in float64 on CPU (sdpa attention, the
 block-diagonal mask transformers builds from restarting position ids).
 
@@ -15,7 +15,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from rl.microbatch import enable_gradient_checkpointing
-from rl.models import ValueModel, pad_batch, sequence_logprobs, unpad_tokens
+from rl.models import ValueModel
+from rl.padded_batch import pad_batch, sequence_logprobs, unpad_tokens
 from rl.packing import (
     micro_batch,
     micro_batch_logprobs,

@@ -12,7 +12,8 @@ from nodes.reference import add_logprobs
 from nodes.reward_model import score_items
 from rl import policy
 from rl.decoding import decode_responses
-from rl.models import cut_at_stop_strings, pad_batch, sample_responses, sequence_logprobs
+from rl.models import cut_at_stop_strings, sample_responses
+from rl.padded_batch import pad_batch, sequence_logprobs
 from rl.tasks import build_tokenizer
 from tests.chat_model import EOT, IM_END, make_chat_model_dir
 

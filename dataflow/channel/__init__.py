@@ -27,6 +27,7 @@ Files:
     send.py     SendEnd (the bounded outbox), ChannelEndpoint (a process's outboxes), SendStatistics
     receive.py  ReceiveEnd (the pumps and the inbox), ReceiveStatistics
     waiting.py  Signal: the broadcast wake-up both ends wait on
+    tracked.py  TrackedInput: the ReceiveEnd a hosted node reads, remembering the last item's meta
 """
 
 from dataflow.channel.errors import BadItem, BrokenChannel, ChannelError, ClosedChannel, EndOfChannel, WouldBlock

@@ -67,10 +67,8 @@ import torch
 from dataflow.checks import Positive
 from dataflow.errors import UserError
 from dataflow.weights import ipc as cuda_ipc
+from dataflow.weights.edges import SYNC_EDGE
 from dataflow.weights.rendezvous import device_info, free_port, tcp_store
-
-SYNC_EDGE = "policy_sync"
-"""Versioned edge (learner -> generators) carrying the collective transport's rendezvous address."""
 
 
 @dataclass(kw_only=True)
