@@ -96,7 +96,7 @@ class GeneratorConfig:
     """Static decoder on CUDA: replay each decode step as a CUDA graph (False: eager, to compare)."""
     compile: bool | None = None
     """Static decoder: torch.compile each layer's parts around attention (None = on CUDA;
-    rl/decoding.attention_input / attention_output).
+    rl/decoder_forward.attention_input / attention_output).
     Compiled at setup; a machine without a working compiler decodes with eager layers (logged)."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """How the learner's weights arrive (must match the learner's; dataflow/weights/sync.py)."""
