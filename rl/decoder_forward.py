@@ -1,10 +1,11 @@
 """The model side of the static decoder (rl/decoding.StaticDecoder): which models it covers, a
 decoder layer cut in two around attention, and the forward passes over the slot KV cache (prefill
-of new prompts, one decode step of every slot), layer by layer from the HF model's own modules.
+of new prompts, one decode step of every slot, teacher forcing for tests), layer by layer from the
+HF model's own modules.
 
 The functions taking `dec` read the decoder's buffers (caches, lengths, the token to feed) and are
-its methods `_prefill` / `_decode_logits`; they live here so rl/decoding.py keeps to the slots,
-sampling state, CUDA graphs and the public API.
+its methods (`_prefill`, `_decode_logits`, `teacher_forced_logits`); they live here so that
+rl/decoding.py keeps to the slots, the sampling state, CUDA graphs and the public API.
 """
 
 from __future__ import annotations
@@ -149,3 +150,33 @@ def decode_logits(dec, B: int, L: int | None = None) -> torch.Tensor:
                 attn_mask=mask, scale=attn.scaling)
         h = dec._attention_output(layer, h, o.reshape(B, 1, -1))
     return dec.model.lm_head(inner.norm(h[:, 0])).float()
+
+
+@torch.no_grad()
+def teacher_forced_logits(dec, prompts: list[list[int]], continuations: list[list[int]]
+                          ) -> list[torch.Tensor]:
+    """Per sequence, float32 logits [len(cont), V] predicting each continuation token, through
+    prefill and decode steps fed the given tokens (tests and benchmarks: compare with HF).
+    Uses slots [0, n): call it on an idle decoder."""
+    if dec.active or len(prompts) > dec.num_slots:
+        raise ValueError("teacher_forced_logits needs an idle decoder with enough slots")
+    n, dev = len(prompts), dec._device
+    was_training = dec.model.training
+    dec.model.eval()
+    ids = torch.zeros(n, max(len(p) for p in prompts), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, :len(p)] = torch.tensor(p, dtype=torch.long)
+    lens = torch.tensor([len(p) for p in prompts], device=dev)
+    logits = dec._prefill(ids.to(dev), lens, dec.slot_ids[:n])
+    dec.lengths[:n] = lens
+    out = [[logits[i]] for i in range(n)]
+    for t in range(max(len(c) for c in continuations) - 1):
+        dec.last[:n] = torch.tensor([c[t] if t < len(c) else 0 for c in continuations], device=dev)
+        logits = dec._decode_logits(n)
+        dec.lengths[:n] += 1
+        for i in range(n):
+            if t + 1 < len(continuations[i]):
+                out[i].append(logits[i])
+    dec.lengths[:n] = 0
+    dec.model.train(was_training)
+    return [torch.stack(o) for o in out]

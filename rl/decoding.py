@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from rl.decoder_forward import (attention_input, attention_output, compile_layer_halves, decode_logits,
-                                flash_with_kvcache, prefill, unsupported_reason)
+                                flash_with_kvcache, prefill, teacher_forced_logits, unsupported_reason)
 from rl.sampling import M32, _fmix32, gumbel_noise, sample_key, sample_tokens  # noqa: F401 (decoding.sample_key)
 
 
@@ -46,20 +46,32 @@ class StaticDecoder:
         dec.add([(prompt_ids, tag, key), ...])   # prefill into free slots (key: sample_key(...))
         while dec.active: done = dec.step(8)     # [(tag, sample dict)] of the finished sequences
 
-    A sample dict is {"prompt_ids", "response_ids", "logprobs", "finished"} as sample_responses'.
+    A sample dict is {"prompt_ids", "response_ids", "logprobs", "finished"} as sample_responses',
+    plus "token_versions" with `token_versions=True`: per response token, the weight version that
+    sampled it (set_version; partial rollouts, below).
     `eos_id`: the stop token id, or a list of them (every one ends a sequence).
     `attention`: "auto" (flash-attn when importable on CUDA, else sdpa), "sdpa" or "flash".
     `cuda_graphs`: None = on CUDA. `compile_sampler`: torch.compile the sampling ops (CUDA; falls
     back to eager if compiling fails): unfused, the per-vocab noise costs ~15 passes over [B, V].
     `compile_layers`: torch.compile each layer's parts before and after attention (None = on CUDA),
     here, on a dummy step; if that fails, the layers run eagerly and one line is printed.
+
+    Partial rollouts (nodes/generator.py, generator.partial_rollout): the weights may change
+    between two step() calls while sequences are live; set_version(v) then tags the tokens sampled
+    from there on with v. The live slots keep their KV cache: the keys and values of their earlier
+    tokens were computed by the old weights and are not recomputed (AReaL's interruptible
+    generation and slime's partial rollout keep them too), so a token sampled after the switch sees
+    the old weights' cache of its prefix. Its behaviour log-prob is that of the distribution that
+    sampled it, so the learner's per-token importance weight (rl/losses.behaviour_weights) corrects
+    for both.
     """
 
     def __init__(self, model: nn.Module, num_slots: int, max_len: int, *, eos_id: int | list[int],
                  max_new_tokens: int, min_new_tokens: int = 0, temperature: float = 1.0,
                  top_k: int = 0, seed: int = 0, cuda_graphs: bool | None = None,
                  attention: str = "auto", compile_sampler: bool | None = None,
-                 compile_layers: bool | None = None, sync_every: int | None = None):
+                 compile_layers: bool | None = None, sync_every: int | None = None,
+                 token_versions: bool = False):
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"StaticDecoder: unsupported model: {reason}")
@@ -74,6 +86,7 @@ class StaticDecoder:
         self._cuda_graphs, self._compile, self._sync_every = cuda_graphs, compile_sampler, sync_every
         self._attention, self._compile_layers = attention, compile_layers
         self._device = self._dtype = None
+        self.token_versions, self.version = token_versions, 0
         self.refresh()
 
     # ----- buffers, weights -------------------------------------------------------------------
@@ -114,6 +127,7 @@ class StaticDecoder:
         self.keys = torch.zeros(S, **z)
         self.temps = torch.full((S,), float(self.temperature), device=device, dtype=torch.float32)
         self.alive = torch.zeros(S, device=device, dtype=torch.bool)
+        self.caps = torch.full((S,), self.max_new_tokens, **z)   # per-slot response cap (add())
         self.out_tokens = torch.zeros(S, self.max_new_tokens, **z)
         self.out_logp = torch.zeros(S, self.max_new_tokens, device=device, dtype=torch.float32)
         self.slot_ids = torch.arange(S, **z)
@@ -126,6 +140,7 @@ class StaticDecoder:
         self.is_stop = torch.zeros(vocab, device=device, dtype=torch.bool)   # a lookup: capturable
         self.is_stop[self.stop_tensor] = True
         self.slots: list = [None] * S              # (tag, prompt_ids) per busy slot
+        self._versions: list = [None] * S          # per busy slot [(first token index, version)]
         # Slots whose request asked for another temperature than the decoder's (0 = greedy). While
         # there are any, steps sample with the per-slot tensor `temps` (one more graph per bucket);
         # else with the decoder's one temperature, as before (no per-row work).
@@ -157,6 +172,7 @@ class StaticDecoder:
 
     # ----- model pieces (rl/decoder_forward.py) ---------------------------------------------------
     _prefill, _decode_logits = prefill, decode_logits
+    teacher_forced_logits = teacher_forced_logits   # dec.teacher_forced_logits(prompts, continuations)
 
     def _sampler(self, *args):
         if self._compiled is not None:
@@ -184,7 +200,7 @@ class StaticDecoder:
         self.last[rows] = torch.where(live, tok, self.last[rows])
         n_gen = steps + live.long()
         self.n_gen[rows] = n_gen
-        self.alive[rows] = live & ~self.is_stop[tok] & (n_gen < self.max_new_tokens)
+        self.alive[rows] = live & ~self.is_stop[tok] & (n_gen < self.caps[rows])
 
     def _step(self, B: int, L: int | None = None) -> None:
         rows, live = self.slot_ids[:B], self.alive[:B].clone()
@@ -231,12 +247,15 @@ class StaticDecoder:
     # ----- public API -------------------------------------------------------------------------
     @torch.no_grad()
     def add(self, requests: list[tuple]) -> None:
-        """Prefill requests (prompt_ids, tag, key) or (prompt_ids, tag, key, temperature) into free
-        slots (lowest first, so the decode bucket stays small); a request's own temperature
-        (0 = greedy) overrides the decoder's for that sequence. Raises ValueError if they do not fit."""
+        """Prefill requests (prompt_ids, tag, key[, temperature[, max_new_tokens]]) into free slots
+        (lowest first, so the decode bucket stays small); a request's own temperature (0 = greedy)
+        overrides the decoder's for that sequence, its own max_new_tokens (None = the decoder's)
+        caps its response below the decoder's. Raises ValueError if they do not fit."""
         if not requests:
             return
         temps = [float(r[3]) if len(r) > 3 and r[3] is not None else float(self.temperature) for r in requests]
+        caps = [max(1, min(int(r[4]), self.max_new_tokens)) if len(r) > 4 and r[4] is not None
+                else self.max_new_tokens for r in requests]
         requests = [r[:3] for r in requests]
         free = [i for i, s in enumerate(self.slots) if s is None]
         if len(requests) > len(free):
@@ -259,13 +278,29 @@ class StaticDecoder:
         logits = self._prefill(ids, lens, rows)
         self.lengths[rows], self.keys[rows], self.n_gen[rows] = lens, keys, 0
         self.temps[rows] = torch.tensor(temps, dtype=torch.float32).to(dev)
+        self.caps[rows] = torch.tensor(caps, dtype=torch.long).to(dev)
         self._odd_temps.update(s for s, t in zip(slots, temps) if t != self.temperature)
         # eager sampler: prefill sizes vary, and each new shape would recompile a compiled one
         self._record(rows, logits, torch.ones(len(slots), dtype=torch.bool, device=dev), sample_tokens)
         for s, (p, tag, _) in zip(slots, requests):
             self.slots[s] = (tag, list(p))
+            self._versions[s] = [(0, self.version)]
             self._prompt_len[s], self._added_at[s] = len(p), self._steps
         self.model.train(was_training)
+
+    def set_version(self, version: int) -> None:
+        """The weights are now `version` (call between step() calls): the live sequences' next
+        tokens are tagged with it; their cache is kept (class docstring, partial rollouts)."""
+        if version == self.version:
+            return
+        busy = [i for i, s in enumerate(self.slots) if s is not None]
+        n_gen = self.n_gen.tolist() if busy else []     # one read per weight switch
+        for s in busy:
+            spans = self._versions[s]
+            if spans[-1][0] == n_gen[s]:   # no token under the previous version yet
+                spans.pop()
+            spans.append((n_gen[s], version))
+        self.version = version
 
     @torch.no_grad()
     def step(self, num_steps: int | None = None) -> list[tuple[object, dict]]:
@@ -307,9 +342,11 @@ class StaticDecoder:
         for i, s in enumerate(done):
             tag, prompt = self.slots[s]
             response = tokens[i][:n_gen[i]]
-            out.append((tag, {"prompt_ids": prompt, "response_ids": response,
-                              "logprobs": logp[i][:n_gen[i]],
-                              "finished": bool(response) and response[-1] in self.stop_ids}))
+            sample = {"prompt_ids": prompt, "response_ids": response, "logprobs": logp[i][:n_gen[i]],
+                      "finished": bool(response) and response[-1] in self.stop_ids}
+            if self.token_versions:
+                sample["token_versions"] = expand_versions(self._versions[s], n_gen[i])
+            out.append((tag, sample))
             self.slots[s] = None
             if s in self._odd_temps:
                 self._odd_temps.discard(s)
@@ -317,34 +354,13 @@ class StaticDecoder:
         self.lengths[idx] = 0      # free slots decode harmlessly at position 0 until refilled
         return out
 
-    @torch.no_grad()
-    def teacher_forced_logits(self, prompts: list[list[int]], continuations: list[list[int]]
-                              ) -> list[torch.Tensor]:
-        """Per sequence, float32 logits [len(cont), V] predicting each continuation token, through
-        prefill and decode steps fed the given tokens (tests and benchmarks: compare with HF).
-        Uses slots [0, n): call it on an idle decoder."""
-        if self.active or len(prompts) > self.num_slots:
-            raise ValueError("teacher_forced_logits needs an idle decoder with enough slots")
-        n, dev = len(prompts), self._device
-        was_training = self.model.training
-        self.model.eval()
-        ids = torch.zeros(n, max(len(p) for p in prompts), dtype=torch.long)
-        for r, p in enumerate(prompts):
-            ids[r, :len(p)] = torch.tensor(p, dtype=torch.long)
-        lens = torch.tensor([len(p) for p in prompts], device=dev)
-        logits = self._prefill(ids.to(dev), lens, self.slot_ids[:n])
-        self.lengths[:n] = lens
-        out = [[logits[i]] for i in range(n)]
-        for t in range(max(len(c) for c in continuations) - 1):
-            self.last[:n] = torch.tensor([c[t] if t < len(c) else 0 for c in continuations], device=dev)
-            logits = self._decode_logits(n)
-            self.lengths[:n] += 1
-            for i in range(n):
-                if t + 1 < len(continuations[i]):
-                    out[i].append(logits[i])
-        self.lengths[:n] = 0
-        self.model.train(was_training)
-        return [torch.stack(o) for o in out]
+
+
+def expand_versions(spans: list[tuple[int, int]], length: int) -> list[int]:
+    """Per token, the version of the last span [(first token index, version), ...] starting at or
+    before it: ([(0, 3), (5, 4)], 7) -> [3, 3, 3, 3, 3, 4, 4]."""
+    bounds = [start for start, _ in spans[1:]] + [length]
+    return [v for (start, v), end in zip(spans, bounds) for _ in range(max(0, min(end, length) - start))]
 
 
 @torch.no_grad()
