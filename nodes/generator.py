@@ -44,7 +44,6 @@ torch.Generator per call from (seed, id of the call's first prompt).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
@@ -55,6 +54,7 @@ from dataflow import Node
 from dataflow.channel import EndOfChannel, WouldBlock
 from dataflow.checks import AtLeast, Each, NonNegative
 from dataflow.errors import UserError
+from nodes.generator_reports import Drain, ValidationSpan
 from rl import policy
 from rl.decoding import StaticDecoder, sample_key, unsupported_reason
 from rl.models import cut_at_stop_strings, sample_responses
@@ -263,7 +263,7 @@ class Generator(Node):
         groups: dict[int, list] = {}  # group number -> [msg, samples, still running, version admitted under]
         ready: list = []              # finished items the outbox had no room for
         ended, number = False, 0
-        val_span, drain = _ValidationSpan(self.ctx), _Drain(self.ctx, dec.num_slots)
+        val_span, drain = ValidationSpan(self.ctx), Drain(self.ctx, dec.num_slots)
         partial = c.partial_rollout and isinstance(dec, StaticDecoder)   # vLLM's requests drain (logged)
         if partial:
             dec.token_versions = True
@@ -381,50 +381,3 @@ class Generator(Node):
 
 VAL_NOISE = 1 << 31
 """Sample-index offset of validation responses' noise keys (apart from any training group's)."""
-
-
-class _Drain:
-    """generator/drain_s, drain_free_slots (module docstring): the first decode round that saw a
-    newer version announced, to the end of its serving() block."""
-
-    def __init__(self, ctx, num_slots: int):
-        self.ctx, self.num_slots, self.since, self.free = ctx, num_slots, None, []
-
-    def newer(self, seen: bool) -> None:
-        self.since = self.since or (time.perf_counter() if seen else None)
-
-    def stepping(self, free_slots: int) -> None:
-        if self.since is not None:
-            self.free.append(free_slots / self.num_slots)
-
-    def ended(self) -> None:
-        if self.since is not None:
-            self.ctx.metrics({"generator/drain_s": time.perf_counter() - self.since,
-                              "generator/drain_free_slots": sum(self.free) / max(len(self.free), 1)})
-            self.since, self.free = None, []
-
-
-class _ValidationSpan:
-    """The trace span "generate val" (track "val") while this replica decodes validation prompts,
-    beside the training ones in the same decode steps (a span of its own would have to stop them)."""
-
-    def __init__(self, ctx):
-        self.ctx, self.span, self.active = ctx, None, 0
-
-    def admitted(self, msg) -> None:
-        if "val" in msg.data:
-            if self.span is None:
-                self.span = self.ctx.span("generate val", track="val", round=msg.data["val"]["round"])
-                self.span.__enter__()
-            self.active += 1
-
-    def finished(self, msg) -> None:
-        if "val" in msg.data:
-            self.active -= 1
-            if self.active == 0:
-                self.close()
-
-    def close(self) -> None:
-        if self.span is not None:
-            self.span.__exit__(None, None, None)
-            self.span, self.active = None, 0
