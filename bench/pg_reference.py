@@ -30,7 +30,7 @@ from rl.advantages import gae_advantages, grpo_advantages  # noqa: E402
 from rl.kl import kl_penalty, per_token_rewards  # noqa: E402
 from rl.losses import ppo_policy_loss, value_loss  # noqa: E402
 from rl.masked import masked_mean, masked_whiten  # noqa: E402
-from rl import models  # noqa: E402
+from rl import models, padded_batch  # noqa: E402
 from rl import tasks  # noqa: E402
 
 
@@ -125,7 +125,7 @@ def main():
         for r, s in zip(records, samples):
             s["score"] = task.score(r, tok.decode(s["response_ids"], skip_special_tokens=True))
             s["token_rewards"] = task.token_rewards(r, tok.convert_ids_to_tokens(s["response_ids"]))
-        b = models.pad_batch(samples, tok.pad_token_id, token_keys=("logprobs", "token_rewards"))
+        b = padded_batch.pad_batch(samples, tok.pad_token_id, token_keys=("logprobs", "token_rewards"))
         mask, scores = b["response_mask"], torch.tensor([s["score"] for s in samples])
         ids, attn = b["input_ids"], b["attention_mask"]
 
@@ -133,7 +133,7 @@ def main():
             old_logprobs = b["logprobs"]
             kl = torch.zeros_like(mask)
             if ref is not None:
-                ref_logprobs, _ = models.sequence_logprobs(ref, ids, attn, mask, with_entropy=False)
+                ref_logprobs, _ = padded_batch.sequence_logprobs(ref, ids, attn, mask, with_entropy=False)
                 kl = kl_penalty(old_logprobs, ref_logprobs, "k1") * mask
             if args.token_rewards:
                 rewards = b["token_rewards"] - args.kl_coef * kl
@@ -155,7 +155,7 @@ def main():
         num_mb = args.num_minibatches
         for _ in range(args.ppo_epochs):
             for mb in torch.randperm(len(samples), generator=gen).chunk(num_mb):
-                logprobs, entropy = models.sequence_logprobs(policy, ids[mb], attn[mb], mask[mb])
+                logprobs, entropy = padded_batch.sequence_logprobs(policy, ids[mb], attn[mb], mask[mb])
                 loss, stats = ppo_policy_loss(logprobs, old_logprobs[mb], advantages[mb],
                                                       mask[mb], args.clip_eps)
                 opt.zero_grad()

@@ -8,7 +8,7 @@ run with vLLM's bundled FlashAttention (item 7).
 Parts (each writes into OUT/results.json as it finishes, so a cut-off call keeps what ran):
   correctness  W1 (and --model-dir) through rl/vllm_engine.VllmDecoder, the generator's own path:
                behaviour log-probs (processed, at the sampling temperature) against the learner's
-               recomputation (rl/models.sequence_logprobs on the generator's bf16 copy) on the same
+               recomputation (rl/padded_batch.sequence_logprobs on the generator's bf16 copy) on the same
                tokens, before and after a weight push (mean / max abs diff; the push is checked to
                have landed: the old samples' log-probs move); greedy responses against the static
                decoder's on the same weights (identical responses, mean agreeing prefix).
@@ -49,7 +49,7 @@ import torch  # noqa: E402
 
 from rl import policy  # noqa: E402
 from rl.decoding import StaticDecoder, sample_key  # noqa: E402
-from rl.models import pad_batch, sequence_logprobs  # noqa: E402
+from rl.padded_batch import pad_batch, sequence_logprobs  # noqa: E402
 from rl.vllm_engine import VllmDecoder, sampling_params  # noqa: E402
 
 T0 = time.time()
@@ -111,7 +111,7 @@ def engine(model_dir: str, model, slots: int, max_len: int, stop_ids, new: int, 
 
 @torch.no_grad()
 def recompute(model, samples: list[dict], temperature: float = 1.0, rows: int = 32) -> list[list[float]]:
-    """The learner's log-probs of each sample's response tokens (rl/models.sequence_logprobs)."""
+    """The learner's log-probs of each sample's response tokens (rl/padded_batch.sequence_logprobs)."""
     out = []
     for at in range(0, len(samples), rows):
         part = samples[at:at + rows]

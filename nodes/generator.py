@@ -2,7 +2,7 @@
 
 Consumes: `prompts` {"id", "prompt", "fields"}.
 Produces: `samples`, one item per prompt: {"id", "prompt", "fields", "version",
-          "samples": [{"prompt_ids", "response_ids", "logprobs", "finished"} x group_size]}.
+          "samples": [{"prompt_ids", "response_ids", "logprobs", "finished"[, "token_versions"]} x group_size]}.
 Waits for: prompts (admitted by the prompt source under the staleness bound).
 Unblocked by: the prompt source; new weights arrive on the versioned edge `policy` at any time
 (weight_sync.transport=collective: by the learner's HybridEngine push; dataflow/weights/sync.py).
@@ -18,6 +18,16 @@ taken are generated, never lost. generator.backend=vllm runs a vLLM engine in th
 HF copy, which is loaded into vLLM at each switch). The HF loop (rl/models.py:sample_responses)
 runs in batches of up to prompts_per_call prompts, switching weights between batches.
 Generation runs in a worker thread so the actor keeps answering channel pulls and weight pushes.
+
+Partial rollouts (generator.partial_rollout; slime's and verl's name, AReaL's interruptible
+generation): on a newer version the live sequences are not drained: the loop leaves serving()
+between two decode steps, the weights switch, the sequences go on under them with their KV cache
+kept (rl/decoding.py), and admission resumes at once. Each sample carries "token_versions" (per
+response token, the version that sampled it; AReaL's per-token versions). The item's "version" is
+its oldest token's, the one its group was admitted under, so the prompt source's staleness bound
+holds for every token; the learner weights each token by its own (rl/losses.behaviour_weights). A
+response then depends on when the weights switched. Every switch reports generator/drain_s (from
+seeing a newer version to leaving the old weights, admission stopped) and drain_free_slots.
 
 Validation prompts (data "val", nodes/evaluator.py) get 1 + val.n responses instead of a group:
 the first greedy (temperature 0, a per-slot setting of the decoder; rl/decoding.py), the others at
@@ -44,6 +54,7 @@ from dataflow import Node
 from dataflow.channel import EndOfChannel, WouldBlock
 from dataflow.checks import AtLeast, Each, NonNegative
 from dataflow.errors import UserError
+from nodes.generator_reports import Drain, ValidationSpan
 from rl import policy
 from rl.decoding import StaticDecoder, sample_key, unsupported_reason
 from rl.models import cut_at_stop_strings, sample_responses
@@ -96,10 +107,18 @@ class GeneratorConfig:
     """Static decoder on CUDA: replay each decode step as a CUDA graph (False: eager, to compare)."""
     compile: bool | None = None
     """Static decoder: torch.compile each layer's parts around attention (None = on CUDA;
-    rl/decoding.attention_input / attention_output).
+    rl/decoder_forward.attention_input / attention_output).
     Compiled at setup; a machine without a working compiler decodes with eager layers (logged)."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """How the learner's weights arrive (must match the learner's; dataflow/weights/sync.py)."""
+    partial_rollout: bool = False
+    """Static decoder: a response still decoding when new weights arrive continues under them (its
+    KV cache kept) instead of the slots draining first; each token is tagged with its version and
+    the learner weights it per token (module docstring). The HF loop ignores it (logged)."""
+    max_new_tokens_key: str = ""
+    """Static decoder: the prompt row's field (in its "fields") that caps that prompt's responses,
+    at most max_new_tokens (empty = off): a per-row length, e.g. a long-tailed benchmark's
+    (bench/partial_rollout.py)."""
     seed: int = 0
 
     def preflight(self) -> list[str]:
@@ -156,6 +175,9 @@ class Generator(Node):
                          + (f" and strings {c.stop_strings}" if c.stop_strings else ""))
         backend, why = choose_backend(c.backend, unsupported_reason(self.model), self.ctx.device)
         self.ctx.log(f"generator: backend {backend} ({why})")
+        if backend != "static" and (c.partial_rollout or c.max_new_tokens_key):
+            self.ctx.log(f"generator: partial_rollout and max_new_tokens_key are the static decoder's: the {backend} "
+                         "backend drains its requests before each weight switch and ignores per-row caps")
         # Cast before the weight sync's setup: it tells the learner the dtype to push in. With vLLM
         # this copy only receives the pushes (vLLM holds its own): on the CPU where it can be.
         held = "cpu" if backend == "vllm" and c.weight_sync.transport == "object_store" else self.ctx.device
@@ -229,14 +251,22 @@ class Generator(Node):
                             "lower val.n or raise generator.prompts_per_call")
         return plan
 
+    def _cap(self, msg) -> int | None:
+        """This prompt's response cap (generator.max_new_tokens_key; None = max_new_tokens)."""
+        value = msg.data.get("fields", {}).get(self.config.max_new_tokens_key or None)
+        return None if value is None else int(value)
+
     async def _run_continuous(self):
         c, dec = self.config, self.decoder
         prompts, out = self.ctx.inputs["prompts"], self.ctx.outputs["samples"]
         waiting: deque = deque()      # (msg, prompt ids) taken but not admitted
-        groups: dict[int, list] = {}  # group number -> [msg, samples, still running]
+        groups: dict[int, list] = {}  # group number -> [msg, samples, still running, version admitted under]
         ready: list = []              # finished items the outbox had no room for
         ended, number = False, 0
-        val_span = _ValidationSpan(self.ctx)
+        val_span, drain = ValidationSpan(self.ctx), Drain(self.ctx, dec.num_slots)
+        partial = c.partial_rollout and isinstance(dec, StaticDecoder)   # vLLM's requests drain (logged)
+        if partial:
+            dec.token_versions = True
 
         def emit(item) -> bool:     # never wait for room while holding the weights
             try:
@@ -252,24 +282,30 @@ class Generator(Node):
                 for item, meta in ready:
                     await out.send(item, **meta)
                 ready.clear()
-                if not waiting and not ended:
+                if not waiting and not ended and not dec.active:   # live slots (partial rollout): no wait
                     try:
                         for msg in await prompts.recv_batch(self.prompts_per_call, 0.02):
                             waiting.append((msg, self._tokenize(msg)))
                     except EndOfChannel:
                         ended = True
-                if not waiting:
+                if not waiting and not dec.active:
                     if ended:
                         return
                     continue
                 async with self.weight_sync.serving() as self.version:
                     await asyncio.to_thread(dec.refresh)   # re-captures graphs if weights moved
+                    if partial:
+                        dec.set_version(self.version)      # live slots' next tokens are this version's
                     with self.ctx.span("generate", version=self.version):
                         while True:
                             # Admit whole groups, only while these weights are the newest announced
-                            # and the output has room (backpressure).
+                            # and the output has room (backpressure). Partial rollout: newer weights
+                            # are switched to now, between decode steps, the slots kept.
                             admit = []
                             newer = self.ctx.latest_version(self.weight_sync.edge) > self.version
+                            drain.newer(newer)
+                            if newer and partial:
+                                break
                             while not newer and not ready and dec.free_slots() - len(admit) >= c.group_size:
                                 if not waiting and not ended:
                                     try:
@@ -286,14 +322,16 @@ class Generator(Node):
                                 if dec.free_slots() - len(admit) < len(plan):   # a larger validation group
                                     break
                                 msg, ids = waiting.popleft()
-                                groups[number] = [msg, [None] * len(plan), len(plan)]
-                                admit += [(ids, (number, j), key, temp) for j, (key, temp) in enumerate(plan)]
+                                groups[number] = [msg, [None] * len(plan), len(plan), self.version]
+                                cap = self._cap(msg)
+                                admit += [(ids, (number, j), key, temp, cap) for j, (key, temp) in enumerate(plan)]
                                 val_span.admitted(msg)
                                 number += 1
                             if admit:
                                 await asyncio.to_thread(dec.add, admit)
                             if not dec.active:
                                 break
+                            drain.stepping(dec.free_slots())
                             for (n, j), sample in await asyncio.to_thread(dec.step):
                                 group = groups[n]
                                 group[1][j] = self._stop_strings(sample)
@@ -302,10 +340,12 @@ class Generator(Node):
                                     del groups[n]
                                     msg = group[0]
                                     val_span.finished(msg)
-                                    item = ({**self._fields(msg), "version": self.version, "samples": group[1]},
-                                            {**msg.meta, "version": self.version})
+                                    # the version admitted under: its oldest token's (partial rollout)
+                                    item = ({**self._fields(msg), "version": group[3], "samples": group[1]},
+                                            {**msg.meta, "version": group[3]})
                                     if ready or not emit(item):   # keep the order of completion
                                         ready.append(item)
+                        drain.ended()     # the slots are empty, or (partial rollout) newer weights are due
         finally:
             val_span.close()
 
@@ -341,29 +381,3 @@ class Generator(Node):
 
 VAL_NOISE = 1 << 31
 """Sample-index offset of validation responses' noise keys (apart from any training group's)."""
-
-
-class _ValidationSpan:
-    """The trace span "generate val" (track "val") while this replica decodes validation prompts,
-    beside the training ones in the same decode steps (a span of its own would have to stop them)."""
-
-    def __init__(self, ctx):
-        self.ctx, self.span, self.active = ctx, None, 0
-
-    def admitted(self, msg) -> None:
-        if "val" in msg.data:
-            if self.span is None:
-                self.span = self.ctx.span("generate val", track="val", round=msg.data["val"]["round"])
-                self.span.__enter__()
-            self.active += 1
-
-    def finished(self, msg) -> None:
-        if "val" in msg.data:
-            self.active -= 1
-            if self.active == 0:
-                self.close()
-
-    def close(self) -> None:
-        if self.span is not None:
-            self.span.__exit__(None, None, None)
-            self.span, self.active = None, 0

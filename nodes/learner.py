@@ -254,7 +254,7 @@ class Learner(RankCommands, Node):
                 group["lr"] = self.lr_at(args["version"] - 1)
             stats = await asyncio.to_thread(ppo_update, self.model, self.optimizer, args["samples"],
                                             args["kl_coef"], self.tokenizer.pad_token_id, c, self.rng,
-                                            args["stale"], self.ranks)
+                                            args["stale"], self.ranks, args["version"] - 1)
             if self.ranks is not None and not self.ranks.lead:   # rank 0 counts its steps in _lead
                 self.version = args["version"]
             return stats
@@ -350,8 +350,12 @@ class Learner(RankCommands, Node):
             samples = [s for item in items for s in item["samples"]]
             for item in items:
                 for s in item["samples"]:
+                    # The item's version is its oldest token's (a partial rollout's tokens may be
+                    # newer: "token_versions", nodes/generator.py), so the bound below holds per token.
                     s["version"] = item["version"]
+                    s.setdefault("token_versions", [item["version"]] * len(s["response_ids"]))
             staleness = [self.version - s["version"] for s in samples]
+            token_staleness = [self.version - v for s in samples for v in s["token_versions"]]
             if max(staleness) > c.max_staleness:
                 raise RuntimeError(f"sample of version {min(s['version'] for s in samples)} reached learner "
                                    f"version {self.version}: staleness {max(staleness)} > max_staleness {c.max_staleness}")
@@ -376,6 +380,8 @@ class Learner(RankCommands, Node):
                     "reward/mean": mean, "reward/std": std, "kl": stats["kl/rollout" if in_reward else "losses/kl"],
                     "entropy": stats["entropy"], "lr": self.lr_at(self.version - 1),
                     "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
+                    "staleness/token_mean": sum(token_staleness) / max(len(token_staleness), 1),
+                    "samples/mixed_versions": sum(len(set(s["token_versions"])) > 1 for s in samples),
                     "perf/samples_per_s": len(samples) / (now - t_last), "kl_coef": kl_coef,
                     "samples/failed": len(samples) - len(ok), "response_length/mean":
                         sum(len(s["response_ids"]) for s in samples) / len(samples),

@@ -32,65 +32,11 @@ lists a few); a sequence ends at the first of any of them, and "<eos>" in this f
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from rl.decoder_forward import (attention_input, attention_output, compile_layer_halves, decode_logits,
+                                flash_with_kvcache, prefill, teacher_forced_logits, unsupported_reason)
 from rl.sampling import M32, _fmix32, gumbel_noise, sample_key, sample_tokens  # noqa: F401 (decoding.sample_key)
-
-
-def unsupported_reason(model: nn.Module) -> str | None:
-    """Why `model` cannot use the static decoder (None: it can)."""
-    cfg = getattr(model, "config", None)
-    family = getattr(cfg, "model_type", None)
-    if family not in ("llama", "qwen2"):
-        return f"model_type {family!r} (the static decoder covers llama and qwen2)"
-    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "linear", "llama3"):   # position-independent inv_freq only
-        return f"rope type {rope_type!r}"
-    if getattr(cfg, "use_sliding_window", False):
-        return "sliding-window attention"
-    if getattr(cfg, "pretraining_tp", 1) != 1:
-        return "pretraining_tp > 1"
-    inner = getattr(model, "model", None)
-    if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
-            or not hasattr(model, "lm_head"):
-        return "not a plain HF LlamaForCausalLM / Qwen2ForCausalLM module layout"
-    return None
-
-
-def qkv(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q [B, T, h, d], k and v [B, T, kv, d] with RoPE applied (x: [B, T, hidden]; cos, sin
-    [B, T, d]). Head counts come from the projections' shapes, so under torch.compile they are
-    constants of the weights."""
-    from transformers.models.llama.modeling_llama import rotate_half
-    B, T = x.shape[:2]
-    d = attn.head_dim
-    q = attn.q_proj(x).view(B, T, -1, d)
-    k = attn.k_proj(x).view(B, T, -1, d)
-    v = attn.v_proj(x).view(B, T, -1, d)
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]     # [B, T, 1, d]: broadcast over heads
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
-
-
-def attention_input(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """A decoder layer's part before attention: RMSNorm, the q/k/v projections and RoPE."""
-    return qkv(layer.self_attn, layer.input_layernorm(h), cos, sin)
-
-
-def attention_output(layer: nn.Module, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """A decoder layer's part after attention (o [B, T, heads x d]): o_proj, the residual add,
-    RMSNorm, the SwiGLU MLP and its residual add."""
-    h = h + layer.self_attn.o_proj(o)
-    return h + layer.mlp(layer.post_attention_layernorm(h))
-
-
-def _flash_with_kvcache():
-    try:
-        from flash_attn import flash_attn_with_kvcache
-        return flash_attn_with_kvcache
-    except Exception:
-        return None
 
 
 class StaticDecoder:
@@ -100,20 +46,32 @@ class StaticDecoder:
         dec.add([(prompt_ids, tag, key), ...])   # prefill into free slots (key: sample_key(...))
         while dec.active: done = dec.step(8)     # [(tag, sample dict)] of the finished sequences
 
-    A sample dict is {"prompt_ids", "response_ids", "logprobs", "finished"} as sample_responses'.
+    A sample dict is {"prompt_ids", "response_ids", "logprobs", "finished"} as sample_responses',
+    plus "token_versions" with `token_versions=True`: per response token, the weight version that
+    sampled it (set_version; partial rollouts, below).
     `eos_id`: the stop token id, or a list of them (every one ends a sequence).
     `attention`: "auto" (flash-attn when importable on CUDA, else sdpa), "sdpa" or "flash".
     `cuda_graphs`: None = on CUDA. `compile_sampler`: torch.compile the sampling ops (CUDA; falls
     back to eager if compiling fails): unfused, the per-vocab noise costs ~15 passes over [B, V].
     `compile_layers`: torch.compile each layer's parts before and after attention (None = on CUDA),
     here, on a dummy step; if that fails, the layers run eagerly and one line is printed.
+
+    Partial rollouts (nodes/generator.py, generator.partial_rollout): the weights may change
+    between two step() calls while sequences are live; set_version(v) then tags the tokens sampled
+    from there on with v. The live slots keep their KV cache: the keys and values of their earlier
+    tokens were computed by the old weights and are not recomputed (AReaL's interruptible
+    generation and slime's partial rollout keep them too), so a token sampled after the switch sees
+    the old weights' cache of its prefix. Its behaviour log-prob is that of the distribution that
+    sampled it, so the learner's per-token importance weight (rl/losses.behaviour_weights) corrects
+    for both.
     """
 
     def __init__(self, model: nn.Module, num_slots: int, max_len: int, *, eos_id: int | list[int],
                  max_new_tokens: int, min_new_tokens: int = 0, temperature: float = 1.0,
                  top_k: int = 0, seed: int = 0, cuda_graphs: bool | None = None,
                  attention: str = "auto", compile_sampler: bool | None = None,
-                 compile_layers: bool | None = None, sync_every: int | None = None):
+                 compile_layers: bool | None = None, sync_every: int | None = None,
+                 token_versions: bool = False):
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"StaticDecoder: unsupported model: {reason}")
@@ -128,6 +86,7 @@ class StaticDecoder:
         self._cuda_graphs, self._compile, self._sync_every = cuda_graphs, compile_sampler, sync_every
         self._attention, self._compile_layers = attention, compile_layers
         self._device = self._dtype = None
+        self.token_versions, self.version = token_versions, 0
         self.refresh()
 
     # ----- buffers, weights -------------------------------------------------------------------
@@ -150,7 +109,7 @@ class StaticDecoder:
         self.n_head = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_head
         self.head_dim = attn.head_dim
-        flash = _flash_with_kvcache() if cuda and dtype in (torch.float16, torch.bfloat16) else None
+        flash = flash_with_kvcache() if cuda and dtype in (torch.float16, torch.bfloat16) else None
         if self._attention == "flash" and flash is None:
             raise ValueError("StaticDecoder(attention='flash'): flash_attn is not importable here "
                              "(or the device/dtype is not CUDA fp16/bf16)")
@@ -168,6 +127,7 @@ class StaticDecoder:
         self.keys = torch.zeros(S, **z)
         self.temps = torch.full((S,), float(self.temperature), device=device, dtype=torch.float32)
         self.alive = torch.zeros(S, device=device, dtype=torch.bool)
+        self.caps = torch.full((S,), self.max_new_tokens, **z)   # per-slot response cap (add())
         self.out_tokens = torch.zeros(S, self.max_new_tokens, **z)
         self.out_logp = torch.zeros(S, self.max_new_tokens, device=device, dtype=torch.float32)
         self.slot_ids = torch.arange(S, **z)
@@ -180,6 +140,7 @@ class StaticDecoder:
         self.is_stop = torch.zeros(vocab, device=device, dtype=torch.bool)   # a lookup: capturable
         self.is_stop[self.stop_tensor] = True
         self.slots: list = [None] * S              # (tag, prompt_ids) per busy slot
+        self._versions: list = [None] * S          # per busy slot [(first token index, version)]
         # Slots whose request asked for another temperature than the decoder's (0 = greedy). While
         # there are any, steps sample with the per-slot tensor `temps` (one more graph per bucket);
         # else with the decoder's one temperature, as before (no per-row work).
@@ -200,32 +161,7 @@ class StaticDecoder:
         self._attention_input, self._attention_output = attention_input, attention_output
         self.layers_compiled = False
         if cuda if self._compile_layers is None else self._compile_layers:
-            self._compile_layer_halves()
-
-    def _compile_layer_halves(self) -> None:
-        """torch.compile attention_input and attention_output, now, on a dummy decode step of 3
-        rows. Their glue is most of a layer's kernels (RMSNorm's float32 upcast, rotary, SwiGLU,
-        residual adds: ~45 per layer eager, for 7 matmuls), and at batch 256 those launches, not
-        the math, set a decode step's time even inside a CUDA graph. The weights are graph inputs,
-        so one graph serves every layer; dynamic=True makes it serve every batch bucket too (3 is
-        a size no weight dimension has, so nothing is specialised to equal one)."""
-        B, inner = min(3, self.num_slots), self.model.model
-        first, second = (torch.compile(f, dynamic=True) for f in (attention_input, attention_output))
-        pos = torch.zeros(B, dtype=torch.long, device=self._device)
-        try:
-            with torch.no_grad():
-                h = inner.embed_tokens(pos[:, None])
-                cos, sin = inner.rotary_emb(h, pos[:, None])
-                q, _, _ = first(inner.layers[0], h, cos, sin)
-                # o as the decode step makes it: a view of sdpa's [B, kv, g, d] output
-                o = q.view(B, self.n_kv, -1, self.head_dim).clone().reshape(B, 1, -1)
-                second(inner.layers[0], h, o)
-        except Exception as e:  # e.g. no C++ compiler / triton: eager is correct, just slower
-            print(f"StaticDecoder: torch.compile of the decoder layers failed ({type(e).__name__}: "
-                  f"{str(e)[:200]}); decoding with eager layers", flush=True)
-            return
-        self._attention_input, self._attention_output = first, second
-        self.layers_compiled = True
+            compile_layer_halves(self)
 
     @property
     def active(self) -> int:
@@ -234,61 +170,9 @@ class StaticDecoder:
     def free_slots(self) -> int:
         return self.slots.count(None)
 
-    # ----- model pieces -----------------------------------------------------------------------
-    def _prefill(self, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Right-padded prompts [n, P] -> K/V into `slots`, float32 logits [n, V] at each last token.
-        Causal attention needs no padding mask: a real token never sees the pads after it."""
-        inner = self.model.model
-        n, P = ids.shape
-        h = inner.embed_tokens(ids)
-        cos, sin = inner.rotary_emb(h, self.positions[:P][None].expand(n, P))
-        g = self.n_head // self.n_kv
-        for i, layer in enumerate(inner.layers):
-            attn = layer.self_attn
-            q, k, v = attention_input(layer, h, cos, sin)
-            if self._flash:
-                self.k_cache[i][slots, :P], self.v_cache[i][slots, :P] = k, v
-            else:
-                self.k_cache[i][slots, :, :P] = k.transpose(1, 2)
-                self.v_cache[i][slots, :, :P] = v.transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(g, 1),
-                v.transpose(1, 2).repeat_interleave(g, 1), is_causal=True, scale=attn.scaling)
-            h = attention_output(layer, h, o.transpose(1, 2).reshape(n, P, -1))
-        last = h[torch.arange(n, device=h.device), lens - 1]
-        return self.model.lm_head(inner.norm(last)).float()
-
-    def _decode_logits(self, B: int, L: int | None = None) -> torch.Tensor:
-        """One token for slots [0, B): writes its K/V at `lengths`, float32 logits [B, V].
-        Attends over cache positions [0, L) (default all: a fixed shape for CUDA graphs; eager
-        callers pass max(lengths) + 1 to skip the empty tail)."""
-        inner = self.model.model
-        L = L or self.max_len
-        pos = self.lengths[:B]
-        h = inner.embed_tokens(self.last[:B, None])   # [B, 1, hidden], not a view (as compiled)
-        cos, sin = inner.rotary_emb(h, pos[:, None])
-        mask = (self.positions[None, :L] <= pos[:, None])[:, None, None, :]   # [B, 1, 1, L]
-        rows, g = self.slot_ids[:B], self.n_head // self.n_kv
-        for i, layer in enumerate(inner.layers):
-            attn = layer.self_attn
-            q, k, v = self._attention_input(layer, h, cos, sin)
-            kc, vc = self.k_cache[i][:B], self.v_cache[i][:B]
-            if self._flash is not None:
-                # UNTESTED (flash-attn is installed nowhere this was written): appends k/v at
-                # cache_seqlens and attends over the cache in one kernel.
-                o = self._flash(q, kc, vc, k=k, v=v, cache_seqlens=pos.int(),
-                                softmax_scale=attn.scaling, causal=True)
-            else:
-                # eager between the compiled halves: a compiled graph reading the cache would
-                # specialise on L < max_len (and B < num_slots) and compile again at the full size
-                kc[rows, :, pos] = k[:, 0]
-                vc[rows, :, pos] = v[:, 0]
-                # GQA for one query token: the g query heads sharing a KV head become g query rows.
-                o = F.scaled_dot_product_attention(
-                    q.view(B, self.n_kv, g, self.head_dim), kc[:, :, :L], vc[:, :, :L],
-                    attn_mask=mask, scale=attn.scaling)
-            h = self._attention_output(layer, h, o.reshape(B, 1, -1))
-        return self.model.lm_head(inner.norm(h[:, 0])).float()
+    # ----- model pieces (rl/decoder_forward.py) ---------------------------------------------------
+    _prefill, _decode_logits = prefill, decode_logits
+    teacher_forced_logits = teacher_forced_logits   # dec.teacher_forced_logits(prompts, continuations)
 
     def _sampler(self, *args):
         if self._compiled is not None:
@@ -316,7 +200,7 @@ class StaticDecoder:
         self.last[rows] = torch.where(live, tok, self.last[rows])
         n_gen = steps + live.long()
         self.n_gen[rows] = n_gen
-        self.alive[rows] = live & ~self.is_stop[tok] & (n_gen < self.max_new_tokens)
+        self.alive[rows] = live & ~self.is_stop[tok] & (n_gen < self.caps[rows])
 
     def _step(self, B: int, L: int | None = None) -> None:
         rows, live = self.slot_ids[:B], self.alive[:B].clone()
@@ -363,12 +247,15 @@ class StaticDecoder:
     # ----- public API -------------------------------------------------------------------------
     @torch.no_grad()
     def add(self, requests: list[tuple]) -> None:
-        """Prefill requests (prompt_ids, tag, key) or (prompt_ids, tag, key, temperature) into free
-        slots (lowest first, so the decode bucket stays small); a request's own temperature
-        (0 = greedy) overrides the decoder's for that sequence. Raises ValueError if they do not fit."""
+        """Prefill requests (prompt_ids, tag, key[, temperature[, max_new_tokens]]) into free slots
+        (lowest first, so the decode bucket stays small); a request's own temperature (0 = greedy)
+        overrides the decoder's for that sequence, its own max_new_tokens (None = the decoder's)
+        caps its response below the decoder's. Raises ValueError if they do not fit."""
         if not requests:
             return
         temps = [float(r[3]) if len(r) > 3 and r[3] is not None else float(self.temperature) for r in requests]
+        caps = [max(1, min(int(r[4]), self.max_new_tokens)) if len(r) > 4 and r[4] is not None
+                else self.max_new_tokens for r in requests]
         requests = [r[:3] for r in requests]
         free = [i for i, s in enumerate(self.slots) if s is None]
         if len(requests) > len(free):
@@ -391,13 +278,29 @@ class StaticDecoder:
         logits = self._prefill(ids, lens, rows)
         self.lengths[rows], self.keys[rows], self.n_gen[rows] = lens, keys, 0
         self.temps[rows] = torch.tensor(temps, dtype=torch.float32).to(dev)
+        self.caps[rows] = torch.tensor(caps, dtype=torch.long).to(dev)
         self._odd_temps.update(s for s, t in zip(slots, temps) if t != self.temperature)
         # eager sampler: prefill sizes vary, and each new shape would recompile a compiled one
         self._record(rows, logits, torch.ones(len(slots), dtype=torch.bool, device=dev), sample_tokens)
         for s, (p, tag, _) in zip(slots, requests):
             self.slots[s] = (tag, list(p))
+            self._versions[s] = [(0, self.version)]
             self._prompt_len[s], self._added_at[s] = len(p), self._steps
         self.model.train(was_training)
+
+    def set_version(self, version: int) -> None:
+        """The weights are now `version` (call between step() calls): the live sequences' next
+        tokens are tagged with it; their cache is kept (class docstring, partial rollouts)."""
+        if version == self.version:
+            return
+        busy = [i for i, s in enumerate(self.slots) if s is not None]
+        n_gen = self.n_gen.tolist() if busy else []     # one read per weight switch
+        for s in busy:
+            spans = self._versions[s]
+            if spans[-1][0] == n_gen[s]:   # no token under the previous version yet
+                spans.pop()
+            spans.append((n_gen[s], version))
+        self.version = version
 
     @torch.no_grad()
     def step(self, num_steps: int | None = None) -> list[tuple[object, dict]]:
@@ -439,9 +342,11 @@ class StaticDecoder:
         for i, s in enumerate(done):
             tag, prompt = self.slots[s]
             response = tokens[i][:n_gen[i]]
-            out.append((tag, {"prompt_ids": prompt, "response_ids": response,
-                              "logprobs": logp[i][:n_gen[i]],
-                              "finished": bool(response) and response[-1] in self.stop_ids}))
+            sample = {"prompt_ids": prompt, "response_ids": response, "logprobs": logp[i][:n_gen[i]],
+                      "finished": bool(response) and response[-1] in self.stop_ids}
+            if self.token_versions:
+                sample["token_versions"] = expand_versions(self._versions[s], n_gen[i])
+            out.append((tag, sample))
             self.slots[s] = None
             if s in self._odd_temps:
                 self._odd_temps.discard(s)
@@ -449,34 +354,13 @@ class StaticDecoder:
         self.lengths[idx] = 0      # free slots decode harmlessly at position 0 until refilled
         return out
 
-    @torch.no_grad()
-    def teacher_forced_logits(self, prompts: list[list[int]], continuations: list[list[int]]
-                              ) -> list[torch.Tensor]:
-        """Per sequence, float32 logits [len(cont), V] predicting each continuation token, through
-        prefill and decode steps fed the given tokens (tests and benchmarks: compare with HF).
-        Uses slots [0, n): call it on an idle decoder."""
-        if self.active or len(prompts) > self.num_slots:
-            raise ValueError("teacher_forced_logits needs an idle decoder with enough slots")
-        n, dev = len(prompts), self._device
-        was_training = self.model.training
-        self.model.eval()
-        ids = torch.zeros(n, max(len(p) for p in prompts), dtype=torch.long)
-        for r, p in enumerate(prompts):
-            ids[r, :len(p)] = torch.tensor(p, dtype=torch.long)
-        lens = torch.tensor([len(p) for p in prompts], device=dev)
-        logits = self._prefill(ids.to(dev), lens, self.slot_ids[:n])
-        self.lengths[:n] = lens
-        out = [[logits[i]] for i in range(n)]
-        for t in range(max(len(c) for c in continuations) - 1):
-            self.last[:n] = torch.tensor([c[t] if t < len(c) else 0 for c in continuations], device=dev)
-            logits = self._decode_logits(n)
-            self.lengths[:n] += 1
-            for i in range(n):
-                if t + 1 < len(continuations[i]):
-                    out[i].append(logits[i])
-        self.lengths[:n] = 0
-        self.model.train(was_training)
-        return [torch.stack(o) for o in out]
+
+
+def expand_versions(spans: list[tuple[int, int]], length: int) -> list[int]:
+    """Per token, the version of the last span [(first token index, version), ...] starting at or
+    before it: ([(0, 3), (5, 4)], 7) -> [3, 3, 3, 3, 3, 4, 4]."""
+    bounds = [start for start, _ in spans[1:]] + [length]
+    return [v for (start, v), end in zip(spans, bounds) for _ in range(max(0, min(end, length) - start))]
 
 
 @torch.no_grad()

@@ -71,7 +71,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 mask: torch.Tensor, row_weights: torch.Tensor, kind: str = "ppo", clip_eps_low: float = 0.2,
                 clip_eps_high: float = 0.2, dual_clip_c: float = 3.0, log_ratio_clamp: float | None = 20.0,
                 behaviour_logprobs: torch.Tensor | None = None,
-                is_truncation: float | None = None) -> tuple[torch.Tensor, dict]:
+                is_truncation: float | None = None,
+                stale_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Surrogate policy loss sum_i w_i sum_t m_it * iw_it * l_it of one of four kinds.
 
     log_r_t = clamp(logp_t - old_logp_t, -log_ratio_clamp, log_ratio_clamp)   (verl: 20; None = off)
@@ -95,7 +96,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     weight iw_t = min(exp(old_logp_t - behaviour_logp_t), is_truncation) (no truncation if
     is_truncation is None). This is the decoupled PPO objective of AReaL (Fu et al. 2025,
     arXiv 2505.24298) with truncated IS as in TRL's vLLM importance-sampling correction.
-    Without behaviour_logprobs, iw_t = 1.
+    Without behaviour_logprobs, iw_t = 1. `stale_tokens` [B, T] bool makes it per token
+    (behaviour_weights): iw_t = 1 on the tokens it marks False (sampled by the proximal weights
+    themselves); None = every token stale.
 
     logprobs carry the gradient; old_logprobs, behaviour_logprobs and advantages are detached.
     advantages: [B, T] per token, or [B] per sequence, broadcast over the tokens. row_weights [B]:
@@ -132,9 +135,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     else:
         raise ValueError(f"policy_loss: kind={kind!r}; use ppo, dual_clip, gspo or reinforce")
     if behaviour_logprobs is not None:
-        is_weight = torch.exp(old_logprobs - behaviour_logprobs.detach())
-        if is_truncation is not None:
-            is_weight = is_weight.clamp(max=is_truncation)
+        is_weight = behaviour_weights(old_logprobs, behaviour_logprobs, stale_tokens, is_truncation)
         token_losses = token_losses * is_weight
     else:
         is_weight = torch.ones_like(ratio)
@@ -152,6 +153,31 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             "is_weight_mean": masked_mean(is_weight, mask),
         }
     return loss, stats
+
+
+def behaviour_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                      stale_tokens: torch.Tensor | None = None, is_truncation: float | None = None) -> torch.Tensor:
+    """Decoupled PPO's per-token importance weight of the proximal policy over the behaviour one
+    (detached, [B, T]):
+
+        iw_t = min(exp(old_logp_t - behaviour_logp_t), is_truncation)   where stale_tokens_t
+        iw_t = 1                                                          elsewhere
+
+    behaviour_logp_t is the log-prob of token t under the weights that sampled it. With partial
+    rollouts (nodes/generator.py) one response holds tokens of several versions, so staleness is
+    per token: stale_tokens_t = version_t < the version the step trains from (the proximal
+    weights). A token sampled by the proximal weights themselves has pi_behaviour = pi_proximal,
+    so its weight is 1 exactly, not exp of the generator's rounding and sampling-distribution
+    differences (bf16 weights, top_k). stale_tokens None = every token stale (one version per
+    sample, stale as a whole). AReaL (Fu et al. 2025, arXiv 2505.24298) tags each token with its
+    version and weights each token by its own behaviour log-prob in the same way.
+    """
+    weight = torch.exp(old_logprobs.detach() - behaviour_logprobs.detach())
+    if is_truncation is not None:
+        weight = weight.clamp(max=is_truncation)
+    if stale_tokens is not None:
+        weight = torch.where(stale_tokens.bool(), weight, torch.ones_like(weight))
+    return weight
 
 
 def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,

@@ -170,7 +170,7 @@ def step_advantages(samples: list[dict], c) -> list[list[float]]:
 
 
 def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: int, c,
-               rng: random.Random, stale: bool, ranks=None) -> dict:
+               rng: random.Random, stale: bool, ranks=None, version: int | None = None) -> dict:
     """Advantages of `samples`, then c.ppo_epochs epochs over minibatches; one gradient clip per
     optimizer step. Returns the mean stats of the optimizer steps (and the advantages' stats).
 
@@ -187,6 +187,12 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
     dp rank's share) contributes its rows' part of those sums, so the summed gradient and every
     reported stat equal the unsplit minibatch's. Forward/backward run under c.precision's autocast.
 
+    Stale samples (`stale`: some token was sampled by weights older than the step's) get decoupled
+    PPO's importance weight per token (rl/losses.behaviour_weights); given `version`, the weights
+    the step trains from, and every sample's "token_versions" (the version that sampled each token;
+    the learner fills them in), a token with version_t == version gets weight 1, so a partial
+    rollout's fresh tail and a fresh sample in a stale step are not reweighted.
+
     `ranks` (dataflow/weights/multirank.TrainRanks; every rank calls with the same samples and rng state):
     each dp rank runs its share of every minibatch (FSDP sums the gradients over dp), so the
     update equals one rank's.
@@ -195,7 +201,9 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
     amp = compute_dtype(c.precision, device)
     agg_mode, scale = resolved_loss_agg_mode(c), loss_scale_factor(c)
     kl_in_loss = c.kl.placement == "loss"
-    full = pad_batch(samples, pad_id, token_keys=_token_keys(c), device=device)
+    per_token = stale and version is not None and all("token_versions" in s for s in samples)
+    full = pad_batch(samples, pad_id, token_keys=_token_keys(c) + (("token_versions",) if per_token else ()),
+                     device=device)
     num = len(samples)
     # Micro-batches: rows (micro_batch_size) or a token budget (max_tokens_per_micro_batch), each
     # run packed or padded to its own rows' columns (rl/microbatch.py, rl/packing.py).
@@ -245,6 +253,7 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
     skipped, skipped_last, total, reason = 0, 0, 0, ""
     update_tokens = [0, 0]         # processed, real: the minibatches' passes, summed over dp
     behaviour = full["logprobs"] if stale else None
+    stale_tokens = full["token_versions"] < version if per_token else None   # exact: versions < 2^24
     model.train()
     for epoch, order in enumerate(orders):
         for start in range(0, len(order), c.minibatch_size):
@@ -291,7 +300,8 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
                         c.clip_eps if c.clip_eps_high is None else c.clip_eps_high, c.dual_clip_c,
                         c.log_ratio_clamp or None,
                         behaviour_logprobs=take(behaviour) if stale else None,
-                        is_truncation=c.is_truncation if stale else None)
+                        is_truncation=c.is_truncation if stale else None,
+                        stale_tokens=take(stale_tokens) if per_token else None)
                     kl_tokens = kl_penalty(logprobs, take(full["ref_logprobs"]), c.kl.estimator, c.kl.clamp or None)
                     loss = pg_loss
                     if kl_in_loss:

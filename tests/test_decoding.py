@@ -286,3 +286,60 @@ def test_sample_tokens_per_row_temperature_matches_one_temperature():
         ref_t, ref_lp = decoding.sample_tokens(logits, keys, steps, vocab_hash, t, 5, 0, 0)
         assert got_t[i] == ref_t[i] and got_lp[i] == pytest.approx(ref_lp[i].item(), abs=1e-6)
     assert got_t[0] == logits[0].argmax() and got_t[3] == logits[3].argmax()
+
+
+def test_weight_switch_mid_decode_keeps_the_cache_and_tags_each_token(tok, policy):
+    """Partial rollouts (set_version): weights change between two step() calls while sequences are
+    live. Every token is tagged with the version that sampled it, no token is lost or repeated, each
+    response stops at its own cap (the 5th request field), and a token sampled after the switch has
+    the log-prob of the new weights over the KV cache the old weights wrote for its prefix: equal
+    to HF's forward that continues the old model's past_key_values with the new model."""
+    import copy
+
+    ps = prompts(tok, 3)
+    caps = [9, 4, 7]
+    keys = [decoding.sample_key(0, i, 0) for i in range(3)]
+    dec = decoding.StaticDecoder(policy, 4, 48, eos_id=tok.eos_token_id, max_new_tokens=9, min_new_tokens=9,
+                                 token_versions=True)
+    dec.add([(p, i, k, None, cap) for i, (p, k, cap) in enumerate(zip(ps, keys, caps))])
+    got = dict(dec.step(4))                          # 1 + 4 tokens under version 0: slot 1 (cap 4) ends
+    assert list(got) == [1]
+    old = copy.deepcopy(policy)
+    saved = {k: v.clone() for k, v in policy.state_dict().items()}
+    try:
+        with torch.no_grad():
+            policy.model.layers[0].mlp.down_proj.weight.mul_(3.0)
+            policy.lm_head.weight.mul_(1.5)
+        dec.refresh()
+        dec.set_version(1)
+        while dec.active:
+            got.update(dec.step(2))
+        for i, (p, cap) in enumerate(zip(ps, caps)):
+            s = got[i]
+            k = min(5, cap)                          # tokens sampled before the switch
+            assert len(s["response_ids"]) == len(s["logprobs"]) == cap and not s["finished"]
+            assert s["token_versions"] == [0] * k + [1] * (cap - k)
+            r = s["response_ids"]
+            with torch.no_grad():                   # HF: the old model's cache of the prefix, continued by the new one
+                first = old(input_ids=torch.tensor([p + r[:k - 1]]), use_cache=True)
+                logits = [first.logits[0, len(p) - 1:]]
+                if cap > k:
+                    logits.append(policy(input_ids=torch.tensor([r[k - 1:cap - 1]]), cache=first.cache).logits[0])
+            logits = torch.cat(logits)
+            logits[:, tok.eos_token_id] = -math.inf          # min_new_tokens: <eos> masked out of what was sampled
+            want = torch.log_softmax(logits, -1)[torch.arange(cap), torch.tensor(r)]
+            assert s["logprobs"] == pytest.approx(want.tolist(), abs=1e-4)
+            if cap > k:                              # not a recompute of the prefix with the new weights
+                with torch.no_grad():
+                    fresh = policy(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:-1]
+                    fresh[:, tok.eos_token_id] = -math.inf
+                    fresh = torch.log_softmax(fresh, -1)
+                assert (fresh[torch.arange(cap), torch.tensor(r)][k:] - want[k:]).abs().max() > 1e-3
+    finally:
+        policy.load_state_dict(saved)
+
+
+def test_expand_versions():
+    assert decoding.expand_versions([(0, 3)], 4) == [3, 3, 3, 3]
+    assert decoding.expand_versions([(0, 3), (5, 4)], 7) == [3, 3, 3, 3, 3, 4, 4]
+    assert decoding.expand_versions([(0, 3), (2, 4), (3, 6)], 5) == [3, 3, 4, 6, 6]

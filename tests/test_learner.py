@@ -451,3 +451,34 @@ def test_settings_that_do_not_fit_together_are_clear_errors():
     cfg = LearnerConfig()
     cfg.schedule.decay = "cosine"
     check_config(cfg, 100)                              # decays over the run's max_steps
+
+
+def test_stale_steps_weight_each_token_by_its_own_version(setup):
+    """ppo_update with the step's version and per-token "token_versions" (partial rollouts): tokens
+    sampled by the step's own weights get importance weight 1, so all-fresh tokens in a stale step
+    update exactly as a fresh step, all-old ones as today's per-sample stale path, and a mix lies
+    between (rl/losses.behaviour_weights, tested against a float64 loop in test_rl_math.py)."""
+    tok, model, samples = setup
+    # behaviour log-probs that differ from the learner's, so the importance weights are not ~1
+    samples = [dict(s, logprobs=[lp + 0.3 * ((i + t) % 3 - 1) for t, lp in enumerate(s["logprobs"])])
+               for i, s in enumerate(samples)]
+
+    def update(stale, version=None, versions=None):
+        m = fresh(model).double()
+        cfg = LearnerConfig(minibatch_size=len(samples), max_grad_norm=1e9, is_truncation=1.5)
+        batch = [dict(s, **({"token_versions": versions(s)} if versions else {})) for s in samples]
+        stats = ppo_update(m, torch.optim.SGD(m.parameters(), lr=1.0), with_advantages(batch, cfg), 0.0,
+                           tok.pad_token_id, cfg, random.Random(0), stale=stale, version=version)
+        return torch.cat([p.detach().flatten() for p in m.parameters()]), stats
+
+    on_policy, _ = update(False)
+    per_sample, per_sample_stats = update(True)
+    fresh_tokens, _ = update(True, 5, lambda s: [5] * len(s["response_ids"]))
+    old_tokens, old_stats = update(True, 5, lambda s: [4] * len(s["response_ids"]))
+    mixed, mixed_stats = update(True, 5, lambda s: [4] + [5] * (len(s["response_ids"]) - 1))
+    assert (on_policy - per_sample).abs().max() > 1e-6              # the weights matter here
+    torch.testing.assert_close(fresh_tokens, on_policy, rtol=0, atol=1e-12)
+    torch.testing.assert_close(old_tokens, per_sample, rtol=0, atol=1e-12)
+    assert old_stats["losses/is_weight"] == pytest.approx(per_sample_stats["losses/is_weight"], abs=1e-12)
+    assert min((mixed - on_policy).abs().max(), (mixed - per_sample).abs().max()) > 1e-9
+    assert mixed_stats["losses/is_weight"] != pytest.approx(old_stats["losses/is_weight"], abs=1e-9)

@@ -594,3 +594,42 @@ def test_lr_multiplier_matches_transformers_schedules(decay):
     p = (20 - 5) / 25
     shape = {"constant": 1.0, "linear": 1 - p, "cosine": 0.5 * (1 + math.cos(math.pi * p))}[decay]
     assert lr_multiplier(20, 5, 30, decay, min_lr_ratio=0.1) == pytest.approx(0.1 + 0.9 * shape, abs=1e-12)
+
+
+def test_behaviour_weights_are_taken_per_token_by_the_version_that_sampled_it():
+    """Partial rollouts: a response's tokens come from several weight versions. Decoupled PPO's
+    weight min(exp(old - behaviour), trunc) applies to each token sampled before the step's
+    weights (version < 4 here), 1 to those sampled by them; policy_loss uses it per token."""
+    from rl.losses import behaviour_weights
+
+    adv, mask, gen = random_batch(7, batch=6, num_tokens=10)
+    old = -torch.rand(adv.shape, generator=gen, dtype=torch.float64) * 3
+    logp = (old + 0.3 * torch.randn(adv.shape, generator=gen, dtype=torch.float64)).requires_grad_()
+    behaviour = old + 0.6 * torch.randn(adv.shape, generator=gen, dtype=torch.float64)
+    # per token: version 2, 3 or 4 (each row switching versions part-way, as a partial rollout does)
+    versions = torch.tensor([[2 + min(2, (t * (b + 1)) // 6) for t in range(10)] for b in range(6)])
+    assert any(len(set(row)) > 1 for row in versions.tolist())
+    trunc, current = 1.7, 4
+    stale = versions < current
+    ref = [[(min(math.exp(o - be), trunc) if v < current else 1.0) for o, be, v in zip(orow, brow, vrow)]
+           for orow, brow, vrow in zip(old.tolist(), behaviour.tolist(), versions.tolist())]
+    got = behaviour_weights(old, behaviour, stale, trunc)
+    torch.testing.assert_close(got, torch.tensor(ref, dtype=torch.float64), rtol=0, atol=1e-12)
+    every = [[min(math.exp(o - be), trunc) for o, be in zip(orow, brow)] for orow, brow in zip(old.tolist(), behaviour.tolist())]
+    torch.testing.assert_close(behaviour_weights(old, behaviour, None, trunc), torch.tensor(every, dtype=torch.float64),
+                               rtol=0, atol=1e-12)                 # None: every token stale (one version per sample)
+    # the loss: token-mean of w_t * max(-A r, -A clip(r)), float64 loop
+    eps, num, den = 0.2, 0.0, 0.0
+    for b, row in enumerate(logp.tolist()):
+        for t, lp in enumerate(row):
+            if mask[b, t] > 0:
+                r, a = math.exp(lp - old[b, t].item()), adv[b, t].item()
+                num += ref[b][t] * max(-a * r, -a * min(max(r, 1 - eps), 1 + eps))
+                den += 1
+    loss, stats = policy_loss(logp, old, adv, mask, agg_row_weights(mask, "token-mean"), "ppo", eps, eps,
+                              behaviour_logprobs=behaviour, is_truncation=trunc, stale_tokens=stale)
+    assert loss.item() == pytest.approx(num / den, abs=1e-12)
+    w_mean = sum(ref[b][t] for b in range(6) for t in range(10) if mask[b, t] > 0) / den
+    assert stats["is_weight_mean"].item() == pytest.approx(w_mean, abs=1e-12)
+    loss.backward()                         # the weights carry no gradient: only logp has one
+    assert logp.grad is not None and logp.grad[~stale & (mask > 0)].abs().sum() > 0

@@ -295,3 +295,35 @@ def test_critic_as_two_dp_ranks_with_a_token_budget_and_packing_equals_one_rank(
         assert all(a == pytest.approx(b, abs=1e-6) for x, y in zip(r["values"], want_values) for a, b in zip(x, y))
         assert r["stats"]["critic/value_loss"] == pytest.approx(want_stats["critic/value_loss"], rel=1e-9)
         assert r["stats"]["critic/tokens_real"] == want_stats["critic/tokens_real"]
+
+
+@pytest.mark.usefixtures("ray_instance")
+def test_grpo_with_partial_rollouts_continues_responses_under_new_weights(tmp_path):
+    """generator.partial_rollout on graphs/grpo.py (async, max_staleness 1): the generator is the
+    bottleneck (one prompt's group at a time, 24 tokens each, <eos> masked), so weights arrive while
+    responses decode; those go on under the new weights: some responses carry two versions, each
+    token's staleness is below its sample's (the oldest token's, the one the bound holds for), and
+    every prompt is trained on once with all 24 of its tokens."""
+    import asyncio
+    import json
+
+    from dataflow.runtime import RunOptions, load_graph, run_graph
+    from tests.test_ppo_graph import ROOT
+
+    graph, config = load_graph(str(ROOT / "graphs/grpo.py"), [
+        "prompts_per_step=4", "group_size=4", "learner.minibatch_size=16", "learner.record_prompt_ids=true",
+        "max_staleness=1", "max_new_tokens=24", "generator.min_new_tokens=24", "generator.prompts_per_call=1",
+        "generator.partial_rollout=true"])
+    summary = asyncio.run(run_graph(graph, RunOptions(max_steps=4, out_dir=str(tmp_path), quiet=True), config))
+    assert summary.status in ("done", "max steps reached"), summary.status
+    records = [json.loads(line) for line in open(summary.metrics_path)]
+    steps = [r for r in records if "step" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["response_length/mean"] == 24 and r["staleness/max"] <= 1 for r in steps)
+    mixed = [r for r in steps if r["samples/mixed_versions"] > 0]
+    assert mixed, [(r["step"], r["staleness/mean"], r["staleness/token_mean"]) for r in steps]
+    assert all(r["staleness/token_mean"] < r["staleness/mean"] for r in mixed)
+    trained = [i for r in steps for i in r["prompt_ids"]]
+    assert len(trained) == len(set(trained)) == 4 * 4 and all(r["prompts/duplicates_dropped"] == 0 for r in steps)
+    switches = [r for r in records if "generator/drain_s" in r]
+    assert switches and all(r["generator/drain_free_slots"] == 0.0 for r in switches)   # no slot waits for a drain
