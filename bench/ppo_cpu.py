@@ -55,6 +55,10 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "rloo": (GRPO, GROUPS + ["learner.advantage=rloo"]),
     # REINFORCE++ on the task's per-position token rewards, KL per token in the reward
     "reinforce_pp": (GRPO, GROUPS + ["learner.advantage=reinforce_pp", "learner.kl.placement=reward"]),
+    # ... and with the score on the last token only (an outcome reward, as a user's reward function
+    # gives): whitening returns over the batch's tokens ranks late positions low under per-position credit
+    "reinforce_pp_outcome": (GRPO, GROUPS + ["learner.advantage=reinforce_pp", "learner.kl.placement=reward",
+                                             "reward.per_token=false"]),
     # GSPO with the paper's clip range (auto loss_agg seq-mean-token-mean)
     "gspo": (GRPO, GROUPS + ["learner.policy_loss=gspo", "learner.clip_eps_low=0.0003", "learner.clip_eps_high=0.0004"]),
     "gspo_clip0.2": (GRPO, GROUPS + ["learner.policy_loss=gspo"]),
@@ -67,18 +71,28 @@ def seed_settings(seed: int) -> list[str]:
     return [f"{k}={seed}" for k in ("policy.model.seed", "prompts.seed", "generator.seed", "learner.seed", "critic.seed")]
 
 
-def run_once(graph_file: str, overrides: list[str], max_steps: int, out_dir: str) -> dict:
+def run_once(graph_file: str, overrides: list[str], max_steps: int, out_dir: str, keep_going: bool = False) -> dict:
+    """One run's step records (and all records, rollouts). keep_going: a run that fails part way
+    (e.g. a group filter that cannot fill a batch once nearly every group is all right) returns
+    the steps it made, its status naming the error."""
     from dataflow.runtime import RunOptions, load_graph, run_graph
 
     graph, config = load_graph(graph_file, overrides)
     t0 = time.time()
-    summary = asyncio.run(run_graph(graph, RunOptions(max_steps=max_steps, out_dir=out_dir, quiet=True), config))
-    records = [json.loads(l) for l in Path(summary.metrics_path).read_text().splitlines()]
+    try:
+        summary = asyncio.run(run_graph(graph, RunOptions(max_steps=max_steps, out_dir=out_dir, quiet=True), config))
+        metrics_path, status = Path(summary.metrics_path), summary.status
+    except Exception as e:
+        found = sorted(Path(out_dir).glob("**/metrics.jsonl"))
+        if not keep_going or not found:
+            raise
+        metrics_path, status = found[0], f"stopped: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    records = [json.loads(l) for l in metrics_path.read_text().splitlines()]
     steps = [r for r in records if "step" in r]
-    rollouts_file = Path(summary.metrics_path).parent / "rollouts.jsonl"
+    rollouts_file = metrics_path.parent / "rollouts.jsonl"
     rollouts = [json.loads(l) for l in rollouts_file.read_text().splitlines()] if rollouts_file.is_file() else []
     return {"wall_s": time.time() - t0, "steps": steps, "records": records, "rollouts": rollouts,
-            "status": summary.status}
+            "status": status}
 
 
 def summarize(name: str, result: dict, target: float) -> dict:
@@ -169,7 +183,8 @@ def compare_variants(args) -> None:
     seeds = [int(s) for s in args.seeds.split(",") if s != ""]
     done = set()
     if out.is_file():
-        done = {(r["variant"], r["seed"]) for r in map(json.loads, out.read_text().splitlines()) if r.get("target") == args.target}
+        done = {(r["variant"], r["seed"]) for r in map(json.loads, out.read_text().splitlines())
+                if r.get("target") == args.target and r.get("steps")}   # a failed run is run again
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:        # seeds outer: a sweep cut short still has every variant once
             for name in names:
@@ -182,7 +197,8 @@ def compare_variants(args) -> None:
                     overrides += ["reward.rollouts_every=1", "reward.rollouts_per_step=100000"]
                 t = time.time()
                 try:
-                    result = run_once(str(ROOT / graph_file), overrides, args.max_steps, f"{tmp}/{name}-{seed}")
+                    result = run_once(str(ROOT / graph_file), overrides, args.max_steps, f"{tmp}/{name}-{seed}",
+                                      keep_going=True)
                 except Exception as e:   # one failed run does not end the sweep: it is reported
                     print(f"{name} seed {seed}: FAILED after {time.time() - t:.0f} s: {type(e).__name__}: {e}", flush=True)
                     row = {"variant": name, "seed": seed, "status": f"error: {e}", "steps": 0}
