@@ -142,6 +142,12 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def warming_ready(run_dir: Path) -> bool:
+    """The run printed its start-up line (its nodes are set up, graphs compiled), or it ended."""
+    text = (run_dir / "log.txt").read_text(errors="replace") if (run_dir / "log.txt").is_file() else ""
+    return "start-up" in text or "[dataflow] node" in text or (run_dir / "info.json").is_file()
+
+
 def launch(args, runs: list[tuple[str, int]], model: str, train: str, val: str, on_gpu: bool, out: Path) -> list[dict]:
     concurrent = args.max_concurrent or len(runs)
     share = args.gpu_fraction / concurrent
@@ -152,12 +158,20 @@ def launch(args, runs: list[tuple[str, int]], model: str, train: str, val: str, 
     # weights travel by CUDA IPC on one GPU: it holds little here), and each process compiling its
     # layers would start a pool of cpu_count inductor workers.
     env.setdefault("RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION", str(round(0.25 / concurrent, 3)))
-    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    warm = args.warm_first if args.warm_first is not None else on_gpu
     pending, active, done = list(runs), {}, []
+    if warm:   # PPO first: its start-up compiles the most graphs (generator, reference, learner, critic)
+        pending.sort(key=lambda r: r[0] != "ppo")
+    first_env = dict(env)
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     deadline = time.time() + args.budget_s
     last_report = 0.0
+    warming = None   # the run dir whose start-up the others wait for (its compiles fill the cache)
     while pending or active:
-        while pending and len(active) < concurrent and time.time() < deadline:
+        if warming is not None and (warming_ready(warming) or time.time() > warm_until):
+            log("variants", f"{warming.name} is running (or {args.warm_timeout_s:.0f} s passed): starting the others")
+            warming = None
+        while pending and len(active) < concurrent and time.time() < deadline and warming is None:
             name, seed = pending.pop(0)
             run_dir = out / f"{name}-s{seed}"
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -166,11 +180,15 @@ def launch(args, runs: list[tuple[str, int]], model: str, train: str, val: str, 
                    "--max-steps", str(args.steps + 1), *[x for s in sets for x in ("--set", s)]]
             (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
             logf = open(run_dir / "log.txt", "w")
-            proc = subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                    start_new_session=True)   # a SIGTERM for it alone, never for us
+            first = warm and not active and not done and len(pending) + 1 == len(runs)
+            proc = subprocess.Popen(cmd, cwd=str(ROOT), env=first_env if first else env, stdout=logf,
+                                    stderr=subprocess.STDOUT, start_new_session=True)   # a SIGTERM for it alone
             active[proc.pid] = (proc, name, seed, run_dir, time.time(), logf, False)
             log("variants", f"started {name} seed {seed} (pid {proc.pid}): {graph} " + " ".join(sets))
-            if pending and len(active) < concurrent:
+            if first and pending:
+                warming, warm_until = run_dir, time.time() + args.warm_timeout_s
+                log("variants", f"waiting for {name} seed {seed} to finish its start-up (compiles) before the others")
+            elif pending and len(active) < concurrent:
                 time.sleep(args.stagger_s)
         for pid, (proc, name, seed, run_dir, t0, logf, stopped) in list(active.items()):
             rc = proc.poll()
@@ -215,6 +233,11 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=500.0,
                    help="seconds from the first start; then SIGTERM to the runs still going")
     p.add_argument("--stagger-s", type=float, default=2.0, help="between two starts")
+    p.add_argument("--warm-first", action=argparse.BooleanOptionalAction, default=None,
+                   help="start one run (PPO) alone and the others once it has started up, so that they "
+                        "find its compiled graphs in the inductor cache instead of compiling them all at "
+                        "once (default: on a GPU)")
+    p.add_argument("--warm-timeout-s", type=float, default=240.0, help="the longest the others wait for it")
     p.add_argument("--stop-grace-s", type=float, default=45.0)
     p.add_argument("--report-every-s", type=float, default=30.0)
     p.add_argument("--table", nargs="+", metavar="OUT", help="print one table of these output dirs, run nothing")
