@@ -242,7 +242,7 @@ def main() -> int:
     p.add_argument("--report-every-s", type=float, default=30.0)
     p.add_argument("--table", nargs="+", metavar="OUT", help="print one table of these output dirs, run nothing")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more settings, every run")
-    add_common_args(p, {**TINY, "val_n": 4, "val_every": 1, "budget_s": 1800.0})
+    add_common_args(p, {**TINY, "val_n": 4, "val_every": 1})
     p.set_defaults(steps=80, lr=5e-6, out="")
     if "--table" in sys.argv:   # --out is not needed then
         for a in p._actions:
@@ -256,6 +256,8 @@ def main() -> int:
     apply_tiny(args)
     if args.tiny and not args.max_concurrent:   # a 2-core CPU machine: a run's 4 models at a time
         args.max_concurrent = 1
+    if args.tiny and args.budget_s == p.get_default("budget_s"):   # CPU start-ups take minutes
+        args.budget_s = 1800.0
     args.model = args.model or args.model_dir
     import torch
     on_gpu = torch.cuda.is_available() and not args.tiny
