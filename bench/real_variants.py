@@ -135,7 +135,7 @@ def table(results: list[dict]) -> str:
         if r["val"]:
             by_variant.setdefault(r["variant"], []).append(r["val"][max(r["val"])])
     if any(len(v) > 1 for v in by_variant.values()):
-        lines += ["", "| variant | final held-out, mean ± sd over seeds (each) |", "|---|---|"]
+        lines += ["", "| variant | final held-out, mean ± sd over its runs (each) |", "|---|---|"]
         for name, v in by_variant.items():
             sd = f" ± {statistics.stdev(v):.3f}" if len(v) > 1 else ""
             lines.append(f"| {name} | {statistics.mean(v):.3f}{sd} ({', '.join(f'{x:.3f}' for x in v)}) |")
