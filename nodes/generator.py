@@ -261,7 +261,7 @@ class Generator(Node):
         prompts, out = self.ctx.inputs["prompts"], self.ctx.outputs["samples"]
         waiting: deque = deque()      # (msg, prompt ids) taken but not admitted
         groups: dict[int, list] = {}  # group number -> [msg, samples, still running, version admitted under]
-        ready: list = []              # finished items the outbox had no room for
+        ready: deque = deque()        # finished items the outbox had no room for, in order
         ended, number = False, 0
         val_span, drain = ValidationSpan(self.ctx), Drain(self.ctx, dec.num_slots)
         partial = c.partial_rollout and isinstance(dec, StaticDecoder)   # vLLM's requests drain (logged)
@@ -301,6 +301,12 @@ class Generator(Node):
                             # Admit whole groups, only while these weights are the newest announced
                             # and the output has room (backpressure). Partial rollout: newer weights
                             # are switched to now, between decode steps, the slots kept.
+                            # Finished groups the outbox had no room for go first, as soon as it
+                            # has room: held to the end of the serving block, one full moment of
+                            # the channel turned streaming into a batch at the end (the trace of
+                            # bench/RESULTS.md, "our GRPO and TRL's GRPOTrainer back to back").
+                            while ready and emit(ready[0]):
+                                ready.popleft()
                             admit = []
                             newer = self.ctx.latest_version(self.weight_sync.edge) > self.version
                             drain.newer(newer)
