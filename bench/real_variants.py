@@ -1,10 +1,10 @@
-"""GRPO, Dr.GRPO, DAPO, RLOO and PPO on SmolLM2-135M-Instruct and the arithmetic task, all at once on
-one GPU, with held-out accuracy every --val-every steps (issue 20, item 8). One run at a time by
+"""GRPO, Dr.GRPO, DAPO, RLOO and PPO on SmolLM2-135M-Instruct and the arithmetic task on one GPU,
+with held-out accuracy every --val-every steps (issue 20, item 8). One run at a time by
 default (--max-concurrent): split the variants over calls, e.g. --variants grpo,dr_grpo,rloo then
 --variants dapo,ppo, each within a 600 s call.
 
     python3 bench/real_variants.py --model-dir /tmp/real/smollm2 --data /tmp/real/arithmetic \
-        --out OUT/variants            # one H200: 5 runs at once
+        --variants grpo,dr_grpo,rloo --out OUT/variants    # one H200, one run after another
     ... --seeds 1 --out OUT/variants_s1                                     # the second seed, another call
     python3 bench/real_variants.py --table OUT/variants OUT/variants_s1    # one table of both
     python3 bench/real_variants.py --tiny --out /tmp/variants_tiny         # CPU smoke, one run at a time
