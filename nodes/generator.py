@@ -56,6 +56,7 @@ from dataflow.checks import AtLeast, Each, NonNegative
 from dataflow.errors import UserError
 from nodes.generator_reports import Drain, ValidationSpan
 from rl import policy
+from rl.decoder_slots import kv_bytes_per_slot, prompts_per_call, room_bytes
 from rl.decoding import StaticDecoder, sample_key, unsupported_reason
 from rl.models import cut_at_stop_strings, sample_responses
 from rl.vllm_engine import VllmConfig, choose_backend, missing_vllm, vllm_installed
@@ -90,7 +91,8 @@ class GeneratorConfig:
     worth on CUDA (256 // group_size prompts: 32 for GRPO's groups of 8, 256 for PPO), 32 prompts
     on CPU. On a GPU a decode step costs little more for 256 slots than for 32: W1 PPO ran 2.4x
     faster with 256 than with 32 (bench/RESULTS.md). Auto takes fewer slots when their KV cache
-    would fill more than half of the GPU memory this replica has left (logged)."""
+    would fill more than half of the GPU memory this replica has left, or on a CPU a quarter of
+    the machine's available memory (logged; rl/decoder_slots.py)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and KV cache dtype (auto: bfloat16 on CUDA, float32 on CPU). The learner's weights
     are cast into it as they arrive."""
@@ -130,32 +132,6 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     return getattr(torch, name)
-
-
-AUTO_SLOTS = 256
-
-
-def prompts_per_call(c: GeneratorConfig, device, slot_bytes: int = 0, room_bytes: int = 0) -> int:
-    """c.prompts_per_call, or for 0 (auto) AUTO_SLOTS decoder slots' worth on CUDA, 32 prompts
-    elsewhere. Given a slot's KV-cache bytes and the bytes this replica may still allocate, auto
-    also keeps the cache within half of that room (activations, the sampler and CUDA graphs need
-    the rest), down to one prompt's group."""
-    if c.prompts_per_call:
-        return c.prompts_per_call
-    if torch.device(device).type != "cuda":
-        return 32
-    slots = AUTO_SLOTS if not (slot_bytes and room_bytes) else min(AUTO_SLOTS, room_bytes // 2 // slot_bytes)
-    return max(1, slots // c.group_size)
-
-
-def kv_bytes_per_slot(model, max_len: int) -> int:
-    """Bytes of one decoder slot's K and V cache over every layer (rl/decoding.StaticDecoder)."""
-    cfg = model.config
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    elem = next(model.parameters()).element_size()
-    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * max_len * elem
 
 
 class Generator(Node):
@@ -198,15 +174,18 @@ class Generator(Node):
                 self.max_prompt + c.max_new_tokens, self.ctx.gpu_share, lambda: self.weight_sync.version,
                 self.ctx.log)
             return
-        if c.prompts_per_call == 0 and self.ctx.device == "cuda":
+        if c.prompts_per_call == 0:
+            # A real model's slot is large (SmolLM2: 30 layers x 1,152 positions, 53 MiB in fp32 on a
+            # CPU; 32 prompts x 8 would be 13 GiB): auto takes fewer slots where they do not fit.
             slot = kv_bytes_per_slot(self.model, self.max_prompt + c.max_new_tokens)
-            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-            room = self.ctx.gpu_share * total - torch.cuda.memory_allocated()
-            self.prompts_per_call = prompts_per_call(c, self.ctx.device, slot, max(int(room), 1))
-            if self.prompts_per_call * c.group_size < AUTO_SLOTS:
+            room = room_bytes(self.ctx.device, self.ctx.gpu_share)
+            wanted = prompts_per_call(c, self.ctx.device)
+            self.prompts_per_call = prompts_per_call(c, self.ctx.device, slot, room)
+            if self.prompts_per_call < wanted:
                 self.ctx.log(f"generator: {self.prompts_per_call * c.group_size} decoder slots (auto), not "
-                             f"{AUTO_SLOTS}: a slot's KV cache is {slot / 2**20:.0f} MiB and this replica has "
-                             f"{room / 2**30:.1f} GiB left; set generator.prompts_per_call to choose")
+                             f"{wanted * c.group_size}: a slot's KV cache is {slot / 2**20:.0f} MiB and this "
+                             f"replica has {room / 2**30:.1f} GiB to use; set generator.prompts_per_call "
+                             "(and generator.max_prompt_tokens) to choose")
         self.decoder = StaticDecoder(
             self.model, self.prompts_per_call * c.group_size, self.max_prompt + c.max_new_tokens,
             eos_id=self.stop_ids, max_new_tokens=c.max_new_tokens,

@@ -234,6 +234,18 @@ def test_prompts_per_call_auto_fills_256_slots_on_cuda_and_32_prompts_on_cpu():
     assert prompts_per_call(grpo, "cuda", slot_bytes=2**20, room_bytes=200 * 2**20) == 12  # 100 slots
     assert prompts_per_call(grpo, "cuda", slot_bytes=2**30, room_bytes=2**30) == 1
     assert prompts_per_call(GeneratorConfig(group_size=8, prompts_per_call=64), "cuda", 2**30, 2**30) == 64
+    # On a CPU too: a SmolLM2-sized slot (53 MiB in fp32) in 8 GiB of room gives 77 slots, 9 prompts
+    # of 8 (32 x 8 slots would be 13 GiB), while a tiny model's slots keep the 32 prompts.
+    assert prompts_per_call(grpo, "cpu", slot_bytes=53 * 2**20, room_bytes=8 * 2**30) == 9
+    assert prompts_per_call(grpo, "cpu", slot_bytes=2**16, room_bytes=8 * 2**30) == 32
+
+
+def test_room_bytes_on_cpu_is_half_the_available_memory():
+    from rl.decoder_slots import room_bytes
+
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    assert abs(room_bytes("cpu", 1.0) - available // 2) < 2**30    # memory moves a little meanwhile
 
 
 def test_kv_bytes_per_slot_is_what_the_static_decoder_allocates(tok, policy):
