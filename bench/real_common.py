@@ -146,6 +146,11 @@ class Evaluator:
         return heldout.evaluate(self.model, self.tokenizer, self.rows, self.max_new_tokens, self.batch)
 
 
+def eval_fields(result: dict) -> dict:
+    """The held-out evaluation's numbers a curve point keeps (tools/heldout.evaluate's result)."""
+    return {k: result[k] for k in ("accuracy", "math_reward", "mean_length", "hit_cap", "eval_s")}
+
+
 def write_curve(out: Path, name: str, points: list[dict], extra: dict) -> None:
     """curve.json (points + extra), curve.md (a table) and curve.png (accuracy vs steps and wall time)."""
     out.mkdir(parents=True, exist_ok=True)

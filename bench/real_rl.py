@@ -37,7 +37,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_common import REWARDS, ROOT, Evaluator, GpuMemory, add_common_args, apply_tiny, log, prepare, write_curve  # noqa: E402
+from real_common import (REWARDS, ROOT, Evaluator, GpuMemory, add_common_args, apply_tiny,  # noqa: E402
+                         eval_fields, log, prepare, write_curve)
 
 TINY = {"steps": 2, "eval_every": 1, "val_n": 8, "eval_batch": 8, "prompts_per_step": 2, "group": 2,
         "max_new_tokens": 16}
@@ -159,7 +160,7 @@ def main() -> int:
 
     evaluate = Evaluator(model, val, args.val_n, args.eval_batch, args.max_new_tokens,
                          "cuda" if on_gpu else "cpu")
-    points = [{"step": 0, "wall_s": 0.0, "train_s": 0.0, **_summary(evaluate())}]
+    points = [{"step": 0, "wall_s": 0.0, "train_s": 0.0, **eval_fields(evaluate())}]
     log(args.algo, f"step 0 (base model): accuracy {points[0]['accuracy']:.3f}")
     saves_so_far = 0.0
     for step in sorted(clock.saved):
@@ -168,7 +169,7 @@ def main() -> int:
         saves_so_far += clock.save_s(step)
         wall = startup_s + steps[step]["time_s"] if step in steps else float("nan")
         points.append({"step": step, "wall_s": wall, "train_s": wall - saves_so_far, "save_s": clock.save_s(step),
-                       **_summary(evaluate(state))})
+                       **eval_fields(evaluate(state))})
         log(args.algo, f"step {step}: accuracy {points[-1]['accuracy']:.3f} at {wall:.1f} s")
     samples = [r["perf/samples_per_s"] * r["timing/step_s"] for r in steps.values()]
     tokens = sum(r["response_length/mean"] * n for r, n in zip(steps.values(), samples))
@@ -184,10 +185,6 @@ def main() -> int:
     log(args.algo, f"wrote {out}/curve.json, curve.md, curve.png")
     print(summary.report)
     return 0
-
-
-def _summary(result: dict) -> dict:
-    return {k: result[k] for k in ("accuracy", "math_reward", "mean_length", "hit_cap", "eval_s")}
 
 
 if __name__ == "__main__":

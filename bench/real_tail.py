@@ -28,7 +28,6 @@ import gzip
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -96,7 +95,7 @@ def trace_steps(trace_path: str) -> dict:
     arrived (the generator decoding only the longest responses), the learner's train time, and
     the GPU idle share of the window (the GPU track's 'busy' spans, from NVML samples); plus
     the run's idle summary (dataflow/trace/report.summarize, the end-of-run report's numbers)."""
-    from dataflow.trace.chrome import load_trace
+    from dataflow.trace.chrome import rows_from_doc
     from dataflow.trace.intervals import sampled_idle
     from dataflow.trace.report import summarize
     opener = gzip.open if trace_path.endswith(".gz") else open
@@ -137,11 +136,7 @@ def trace_steps(trace_path: str) -> dict:
                       "t_half_groups_s": time_until(0.5) if total else float("nan"), "t_90pct_groups_s": t90,
                       "tail_s": (g[3] - g[2]) - t90, "train_s": t[3] - t[2],
                       "gpu_idle_frac": sampled_idle(nvml, (window_start, t[3])) if nvml and window > 0 else float("nan")})
-    if trace_path.endswith(".gz"):      # load_trace reads plain JSON
-        plain = Path(tempfile.mkdtemp()) / "trace.json"
-        plain.write_text(json.dumps(doc))
-        trace_path = str(plain)
-    summary = summarize(load_trace(trace_path)[0])
+    summary = summarize(rows_from_doc(doc)[0])     # the file read once: the report's aggregates
     later = steps[1:] or steps     # step 1 carries the first compile and CUDA-graph capture
 
     def median(key: str) -> float:

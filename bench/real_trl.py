@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_common import (Evaluator, GpuMemory, add_common_args, apply_tiny, log, prepare,  # noqa: E402
-                         reward_function, write_curve)
+from real_common import (Evaluator, GpuMemory, add_common_args, apply_tiny, eval_fields, log,  # noqa: E402
+                         prepare, reward_function, write_curve)
 
 TINY = {"steps": 2, "eval_every": 1, "val_n": 8, "eval_batch": 8, "prompts_per_step": 2, "group": 2,
         "max_new_tokens": 16}
@@ -143,12 +143,12 @@ def main() -> int:
 
     evaluate = Evaluator(model_dir, val_path, args.val_n, args.eval_batch, args.max_new_tokens,
                          "cuda" if on_gpu else "cpu")
-    points = [{"step": 0, "wall_s": 0.0, "train_s": 0.0, **_summary(evaluate())}]
+    points = [{"step": 0, "wall_s": 0.0, "train_s": 0.0, **eval_fields(evaluate())}]
     log("trl", f"step 0 (base model): accuracy {points[0]['accuracy']:.3f}")
     for step in sorted(snapshots):
         weights, saved_s = snapshots.pop(step)
         wall = stamps[step] - t_ready
-        points.append({"step": step, "wall_s": wall, "train_s": wall - saved_s, **_summary(evaluate(weights))})
+        points.append({"step": step, "wall_s": wall, "train_s": wall - saved_s, **eval_fields(evaluate(weights))})
         log("trl", f"step {step}: accuracy {points[-1]['accuracy']:.3f} at {wall:.1f} s")
     step_s = [stamps[s] - stamps[s - 1] for s in sorted(stamps) if s > 0]
     lengths = [entry["completions/mean_length"] for entry in logs if "completions/mean_length" in entry]
@@ -166,10 +166,6 @@ def main() -> int:
     write_curve(out, "TRL GRPOTrainer", points, extra)
     log("trl", f"wrote {out}/curve.json, curve.md, curve.png")
     return 0
-
-
-def _summary(result: dict) -> dict:
-    return {k: result[k] for k in ("accuracy", "math_reward", "mean_length", "hit_cap", "eval_s")}
 
 
 if __name__ == "__main__":
