@@ -179,7 +179,7 @@ class Generator(Node):
             # CPU; 32 prompts x 8 would be 13 GiB): auto takes fewer slots where they do not fit.
             slot = kv_bytes_per_slot(self.model, self.max_prompt + c.max_new_tokens)
             room = room_bytes(self.ctx.device, self.ctx.gpu_share)
-            wanted = prompts_per_call(c, self.ctx.device)
+            wanted = self.prompts_per_call     # auto without the memory rule (set above)
             self.prompts_per_call = prompts_per_call(c, self.ctx.device, slot, room)
             if self.prompts_per_call < wanted:
                 self.ctx.log(f"generator: {self.prompts_per_call * c.group_size} decoder slots (auto), not "
