@@ -438,7 +438,7 @@ def learner_bench(args, shape: dict, paths: dict, out: Path) -> list[dict]:
 
     from rl import policy
     from nodes.learner import LearnerConfig, ppo_update
-    from rl.precision import compile_layers, compute_dtype, prepare_frozen, prepare_trained
+    from rl.precision import compile_layers, prepare_frozen, prepare_trained
     from nodes.reference import add_logprobs
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -476,7 +476,7 @@ def learner_bench(args, shape: dict, paths: dict, out: Path) -> list[dict]:
     # stale=False: W1's one minibatch takes its proximal log-probs from its own forward either way
     for mbs, compiled in [(m, c) for c in (False, True) for m in args.learner_micro_batches]:
         if compiled and mbs == args.learner_micro_batches[0]:  # once, before the first compiled row
-            compile_layers(model, True, device, compute_dtype("auto", device), True)  # the graph's CUDA default
+            compile_layers(model, True, device)  # the graph's CUDA default
         row = {"variant": f"learner mb={mbs}{' compiled' if compiled else ''}", "status": "ok"}
         try:
             if device == "cuda":
@@ -505,7 +505,7 @@ def learner_bench(args, shape: dict, paths: dict, out: Path) -> list[dict]:
         log(f"learner profile (micro-batch {mbs}):\n{text[:6000]}")
     for mbs, compiled in [(m, c) for c in (False, True) for m in args.learner_micro_batches]:
         if compiled and mbs == args.learner_micro_batches[0]:
-            compile_layers(ref, True, device, torch.float32, False)
+            compile_layers(ref, True, device)
         row = {"variant": f"reference mb={mbs}{' compiled' if compiled else ''}", "status": "ok"}
         try:
             if device == "cuda":

@@ -232,8 +232,7 @@ class Critic(RankCommands, Node):
                 raise UserError(f"critic.dp={c.dp} critic.tp={c.tp}: {e}") from None
         else:  # sharded ranks stay eager, as the learner's
             compile_layers(self.model, False if c.compile is None and c.gradient_checkpointing else c.compile,
-                           self.ctx.device, compute_dtype(c.precision, self.ctx.device), train=True,
-                           probe=lambda model, ids, mask: model(ids, mask))
+                           self.ctx.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr)
         self.rng = random.Random(c.seed)
         self.pending: list[tuple[int, dict]] = []  # (prompt id, sample) not yet trained on

@@ -41,7 +41,7 @@ from rl.microbatch import enable_gradient_checkpointing
 from rl.models import save_policy
 from rl.packing import use_varlen_attention
 from rl.ppo_update import check_config, ppo_update, step_advantages  # noqa: F401 (step_advantages: tests, bench)
-from rl.precision import Precision, compile_layers, compute_dtype, prepare_trained
+from rl.precision import Precision, compile_layers, prepare_trained
 from rl.schedule import ScheduleConfig, lr_multiplier
 
 
@@ -199,7 +199,7 @@ class Learner(RankCommands, Node):
                 raise UserError(f"learner.dp={c.dp} learner.tp={c.tp}: {e}") from None
         else:  # sharded ranks stay eager (compiling FSDP2/TP layers is untried here)
             compile_layers(self.model, False if c.compile is None and c.gradient_checkpointing else c.compile,
-                           self.ctx.device, compute_dtype(c.precision, self.ctx.device), train=True)
+                           self.ctx.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=tuple(c.betas),
                                            weight_decay=c.weight_decay)
         self.kl_ctl = (AdaptiveKLController(c.kl.coef, c.kl.target, c.kl.horizon) if c.kl.kind == "adaptive"

@@ -90,8 +90,7 @@ class Reference(Node):
         prepare_frozen(self.model, self.ctx.device, c.precision)
         if c.packing:
             self.ctx.log(f"packed passes, attention: {use_varlen_attention(self.model, self.ctx.device)}")
-        # no autocast: the reference's weights are in the compute dtype already
-        compile_layers(self.model, self.config.compile, self.ctx.device, torch.float32, train=False)
+        compile_layers(self.model, self.config.compile, self.ctx.device)
 
     async def run(self):
         inp, out = self.ctx.inputs["scored"], self.ctx.outputs["with_ref"]

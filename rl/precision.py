@@ -12,11 +12,11 @@ weights of size ~0.02 fall below bf16's 8-bit mantissa and are lost; fp32 master
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Literal
+import functools
+from typing import Literal
 
 import torch
 
-from rl.padded_batch import sequence_logprobs
 
 Precision = Literal["auto", "fp32", "bf16"]
 
@@ -59,57 +59,43 @@ def micro_slices(n: int, micro_batch_size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def causal_lm_probe(model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The learner's and reference's forward, as they call it."""
-    return sequence_logprobs(model, ids, attention_mask, attention_mask.float())[0]
+@functools.cache
+def compiler_works(device_type: str) -> str | None:
+    """None if torch.compile's default backend builds and runs a kernel on `device_type`, else why
+    not (e.g. no C++ compiler on a CPU machine, no triton on a GPU one). Cheap (one elementwise
+    kernel), once per process."""
+    try:
+        x = torch.ones(4, device=device_type)
+        torch.compile(lambda t: (t * 2).sin(), dynamic=False)(x).sum().item()
+        return None
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e)[:200]}"
 
 
-def compile_layers(model: torch.nn.Module, compile: bool | None, device, amp: torch.dtype,
-                   train: bool,
-                   probe: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = causal_lm_probe
-                   ) -> bool:
+def compile_layers(model: torch.nn.Module, compile: bool | None, device) -> bool:
     """torch.compile each decoder layer of `model` in place (compile None = on CUDA); True if it did.
 
     Why per layer: the layers' elementwise glue (RMSNorm's float32 upcast, rotary, SwiGLU, the
     residual adds, their backward) is many small kernels per layer under autocast; compiled, they
     fuse, while the matmuls stay cuBLAS. Identical layers share one compiled graph (torchtitan
-    compiles FSDP2 blocks the same way).
-    Every graph a run needs compiles here, not in its first step (measured on an H200: 16 s more
-    in the critic's first step when they did not): dynamic shapes from the start (batches and
-    lengths vary), and a dummy batch run without padding (the layers get no mask: sdpa's causal
-    path), with padding (a mask tensor) and as one row, under the node's autocast (`amp`; float32:
-    none), with a backward when `train`, and without grad (reference; a trained node's value pass
-    and proximal log-probs). A missing toolchain so falls back to eager at setup, with one line.
-    The layers' own private attribute `_compiled_call_impl` is reset for that: torch has no public
-    undo.
-    `probe(model, ids, attention_mask)`: the node's forward on a padded batch, giving a tensor
-    (default: the learner's and reference's sequence_logprobs; the critic passes its value head's)."""
+    compiles FSDP2 blocks the same way). Dynamic shapes from the start: batches and lengths vary.
+    The graphs compile on first use, from the run's own batches, as torchtitan and verl do. An
+    earlier version compiled every variant up front on a dummy batch (padded or not, one row,
+    with and without grad): on an H200 with SmolLM2-135M the learner's setup took 54.6 s, mostly
+    compiling six graphs a GRPO step mostly never runs, and its first step still took 19.1 s; on first
+    use only the graphs a run needs compile, at its sizes (bench/RESULTS.md, issue 18).
+    A machine whose toolchain cannot compile (compiler_works) keeps the layers eager, with one line."""
     if not (torch.device(device).type == "cuda" if compile is None else compile):
         return False
     layers = next((m for name, m in model.named_modules()
                    if name.endswith("layers") and isinstance(m, torch.nn.ModuleList)), None)
     if layers is None:
         return False
+    failure = compiler_works(torch.device(device).type)
+    if failure is not None:
+        print(f"compile_layers: torch.compile does not work here ({failure}); running the layers eagerly",
+              flush=True)
+        return False
     for layer in layers:
         layer.compile(dynamic=True)
-    try:
-        ids = torch.ones(2, 8, dtype=torch.long, device=device)
-        unpadded = torch.ones_like(ids)
-        padded = unpadded.clone()
-        padded[0, :3] = 0                                  # a left-padded prompt, as pad_batch lays it
-        for grad in (True, False) if train else (False,):
-            # one row is its own graph (dynamic shapes still specialise a size of 1): a micro-batch
-            # split's last slice can be one sample
-            for rows, mask in ((2, unpadded), (2, padded), (1, unpadded)):
-                with torch.enable_grad() if grad else torch.no_grad(), autocast(amp, device):
-                    out = probe(model, ids[:rows], mask[:rows])
-                if grad:
-                    out.float().sum().backward()
-        model.zero_grad(set_to_none=True)
-        return True
-    except Exception as e:  # e.g. no C++ compiler / triton: eager is correct, just slower
-        print(f"compile_layers: torch.compile failed ({type(e).__name__}: {str(e)[:200]}); running the "
-              f"layers eagerly", flush=True)
-        for layer in layers:
-            layer._compiled_call_impl = None
-        return False
+    return True
