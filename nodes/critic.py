@@ -34,7 +34,7 @@ from rl.microbatch import check_micro_batch_settings, padding_metrics, rank_micr
 from rl.models import ValueModel
 from rl.padded_batch import pad_batch, unpad_tokens
 from rl.packing import micro_batch, micro_batch_values, use_varlen_attention
-from rl.precision import Precision, autocast, compile_layers, compute_dtype, prepare_trained
+from rl.precision import Precision, autocast, compile_layers, compile_setting, compute_dtype, prepare_trained
 from rl.advantages import gae_advantages
 from rl.masked import masked_mean
 from rl.losses import value_loss
@@ -70,7 +70,7 @@ class CriticConfig:
     """auto: bf16 autocast over fp32 master weights on CUDA, fp32 on CPU (rl/precision.py)."""
     compile: bool | None = None
     """torch.compile each decoder layer of the trunk (None = on CUDA, one process, without
-    gradient_checkpointing, whose pairing with compile is untried; rl/precision.compile_layers)."""
+    gradient_checkpointing or packing; rl/precision.compile_setting says why, compile_layers how)."""
     seed: int = 0
     snapshot_interval: Annotated[int, AtLeast(-1, note='-1 = auto, 0 = off')] = -1
     """Every this many training passes, write the critic's state to <run>/snapshots/<replica>/:
@@ -231,8 +231,7 @@ class Critic(RankCommands, Node):
             except ValueError as e:
                 raise UserError(f"critic.dp={c.dp} critic.tp={c.tp}: {e}") from None
         else:  # sharded ranks stay eager, as the learner's
-            compile_layers(self.model, False if c.compile is None and c.gradient_checkpointing else c.compile,
-                           self.ctx.device)
+            compile_layers(self.model, compile_setting(c.compile, c.packing, c.gradient_checkpointing), self.ctx.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr)
         self.rng = random.Random(c.seed)
         self.pending: list[tuple[int, dict]] = []  # (prompt id, sample) not yet trained on

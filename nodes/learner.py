@@ -41,7 +41,7 @@ from rl.microbatch import enable_gradient_checkpointing
 from rl.models import save_policy
 from rl.packing import use_varlen_attention
 from rl.ppo_update import check_config, ppo_update, step_advantages  # noqa: F401 (step_advantages: tests, bench)
-from rl.precision import Precision, compile_layers, prepare_trained
+from rl.precision import Precision, compile_layers, compile_setting, prepare_trained
 from rl.schedule import ScheduleConfig, lr_multiplier
 
 
@@ -79,8 +79,8 @@ class LearnerConfig:
     precision: Precision = "auto"
     """auto: bf16 autocast over fp32 master weights on CUDA, fp32 on CPU; or bf16 / fp32 (rl/precision.py)."""
     compile: bool | None = None
-    """torch.compile each decoder layer (None = on CUDA, one process, without gradient_checkpointing,
-    whose pairing with compile is untried; rl/precision.compile_layers)."""
+    """torch.compile each decoder layer (None = on CUDA, one process, without gradient_checkpointing
+    or packing; rl/precision.compile_setting says why, compile_layers how)."""
     weight_decay: Annotated[float, NonNegative] = 0.01
     """AdamW's decoupled weight decay."""
     betas: Annotated[list[float], Each(Range(0, 1, high_open=True), count=2)] = field(default_factory=lambda: [0.9, 0.999])
@@ -198,8 +198,7 @@ class Learner(RankCommands, Node):
             except ValueError as e:
                 raise UserError(f"learner.dp={c.dp} learner.tp={c.tp}: {e}") from None
         else:  # sharded ranks stay eager (compiling FSDP2/TP layers is untried here)
-            compile_layers(self.model, False if c.compile is None and c.gradient_checkpointing else c.compile,
-                           self.ctx.device)
+            compile_layers(self.model, compile_setting(c.compile, c.packing, c.gradient_checkpointing), self.ctx.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=tuple(c.betas),
                                            weight_decay=c.weight_decay)
         self.kl_ctl = (AdaptiveKLController(c.kl.coef, c.kl.target, c.kl.horizon) if c.kl.kind == "adaptive"

@@ -22,7 +22,7 @@ from rl import policy
 from rl.microbatch import check_micro_batch_settings, padding_metrics, rank_micro_batches, sample_lengths
 from rl.padded_batch import pad_batch, unpad_tokens
 from rl.packing import micro_batch, micro_batch_logprobs, use_varlen_attention
-from rl.precision import Precision, compile_layers, prepare_frozen
+from rl.precision import Precision, compile_layers, compile_setting, prepare_frozen
 
 
 @dataclass(kw_only=True)
@@ -43,7 +43,8 @@ class ReferenceConfig:
     precision: Precision = "auto"
     """auto: bf16 weights on CUDA (frozen, so no fp32 master copy is needed), fp32 on CPU."""
     compile: bool | None = None
-    """torch.compile each decoder layer (None = on CUDA; rl/precision.compile_layers)."""
+    """torch.compile each decoder layer (None = on CUDA without packing; rl/precision.compile_setting
+    says why, compile_layers how)."""
     temperature: Annotated[float, Positive] = 1.0
     """Temperature of the log-probs: the generators' sampling temperature, as the learner's (the
     graph shares it), so the KL compares two distributions at the same temperature."""
@@ -90,7 +91,7 @@ class Reference(Node):
         prepare_frozen(self.model, self.ctx.device, c.precision)
         if c.packing:
             self.ctx.log(f"packed passes, attention: {use_varlen_attention(self.model, self.ctx.device)}")
-        compile_layers(self.model, self.config.compile, self.ctx.device)
+        compile_layers(self.model, compile_setting(c.compile, c.packing), self.ctx.device)
 
     async def run(self):
         inp, out = self.ctx.inputs["scored"], self.ctx.outputs["with_ref"]

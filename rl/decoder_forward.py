@@ -74,9 +74,12 @@ def compile_layer_halves(dec) -> None:
     rows. Their glue is most of a layer's kernels (RMSNorm's float32 upcast, rotary, SwiGLU,
     residual adds: ~45 per layer eager, for 7 matmuls), and at batch 256 those launches, not
     the math, set a decode step's time even inside a CUDA graph. The weights are graph inputs,
-    so one graph serves every layer; dynamic=True makes it serve every batch bucket too (3 is
-    a size no weight dimension has, so nothing is specialised to equal one)."""
-    B, inner = min(3, dec.num_slots), dec.model.model
+    so one graph serves every layer; dynamic=True makes it serve every batch bucket too. The dummy
+    batch size is one no head count or head size has: dynamo's duck sizing would otherwise tie
+    the batch to that dimension (SmolLM2 has 3 KV heads: with 3 rows a second batch size
+    recompiled, seen on an H200)."""
+    dims = {dec.n_head, dec.n_kv, dec.n_head // dec.n_kv, dec.head_dim}
+    B, inner = min(next(b for b in (3, 5, 7, 11, 13, 17) if b not in dims), dec.num_slots), dec.model.model
     first, second = (torch.compile(f, dynamic=True) for f in (attention_input, attention_output))
     pos = torch.zeros(B, dtype=torch.long, device=dec._device)
     try:

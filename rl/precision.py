@@ -72,6 +72,17 @@ def compiler_works(device_type: str) -> str | None:
         return f"{type(e).__name__}: {str(e)[:200]}"
 
 
+def compile_setting(compile: bool | None, packing: bool, gradient_checkpointing: bool = False) -> bool | None:
+    """A node's `compile` with its default (None) kept eager where compiling is untried or slow:
+    with gradient checkpointing (untried), and with packed passes, whose flex_attention inside
+    compiled layers did not finish a GRPO step in 150 s on an H200 (SmolLM2, bench/RESULTS.md,
+    issue 21), while eager packed passes ran 3x faster than 16-row padded ones (bench/varlen.py).
+    An explicit True still compiles."""
+    if compile is None and (packing or gradient_checkpointing):
+        return False
+    return compile
+
+
 def compile_layers(model: torch.nn.Module, compile: bool | None, device) -> bool:
     """torch.compile each decoder layer of `model` in place (compile None = on CUDA); True if it did.
 

@@ -228,8 +228,14 @@ def test_compiled_critic_layers_make_the_same_update_as_eager(setup, capsys):
 
 
 def test_precision_settings():
-    from rl.precision import compute_dtype, micro_slices
+    from rl.precision import compile_setting, compute_dtype, micro_slices
 
+    # compile's default stays eager with packed passes or gradient checkpointing; explicit wins
+    assert compile_setting(None, packing=False) is None
+    assert compile_setting(None, packing=True) is False
+    assert compile_setting(None, packing=False, gradient_checkpointing=True) is False
+    assert compile_setting(True, packing=True, gradient_checkpointing=True) is True
+    assert compile_setting(False, packing=False) is False
     assert compute_dtype("auto", "cpu") == torch.float32
     assert compute_dtype("auto", "cuda") == torch.bfloat16
     assert compute_dtype("fp32", "cuda") == torch.float32
