@@ -77,7 +77,9 @@ def compile_setting(compile: bool | None, packing: bool, gradient_checkpointing:
     with gradient checkpointing (untried), and with packed passes, whose flex_attention inside
     compiled layers did not finish a GRPO step in 150 s on an H200 (SmolLM2, bench/RESULTS.md,
     issue 21), while eager packed passes ran 3x faster than 16-row padded ones (bench/varlen.py).
-    An explicit True still compiles."""
+    That run compiled flex with dynamic=True; compile_layers now compiles flex layers with automatic
+    dynamic shapes instead (its docstring), which a GPU run has yet to time before this default
+    changes. An explicit True still compiles."""
     if compile is None and (packing or gradient_checkpointing):
         return False
     return compile
@@ -95,7 +97,19 @@ def compile_layers(model: torch.nn.Module, compile: bool | None, device) -> bool
     with and without grad): on an H200 with SmolLM2-135M the learner's setup took 54.6 s, mostly
     compiling six graphs a GRPO step mostly never runs, and its first step still took 19.1 s; on first
     use only the graphs a run needs compile, at its sizes (bench/RESULTS.md, issue 18).
-    A machine whose toolchain cannot compile (compiler_works) keeps the layers eager, with one line."""
+    A machine whose toolchain cannot compile (compiler_works) keeps the layers eager, with one line.
+
+    flex_attention (packed passes on CUDA without flash_attn, rl/packing.py) is the exception to
+    dynamic=True: it compiles with torch's automatic dynamic shapes (dynamic=None: the first pack
+    length static, the second marks the lengths dynamic, later lengths reuse that graph; a pack of
+    one flex block, N <= 128, adds one variant once, size 1 being specialized). Under
+    dynamic=True every Python int the layer reads becomes a symbol, those of the BlockMask too
+    (BLOCK_SIZE, and the mask_mod's closure offsets), and flex_attention's kernel is generated for
+    them: on CPU (torch 2.13) it does not build (a C++ error in the flex template, eager layers too
+    when flex is compiled dynamic=True); the H200 step that did not finish in 150 s ran it so (that
+    this was the cause there is unconfirmed). The same flex under automatic dynamic shapes is what
+    transformers compiles for eager layers, which ran on the H200. So call
+    this after use_varlen_attention (a later switch to flex keeps dynamic=True)."""
     if not (torch.device(device).type == "cuda" if compile is None else compile):
         return False
     layers = next((m for name, m in model.named_modules()
@@ -107,6 +121,8 @@ def compile_layers(model: torch.nn.Module, compile: bool | None, device) -> bool
         print(f"compile_layers: torch.compile does not work here ({failure}); running the layers eagerly",
               flush=True)
         return False
+    config = getattr(getattr(model, "backbone", model), "config", None)   # ValueModel keeps its trunk there
+    dynamic = None if getattr(config, "_attn_implementation", None) == "flex_attention" else True
     for layer in layers:
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=dynamic)
     return True
