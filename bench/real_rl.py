@@ -157,6 +157,7 @@ def main() -> int:
     last = max(steps)
     startup_s = summary.seconds - steps[last]["time_s"]
     log(args.algo, f"start-up {startup_s:.1f} s (Ray, actors, models), then {steps[last]['time_s']:.1f} s of steps")
+    log(args.algo, f"start-up parts, s: {summary.startup}")
 
     evaluate = Evaluator(model, val, args.val_n, args.eval_batch, args.max_new_tokens,
                          "cuda" if on_gpu else "cpu")
@@ -174,7 +175,7 @@ def main() -> int:
     samples = [r["perf/samples_per_s"] * r["timing/step_s"] for r in steps.values()]
     tokens = sum(r["response_length/mean"] * n for r, n in zip(steps.values(), samples))
     extra = {"engine": "dataflow", "algo": args.algo, "steps": last, "status": summary.status,
-             "startup_s": startup_s, "run_s": summary.seconds, "prepare_s": t_ready - t_start,
+             "startup_s": startup_s, "startup": summary.startup, "run_s": summary.seconds, "prepare_s": t_ready - t_start,
              "checkpoint_save_s": sum(clock.save_s(s) for s in clock.saved),
              "response_tokens_per_s": tokens / max(steps[last]["time_s"], 1e-9),
              "peak_gpu_mem_mib": memory.peak_mib, "settings": sets, "script_s": t_end - t_start,

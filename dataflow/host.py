@@ -126,12 +126,14 @@ class NodeHost:
         if self.spec.trace_kernels and self.device == "cuda":
             self._kernels = KernelRecorder(self.tracer.now_us)
         self._phase = "setup"
+        t = time.perf_counter()
         try:
             with self.tracer.span("setup"):
                 await self.node.setup()
         except Exception as e:
             return self._failure(e, phase="setup")
-        return {"status": "ready", "device": self.device, "pid": os.getpid()}
+        return {"status": "ready", "device": self.device, "pid": os.getpid(),
+                "setup_s": round(time.perf_counter() - t, 3)}
 
     # ---- running ----------------------------------------------------------------------------
     async def run(self) -> dict:

@@ -39,6 +39,9 @@ class RunSummary:
     """The graph's alert counters that are not zero (Graph.alerts): failed rewards, skipped lines..."""
     notes: list = field(default_factory=list)
     """Lines the user must read about how the run ended (e.g. the data ran out before max steps)."""
+    startup: dict = field(default_factory=dict)
+    """Where the start-up went, s: "total" (Ray up -> every node set up), "ray" (before that),
+    "actors" (every actor process answering), "setup" (then every node's setup), "setup/<replica>"."""
 
 
 POLL_TIMEOUT_S = 5.0  # a host that does not answer a poll within this is skipped until it does
@@ -66,6 +69,10 @@ class Monitor:
         self.driver_tracer = Tracer("driver", enabled=options.trace_path is not None)
         self.t_start = time.time()
         self.t_running = None
+        self.ray_s = 0.0                             # ray.init (or connecting), before t_start
+        self.phases: dict[str, float] = {}           # start-up phase -> its end, s after t_start
+        self.setup_s: dict[str, float] = {}          # replica -> its node's setup seconds
+        self.startup: dict[str, float] = {}          # RunSummary.startup, set by started()
         self.step = resume_step
         self.depths: dict[str, int] = {}
         self.artifacts: dict[str, str] = {}
@@ -96,10 +103,28 @@ class Monitor:
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
 
+    def mark(self, phase: str, setup_s: dict[str, float] | None = None) -> None:
+        """The end of a start-up phase ("actors": every actor process answers; "setup": every node
+        set up, with each replica's own setup seconds), for the running line and metrics.jsonl."""
+        self.phases[phase] = time.time() - self.t_start
+        if setup_s is not None:
+            self.setup_s = setup_s
+
     def started(self) -> None:
+        """Say where the start-up went (also RunSummary.startup): it counts from Ray being up
+        (ray_s before it) to every node set up (and its state loaded on --resume)."""
         self.t_running = time.time()
+        total = self.t_running - self.t_start
+        actors = self.phases.get("actors", 0.0)
+        setup = self.phases.get("setup", total) - actors
+        slowest = max(self.setup_s, key=self.setup_s.get) if self.setup_s else None
+        parts = f"actor processes {actors:.1f} s, node setup {setup:.1f} s" + (
+            f" (slowest {slowest}: {self.setup_s[slowest]:.1f} s)" if slowest else "")
         self.say(f"[dataflow] graph '{self.graph.name}' running: {len(self.graph.nodes)} nodes, "
-                 f"start-up {self.t_running - self.t_start:.1f} s; metrics -> {self.metrics_path}")
+                 f"start-up {total:.1f} s ({parts}; Ray started {self.ray_s:.1f} s before); "
+                 f"metrics -> {self.metrics_path}")
+        self.startup = {"total": round(total, 3), "ray": round(self.ray_s, 3), "actors": round(actors, 3),
+                        "setup": round(setup, 3), **{f"setup/{n}": s for n, s in self.setup_s.items()}}
 
     def say(self, text: str) -> None:
         if not self.options.quiet:
@@ -233,7 +258,8 @@ class Monitor:
             self.artifacts["trace"] = self.options.trace_path
         report += ("\n" + self.loggers.close()).rstrip()   # the validation rounds, before and after
         return RunSummary(status, self.step, seconds, str(self.run_dir), str(self.metrics_path),
-                          dict(self.artifacts), report, dict(self.restarts), self.alerts(), list(self.notes))
+                          dict(self.artifacts), report, dict(self.restarts), self.alerts(), list(self.notes),
+                          dict(self.startup))
 
 
 def _short(v: float) -> str:

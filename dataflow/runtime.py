@@ -70,8 +70,10 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
     run_dir.mkdir(parents=True, exist_ok=True)
     snapshots.clear_snapshots(run_dir)
     max_steps = options.max_steps if options.max_steps is not None else graph.max_steps
+    t_ray = time.time()
     started_ray = await start_ray(graph, options)
     monitor = Monitor(graph, run_dir, options, config, resume, resume_step)
+    monitor.ray_s = monitor.t_start - t_ray
     stall = StallWatch(graph)
     hosts: dict[str, Any] = {}
     running: dict[asyncio.Future, str] = {}  # run() calls in flight -> replica name
@@ -99,12 +101,14 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
         # 2. Clocks: one time base for every trace event (NTP-style offset per process).
         for name, host in hosts.items():
             monitor.trace.set_clock_offset(name, await clock_offset(host))
+        monitor.mark("actors")   # every actor process is up (its first call answered)
 
         # 3. Wire and set up every node (models are built here, in parallel).
         setups = await gather_setups({n: h.connect.remote(wiring(graph, n, hosts)) for n, h in hosts.items()})
         for name, result in setups.items():
             raise_if_failed(name, result)
         monitor.processes({n: r["pid"] for n, r in setups.items()})
+        monitor.mark("setup", {n: r.get("setup_s", 0.0) for n, r in setups.items()})
         if resume is not None:  # every replica's state, before any node runs
             await _load_states(hosts, resume, resume_step)
             monitor.say(f"[dataflow] resumed from {resume} at step {resume_step}")

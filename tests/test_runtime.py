@@ -233,6 +233,7 @@ def test_cli_runs_squares_end_to_end(tmp_path):
     assert json.loads((out / "config.json").read_text())["counter.count"] == 20
 
     assert "[dataflow] graph 'squares' running: 3 nodes" in r.stdout
+    assert re.search(r"start-up [\d.]+ s \(actor processes [\d.]+ s, node setup [\d.]+ s \(slowest", r.stdout), r.stdout
     assert "step    4 | items 20" in r.stdout
     assert "where time went" in r.stdout and "square[1]" in r.stdout  # the idle table
     assert "[dataflow] done: 4 steps in" in r.stdout
@@ -486,6 +487,14 @@ def test_versioned_edge_delivers_monotonic_latest_versions(tmp_path):
         assert versions[-1] == last, (name, versions)
         assert all(v == value_version == fill for v, value_version, fill in seen), (name, seen)
     assert len(json.loads((tmp_path / "seen-slow.json").read_text())) < last + 1
+
+    # where the start-up went (RunSummary.startup, also in the running line): the phases add up
+    # to the total, and every replica reports its own setup time
+    st = summary.startup
+    assert st["ray"] >= 0 and st["actors"] > 0 and st["setup"] >= 0
+    assert st["actors"] + st["setup"] == pytest.approx(st["total"], abs=0.01)
+    assert {k for k in st if k.startswith("setup/")} == {"setup/publisher", "setup/fast", "setup/slow"}
+    assert max(st[f"setup/{n}"] for n in ("publisher", "fast", "slow")) <= st["setup"] + 0.01
 
 
 class _Learner(Node):
