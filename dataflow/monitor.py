@@ -105,7 +105,7 @@ class Monitor:
 
     def mark(self, phase: str, setup_s: dict[str, float] | None = None) -> None:
         """The end of a start-up phase ("actors": every actor process answers; "setup": every node
-        set up, with each replica's own setup seconds), for the running line and metrics.jsonl."""
+        set up, with each replica's own setup seconds), for the running line and RunSummary.startup."""
         self.phases[phase] = time.time() - self.t_start
         if setup_s is not None:
             self.setup_s = setup_s
