@@ -159,7 +159,7 @@ def write_curve(out: Path, name: str, points: list[dict], extra: dict) -> None:
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for p in points:
         lines.append(f"| {p['step']} | {p['wall_s']:.1f} | {p['train_s']:.1f} | {p['accuracy']:.3f} | "
-                     f"{p['math_reward']:.3f} | {p['mean_length']:.1f} | {p['hit_cap']:.2f} |")
+                     f"{'-' if p['math_reward'] is None else format(p['math_reward'], '.3f')} | {p['mean_length']:.1f} | {p['hit_cap']:.2f} |")
     lines += ["", "```", json.dumps(extra, indent=1), "```"]
     (out / "curve.md").write_text("\n".join(lines) + "\n")
     plot_curves(out / "curve.png", {name: points})

@@ -160,7 +160,9 @@ def launch(args, runs: list[tuple[str, int]], model: str, train: str, val: str, 
     # weights travel by CUDA IPC on one GPU: it holds little here), and each process compiling its
     # layers would start a pool of cpu_count inductor workers.
     env.setdefault("RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION", str(round(0.25 / concurrent, 3)))
-    warm = args.warm_first if args.warm_first is not None else on_gpu
+    # one run at a time: each finds the earlier runs' graphs in the shared cache anyway, and PPO (the
+    # slowest, 4.6 s/step on the H200) first would take most of a call's budget (RESULTS, 2026-12-02)
+    warm = args.warm_first if args.warm_first is not None else on_gpu and concurrent > 1
     pending, active, done = list(runs), {}, []
     if warm:   # PPO first: its start-up compiles the most graphs (generator, reference, learner, critic)
         pending.sort(key=lambda r: r[0] != "ppo")
@@ -238,7 +240,7 @@ def main() -> int:
     p.add_argument("--warm-first", action=argparse.BooleanOptionalAction, default=None,
                    help="start one run (PPO) alone and the others once it has started up, so that they "
                         "find its compiled graphs in the inductor cache instead of compiling them all at "
-                        "once (default: on a GPU)")
+                        "once (default: on a GPU, with more than one run at a time)")
     p.add_argument("--warm-timeout-s", type=float, default=240.0, help="the longest the others wait for it")
     p.add_argument("--stop-grace-s", type=float, default=45.0)
     p.add_argument("--report-every-s", type=float, default=30.0)

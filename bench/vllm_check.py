@@ -143,9 +143,13 @@ def agreement(a: list[dict], b: list[dict]) -> dict:
 
 
 # ---- workloads ---------------------------------------------------------------------------------------
-def w1_setup(out: Path):
+# The W1 model dir (~1 GB) goes outside --out: the device returns only small files from $OUT.
+W1_DIR = Path(os.environ.get("VLLM_CHECK_W1_DIR", "/tmp/vllm_check_w1"))
+
+
+def w1_setup():
     shape = gpu_step.SHAPES["w1"]
-    paths = gpu_step.build_workload(out / "w1", shape, num_prompts=1024)
+    paths = gpu_step.build_workload(W1_DIR, shape, num_prompts=1024)
     model, tok = policy.load(policy.PolicySpec(path=paths["model"]))
     model.to("cuda", dtype=torch.bfloat16).eval()
     rng = random.Random(0)
@@ -171,8 +175,15 @@ def check_model(name: str, model, prompts, stop_ids, group: int, dec: VllmDecode
     """Behaviour vs recomputed log-probs before and after a push, greedy vs the static decoder."""
     row: dict = {"workload": name}
     batch = prompts[:32]
+    new, min_new = dec.max_new_tokens, dec._params["min_new_tokens"]
     before = drive(dec, batch, group)
     row["logprobs_before_push"] = diff(before, recompute(model, before))
+    # the yardstick for the tolerance: our own decoder's behaviour log-probs against the same
+    # recomputation (bf16 both sides; only the kernels and summation orders differ)
+    sd = static(model, len(batch) * group, max(len(p) for p in batch) + new, stop_ids, new, min_new)
+    own = drive(sd, batch, group)
+    row["static_logprobs_vs_learner"] = diff(own, recompute(model, own))
+    del sd
     with torch.no_grad():    # the push: every weight moved by ~10% of its spread (a new version)
         gen = torch.Generator(device="cuda").manual_seed(1)
         for p in model.parameters():
@@ -185,7 +196,6 @@ def check_model(name: str, model, prompts, stop_ids, group: int, dec: VllmDecode
     after = drive(dec, batch, group)
     row["logprobs_after_push"] = diff(after, recompute(model, after))
     row["old_samples_vs_new_weights"] = diff(before, recompute(model, before))   # large: the push landed
-    new, min_new = dec.max_new_tokens, dec._params["min_new_tokens"]
     greedy_v = drive(dec, prompts[:64], 1, temperature=0.0)
     sd = static(model, 64, max(len(p) for p in prompts) + new, stop_ids, new, min_new)
     greedy_s = drive(sd, prompts[:64], 1, temperature=0.0)
@@ -255,12 +265,14 @@ def flash_adapter():
 def flash_part(model, prompts, stop_ids, new: int) -> dict:
     import rl.decoding as decoding
 
-    adapter, original = flash_adapter(), decoding._flash_with_kvcache
-    decoding._flash_with_kvcache = lambda: adapter      # the decoder's own flash path, this adapter inside
+    # StaticDecoder takes its flash kernel from rl.decoding's name flash_with_kvcache (imported there
+    # from rl/decoder_forward.py): the decoder's own flash path runs with this adapter inside
+    adapter, original = flash_adapter(), decoding.flash_with_kvcache
+    decoding.flash_with_kvcache = lambda: adapter
     try:
         return _flash_rows(model, prompts, stop_ids, new)
     finally:
-        decoding._flash_with_kvcache = original
+        decoding.flash_with_kvcache = original
 
 
 def _flash_rows(model, prompts, stop_ids, new: int) -> dict:
@@ -284,7 +296,7 @@ def _flash_rows(model, prompts, stop_ids, new: int) -> dict:
 
 def grpo_part(args, out: Path) -> list[dict]:
     shape = gpu_step.SHAPES["w1"]
-    paths = gpu_step.build_workload(out / "w1", shape, num_prompts=1024)
+    paths = gpu_step.build_workload(W1_DIR, shape, num_prompts=1024)
     rows = []
     for backend in ("static", "vllm"):
         a = argparse.Namespace(gpus=1, micro_batch=0, ref_micro_batch=0, tiny=False, steps=args.grpo_steps,
@@ -301,7 +313,10 @@ def table() -> str:
     lines = ["", "== vllm_check ==", "%-8s %-8s %-46s %s" % ("part", "workload", "variant", "value")]
     add = lambda part, work, what, value: lines.append("%-8s %-8s %-46s %s" % (part, work, what, value))  # noqa: E731
     for r in RESULTS.get("correctness", []):
-        for key in ("logprobs_before_push", "logprobs_after_push", "old_samples_vs_new_weights"):
+        for key in ("static_logprobs_vs_learner", "logprobs_before_push", "logprobs_after_push",
+                    "old_samples_vs_new_weights"):
+            if key not in r:
+                continue
             v = r[key]
             add("logprob", r["workload"], key, "mean %.4f max %.3f (%d tokens)" % (v["mean_abs"], v["max_abs"], v["tokens"]))
         g = r["greedy_vs_static"]
@@ -338,7 +353,7 @@ def main() -> int:
     RESULTS.update(machine=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), parts=sorted(parts))
     try:
         if parts & {"correctness", "speed", "flash"}:
-            shape, paths, model, tok, prompts = w1_setup(out)
+            shape, paths, model, tok, prompts = w1_setup()
             stop, new = [tok.eos_token_id], shape["response_len"]
             if "flash" in parts:
                 try:

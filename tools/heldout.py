@@ -89,9 +89,13 @@ def evaluate(model, tokenizer, rows: list[dict], max_new_tokens: int = 64, batch
     t0 = time.perf_counter()
     responses, tokens = generate_greedy(model, tokenizer, [r["prompt"] for r in rows], max_new_tokens, batch)
     correct = [answer_correct(text, str(r["answer"])) for text, r in zip(responses, rows)]
-    rewarded = [math_reward("", text, str(r["answer"])) for text, r in zip(responses, rows)]
+    try:        # the side judge; math-verify is a project dependency, absent where only wheels travel
+        rewarded = sum(math_reward("", text, str(r["answer"])) for text, r in zip(responses, rows)) / len(rows)
+    except ModuleNotFoundError as e:     # the GPU machine: keep the run's curve, say what is missing
+        print(f"heldout: math_reward column left empty ({e})", file=sys.stderr)
+        rewarded = None
     lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in responses]
-    return {"accuracy": sum(correct) / len(rows), "math_reward": sum(rewarded) / len(rows), "n": len(rows),
+    return {"accuracy": sum(correct) / len(rows), "math_reward": rewarded, "n": len(rows),
             "mean_length": tokens / len(rows), "hit_cap": sum(l >= max_new_tokens for l in lengths) / len(rows),
             "eval_s": time.perf_counter() - t0,
             "examples": [{"prompt": r["prompt"], "answer": r["answer"], "response": t, "correct": c}
