@@ -167,7 +167,8 @@ def launch(args, runs: list[tuple[str, int]], model: str, train: str, val: str, 
     if warm:   # PPO first: its start-up compiles the most graphs (generator, reference, learner, critic)
         pending.sort(key=lambda r: r[0] != "ppo")
     first_env = dict(env)
-    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    if concurrent > 1:   # several processes compiling at once: one inductor worker each, not cpu_count
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     deadline = time.time() + args.budget_s
     last_report = 0.0
     warming, warm_until = None, 0.0   # the run dir whose start-up the others wait for (its compiles fill the cache)
