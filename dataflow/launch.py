@@ -44,12 +44,12 @@ async def start_ray(graph: Graph, options: RunOptions) -> bool:
 
     if ray.is_initialized():
         return False
-    env = {"PYTHONPATH": os.pathsep.join(p for p in [str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")] if p)}
+    python_path = os.pathsep.join(p for p in [str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")] if p)
     kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=options.verbose,
-                                  configure_logging=options.verbose, runtime_env={"env_vars": env})
+                                  configure_logging=options.verbose)
     address = options.address or os.environ.get("RAY_ADDRESS")
     if address:
-        kwargs["runtime_env"] = {"env_vars": env, "working_dir": str(PROJECT_ROOT),
+        kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": python_path}, "working_dir": str(PROJECT_ROOT),
                                  "excludes": ["runs/", ".git/", ".venv/", ".whl/", "**/__pycache__/"]}
         where = "--address" if options.address else "RAY_ADDRESS"
         await probe_address(address, where)
@@ -57,6 +57,11 @@ async def start_ray(graph: Graph, options: RunOptions) -> bool:
     else:
         # Logical CPUs: a node's `cpus` is a share, so a 2-core laptop can still host the whole graph.
         needed = math.ceil(placement.plan(graph).cpus)
+        # Workers find the project through the environment they inherit from this process, not a
+        # runtime_env: a job with a runtime_env gets no prestarted workers, and each actor's
+        # worker waits on Ray's runtime-env agent (5 actors up in 3.0-4.5 s without one, 6.1-11.3 s
+        # with env_vars only, on a 2-core machine).
+        os.environ["PYTHONPATH"] = python_path
         with keep_sigterm_handler(), own_process_group():
             ray.init(num_cpus=max(os.cpu_count() or 1, needed), **kwargs)
     return True
