@@ -57,7 +57,7 @@ def _frames(f) -> list[list]:
     """Innermost first, at most MAX_FRAMES."""
     out = []
     while f is not None and len(out) < MAX_FRAMES:
-        out.append(frame_of(os.path.abspath(f.f_code.co_filename), f.f_lineno, f.f_code.co_name))
+        out.append(frame_of(_path(f.f_code.co_filename), f.f_lineno, f.f_code.co_name))
         f = f.f_back
     return out
 
@@ -103,38 +103,45 @@ def _await_chain(coro) -> list[list]:
         frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
         if frame is None:
             break
-        frames.append(frame_of(os.path.abspath(frame.f_code.co_filename), frame.f_lineno, frame.f_code.co_name))
+        frames.append(frame_of(_path(frame.f_code.co_filename), frame.f_lineno, frame.f_code.co_name))
         coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
     return frames[::-1]
 
 
 def short_lines(thread: dict) -> list[str]:
     """A thread's stack in a few lines, innermost first: where it is now, then the calls that led
-    there with the standard library's and Ray's frames left out and each run of one package's
-    frames shown by its innermost and outermost (torch.compile's stacks are 50+ frames deep)."""
+    there without the standard library's and Ray's frames (imports, thread pools), each run of one
+    package's frames shown by its ends (torch.compile's stacks are 50+ frames deep). Over
+    SHORT_LINES, the project's frames are kept before a library's: they say whose call it is."""
     frames = thread["frames"]
     if not frames:
         return []
-    shown: list[str] = [_at(frames[0])]
-    i = 1
-    while i < len(frames):
-        f = frames[i]
-        if f[4] in ("std", "ray"):
-            i += 1
-            continue
+    rest = [f for f in frames[1:] if f[4] not in ("std", "ray")]
+    entries: list[tuple[str, str]] = [(_at(frames[0]), "now")]  # (line, kind)
+    i = 0
+    while i < len(rest):
         j = i
-        if f[4] == "lib":  # the run of frames of the same package
-            while j + 1 < len(frames) and frames[j + 1][4] == "lib" and _package(frames[j + 1]) == _package(f):
+        if rest[i][4] == "lib":  # the run of frames of the same package
+            while j + 1 < len(rest) and rest[j + 1][4] == "lib" and _package(rest[j + 1]) == _package(rest[i]):
                 j += 1
-        shown.append(_at(f))
-        if j - i > 1:
-            shown.append(f"... {j - i - 1} frames in {_package(f)}")
-        if j > i:
-            shown.append(_at(frames[j]))
+        if j - i > 2:
+            entries += [(_at(rest[i]), "lib"), (f"... {j - i - 1} frames in {_package(rest[i])}", "lib"),
+                        (_at(rest[j]), "lib")]
+        else:
+            entries += [(_at(f), f[4]) for f in rest[i:j + 1]]
         i = j + 1
-    if len(shown) > SHORT_LINES:
-        shown = shown[:SHORT_LINES - 1] + [f"... {len(shown) - SHORT_LINES + 1} more (the file has all)"]
-    return shown
+    if len(entries) <= SHORT_LINES:
+        return [line for line, _ in entries]
+    own = [k for k, (_, kind) in enumerate(entries) if kind == "own"][:SHORT_LINES - 3]
+    keep = {0, *own}
+    keep |= set([k for k in range(1, len(entries)) if k not in keep][:SHORT_LINES - len(keep)])
+    shown, last = [], -1
+    for k in sorted(keep):
+        if k != last + 1:
+            shown.append("...")
+        shown.append(entries[k][0])
+        last = k
+    return shown + (["... (the file has the rest)"] if last != len(entries) - 1 else [])
 
 
 def replica_lines(stacks: list[dict] | None) -> list[str]:
@@ -170,6 +177,10 @@ def write_file(path: Path, report: str, stacks: dict[str, list[dict] | None]) ->
                 out.append(f"  (only the innermost {MAX_FRAMES} frames)")
         out.append("")
     path.write_text("\n".join(out) + "\n")
+
+
+def _path(filename: str) -> str:
+    return filename if filename.startswith("<") else os.path.abspath(filename)  # "<frozen importlib...>"
 
 
 def _at(frame: list) -> str:

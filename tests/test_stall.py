@@ -121,6 +121,12 @@ def test_a_threads_short_stack_names_the_project_frames_and_the_ends_of_a_librar
     assert short_lines({"frames": frames}) == [
         "torch/_inductor/f0.py:0 f0", "torch/_inductor/f1.py:1 f1", "... 28 frames in torch",
         "torch/_dynamo/eval_frame.py:600 _fn", "rl/packing.py:240 packed_logprobs"]
+    # Past SHORT_LINES the project's frames stay and a library's go first.
+    project = stall.__file__[:-len("dataflow/stall.py")]
+    mixed = [frame_of(f"{site}lib{i}/x.py" if i % 2 else f"{project}nodes/n{i}.py", i, f"f{i}") for i in range(1, 16)]
+    lines = short_lines({"frames": mixed})
+    assert [f"nodes/n{i}.py:{i} f{i}" for i in range(2, 16, 2)][:5] == [x for x in lines if x.startswith("nodes/")][:5]
+    assert lines[0] == "lib1/x.py:1 f1" and lines[-1] == "... (the file has the rest)", lines
 
 
 def test_the_early_look_comes_before_the_stall_timeout_only():
