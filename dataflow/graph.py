@@ -32,7 +32,7 @@ DEFAULT_ALERTS = {"reward/failed_total": "total", "reward/timeouts_total": "tota
                   "data/skipped_lines": "total", "channel/bad_items/": "total", "restarts/total": "total",
                   "prompts/duplicates_dropped": "total"}
 RUN_SETTINGS = ("max_steps", "save_interval", "keep_checkpoints", "max_restarts", "drop_bad_items",
-                "stall_timeout_s", "stall_action", "loggers")
+                "stall_timeout_s", "stall_action", "stall_warn_s", "loggers")
 """Graph fields that Graph(config=...) takes from the config's fields of the same names."""
 
 
@@ -140,6 +140,11 @@ class Graph:
     stall_action: str = "stop"
     """On a stall: "stop" ends the run (exit 1) naming the node(s) at the root of the wait;
     "warn" prints the same report once per stall timeout and keeps waiting."""
+    stall_warn_s: float | None = 120.0
+    """Seconds without a step after which the driver prints, once per quiet spell, where every
+    node is (what it waits for, the busy ones' Python stacks) and the run goes on: an early look
+    at a start-up that hangs, before the stall timeout's 300 s floor. At least twice the slowest
+    step so far; only when shorter than the stall timeout; None = never (dataflow/stall.py)."""
     alerts: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_ALERTS))
     """Counters of things that went wrong, by metric key (or a prefix ending in "/"): any that is
     non-zero is shown on every progress line and in the final summary, not only in metrics.jsonl

@@ -7,7 +7,7 @@ Lifecycle, driven by the runtime (dataflow/runtime.py):
                   with the node name, traceback and the item being processed).
   4. poll()       called by the driver every ~0.5 s: events (logs, step metrics), trace data,
                   channel statistics. wait_state(): what the replica waits for right now (the
-                  driver's stall diagnosis, dataflow/stall.py).
+                  driver's stall diagnosis, dataflow/stall.py); thread_stacks(): where in the code.
   5. stop()       cancels run(); every blocking wait in channels is cancellable.
 Between actors: channel_take / channel_receiver_closed (channel pulls) and on_publish
 (versioned edges) are called by peers, never by the driver.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from typing import Any
 
 from dataflow import channel as channels
 from dataflow import checkpoint
+from dataflow import stacks
 from dataflow.channel.tracked import TrackedInput
 from dataflow.errors import UserError
 from dataflow.node import NodeContext
@@ -95,10 +97,12 @@ class NodeHost:
         self._version_waits: dict[int, tuple[str, int, str, int]] = {}
         self._publishing: tuple[str, int, str, int] | None = None
         self._phase = "created"  # created -> setup -> running -> finished
+        self._loop_thread: int | None = None  # the event loop's thread, for thread_stacks()
 
     # ---- set-up -----------------------------------------------------------------------------
     async def connect(self, wiring: dict) -> dict:
         """Build channel ends from the wiring and set the node up. Returns {"device": ...}."""
+        self._loop_thread = threading.get_ident()
         outputs = {}
         for port, w in wiring["outputs"].items():
             outputs[port] = channels.SendEnd(
@@ -140,7 +144,8 @@ class NodeHost:
         self._run_task = asyncio.current_task()
         self._phase = "running"
         try:
-            reason = await self.node.run()
+            self._node_run = self.node.run()  # its await chain: where a waiting node waits (thread_stacks)
+            reason = await self._node_run
             # A node may say why it ended (the prompt source: its data ran out); the driver tells
             # the user when the run ends before its max steps.
             return {"status": "done", "steps": self.steps, "reason": reason if isinstance(reason, str) else None}
@@ -229,6 +234,12 @@ class NodeHost:
                              for edge, v, why, t0 in self._version_waits.values()],
                 "publishing": self._publishing, "channels": channel_stats,
                 "latest": {edge: version for edge, (version, _) in self._versions.items()}}
+
+    async def thread_stacks(self) -> list[dict]:
+        """Where this process's threads are in the code (dataflow/stacks.py). Called in the
+        stacks.GROUP concurrency group, on a thread of its own: it answers while the node blocks the loop."""
+        return stacks.capture(skip_ident=threading.get_ident(), loop_ident=self._loop_thread,
+                              coro=getattr(self, "_node_run", None))
 
     def _report_peak_memory(self) -> None:
         """Emit `gpu/peak_mem_gb` (peak of torch's allocated bytes in this process) and

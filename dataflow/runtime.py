@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dataflow import checkpoint, placement, snapshots
+from dataflow import checkpoint, placement, snapshots, stacks
 from dataflow.errors import NodeFailed, UserError
 from dataflow.failures import (awaitable, death_summary, discard, failed, gather_named, gather_setups,
                                raise_first_failure, raise_if_failed, result_of, wait_for_root_cause)
@@ -74,7 +74,7 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
     started_ray = await start_ray(graph, options)
     monitor = Monitor(graph, run_dir, options, config, resume, resume_step)
     monitor.ray_s = monitor.t_start - t_ray
-    stall = StallWatch(graph)
+    stall = StallWatch(graph, run_dir)
     hosts: dict[str, Any] = {}
     running: dict[asyncio.Future, str] = {}  # run() calls in flight -> replica name
     pgs: dict = {}  # placement groups by pool name
@@ -83,7 +83,7 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
         #    placement group per pool (and one for the nodes without a pool), each actor in its bundle.
         plan = placement.plan(graph, placement.cluster_gpus())
         pgs = await placement.create_groups(plan)
-        actor_cls = ray.remote(NodeHost)
+        actor_cls = ray.remote(concurrency_groups=stacks.CONCURRENCY_GROUPS)(NodeHost)
         for replica_name, slot in plan.slots.items():
             spec = graph.nodes[slot.node]
             host_spec = HostSpec(node=spec.name, replica=spec.replica_names().index(replica_name),

@@ -20,6 +20,16 @@ unblock it: the producers of the channel it reads, the consumers of the one it c
 publisher of the version it waits for, the subscriber whose ack it waits for. A replica that does
 not wait (busy, running code of its own, not answering, finished) points nowhere.
 
+Where the roots are in their code: with each report the driver asks every running replica for its
+threads' Python stacks (NodeHost.thread_stacks, answered on a thread of its own, so a node that
+blocks its event loop answers too; dataflow/stacks.py). The report shows the roots' stacks in a
+few lines each, and <run>/stall-<n>.txt holds every replica's in full.
+
+An early look (Graph.stall_warn_s, default STALL_WARN_S): a quiet spell longer than that, and than
+twice the slowest step, but shorter than the stall timeout prints the same report once and the
+run goes on. The 300 s floor exists for slow first steps, yet a hang at start-up then says nothing
+for 5 minutes; this says where every node is after 2.
+
 Roots (roots_of): the sinks of that graph, found by its strongly connected components. A sink that
 is one replica that does not wait is the root (the node that is busy, or waits on something no
 one will produce). A sink that is a cycle is a deadlock: its root is the replica whose wait closes
@@ -32,6 +42,9 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from dataflow import stacks as thread_stacks
 
 from dataflow.failures import gather_named
 from dataflow.graph import Graph
@@ -41,6 +54,7 @@ STALL_FACTOR = 5.0      # default stall timeout: this many times the slowest ste
 DEADLOCK_S = 20.0       # every node waiting, nothing moving, for this long: a deadlock
 SNAPSHOT_EVERY_S = 5.0  # how often the driver asks the hosts what they wait for
 ANSWER_TIMEOUT_S = 5.0  # a host that does not answer wait_state() within this is "not answering"
+STALL_WARN_S = 120.0    # default Graph.stall_warn_s: the early look at a quiet run that is not yet stalled
 
 
 class RunStalled(Exception):
@@ -186,15 +200,21 @@ def _strongly_connected(waits: dict[str, Wait]) -> list[list[str]]:
     return out
 
 
-def report(waits: dict[str, Wait], roots: list[str], cycle: list[str], headline: str) -> str:
-    """The lines the user sees: the headline, each replica and what it waits for, the root."""
+def report(waits: dict[str, Wait], roots: list[str], cycle: list[str], headline: str,
+           stacks: dict[str, list | None] | None = None, stacks_file: str | None = None) -> str:
+    """The lines the user sees: the headline, each replica and what it waits for, the root, and
+    under each root where its code is (`stacks`: replica -> NodeHost.thread_stacks(), None: no answer)."""
     width = max(len(r) for r in waits)
     lines = [headline]
     for r, w in waits.items():
         mark = "   <- root" if r in roots else ""
         lines.append(f"  {r:<{width}}  {w.what[0]}{mark}")
         lines += [f"  {'':<{width}}  {more}" for more in w.what[1:]]
+        if stacks is not None and r in roots and r in stacks:
+            lines += [f"  {'':<{width}}    {s}" for s in thread_stacks.replica_lines(stacks[r])]
     lines.append("  root of the wait: " + root_summary(waits, roots, cycle))
+    if stacks_file:
+        lines.append(f"  every replica's threads, in full: {stacks_file}")
     return "\n".join(lines)
 
 
@@ -208,8 +228,11 @@ def root_summary(waits: dict[str, Wait], roots: list[str], cycle: list[str]) -> 
 class StallWatch:
     """The driver's stall timer and deadlock detector (see the module docstring)."""
 
-    def __init__(self, graph: Graph):
+    def __init__(self, graph: Graph, run_dir: str | Path | None = None):
         self.graph = graph
+        self.run_dir = Path(run_dir) if run_dir is not None else None  # where stall-<n>.txt go
+        self.reports = 0
+        self.looked_early = False  # the stall_warn_s report of this quiet spell is out
         self.t_last_step = time.monotonic()
         self.slowest_step_s = 0.0
         self.steps = 0
@@ -226,11 +249,20 @@ class StallWatch:
             now = time.monotonic()
             self.slowest_step_s = max(self.slowest_step_s, (now - self.t_last_step) / max(1, steps - self.steps))
             self.t_last_step, self.steps, self.deadlock_since, self.warned_at = now, steps, None, None
+            self.looked_early = False
 
     def timeout_s(self) -> float:
         if self.graph.stall_timeout_s:
             return float(self.graph.stall_timeout_s)
         return max(STALL_FLOOR_S, STALL_FACTOR * self.slowest_step_s)
+
+    def early_look_s(self) -> float | None:
+        """When a quiet spell gets its early report (see the module docstring); None: none."""
+        warn_s = getattr(self.graph, "stall_warn_s", STALL_WARN_S)
+        if warn_s is None or warn_s <= 0:
+            return None
+        at = max(float(warn_s), 2 * self.slowest_step_s)
+        return at if at < self.timeout_s() else None
 
     async def check(self, hosts: dict, running: set[str]) -> None:
         """Raise RunStalled (or, with stall_action="warn", print the report once per timeout)
@@ -240,7 +272,9 @@ class StallWatch:
         now = time.monotonic()
         quiet_s = now - self.t_last_step
         timed_out = quiet_s >= self.timeout_s() and (self.warned_at is None or now - self.warned_at >= self.timeout_s())
-        if not timed_out and now - self.t_snapshot < SNAPSHOT_EVERY_S:
+        early_s = self.early_look_s()
+        early = early_s is not None and quiet_s >= early_s and not self.looked_early
+        if not (timed_out or early) and now - self.t_snapshot < SNAPSHOT_EVERY_S:
             return
         self.t_snapshot = now
         states = await snapshot({n: h for n, h in hosts.items()}, running)
@@ -253,21 +287,42 @@ class StallWatch:
             deadlocked = now - self.deadlock_since[0] >= DEADLOCK_S
         else:
             self.deadlock_since = None
+        if early and not (timed_out or deadlocked):
+            self.looked_early = True
+            headline = (f"[dataflow] no step for {quiet_s:.0f} s (the run goes on; stall timeout {self.timeout_s():.0f} s). "
+                        "Where each node is:")
+            text, _, _ = await self._report(hosts, running, waits, headline)
+            print(text + "\n  (Graph(stall_warn_s=...) sets when this shows; None turns it off)", flush=True)
+            return
         if not (timed_out or deadlocked) or (deadlocked and not timed_out and self.warned_at is not None):
             return
-        roots, cycle = roots_of(waits)
         if deadlocked:
             headline = (f"[dataflow] stalled: every node waits and nothing has moved for {now - self.deadlock_since[0]:.0f} s "
                         f"(no step for {quiet_s:.0f} s). What each node waits for:")
         else:
             headline = (f"[dataflow] stalled: no step for {quiet_s:.0f} s (stall timeout {self.timeout_s():.0f} s). "
                         "What each node waits for:")
-        text = report(waits, roots, cycle, headline)
+        text, roots, summary = await self._report(hosts, running, waits, headline)
         if self.graph.stall_action == "warn":
             print(text + "\n  (stall_action='warn': still waiting)", flush=True)
             self.warned_at = now
             return
-        raise RunStalled(roots, root_summary(waits, roots, cycle), text)
+        raise RunStalled(roots, summary, text)
+
+    async def _report(self, hosts: dict, running: set[str], waits: dict[str, Wait],
+                      headline: str) -> tuple[str, list[str], str]:
+        """(report text, roots, root summary), every replica's stacks written to stall-<n>.txt."""
+        roots, cycle = roots_of(waits)
+        stacks = await gather_stacks(hosts, running)
+        self.reports += 1
+        path = self.run_dir / f"stall-{self.reports}.txt" if self.run_dir is not None else None
+        text = report(waits, roots, cycle, headline, stacks, str(path) if path else None)
+        if path is not None:
+            try:
+                thread_stacks.write_file(path, text, stacks)
+            except OSError as e:  # a full disk must not hide the report itself
+                text = text.replace(str(path), f"{path} (could not write it: {e})")
+        return text, roots, root_summary(waits, roots, cycle)
 
 
 async def snapshot(hosts: dict, running: set[str]) -> dict[str, dict | None]:
@@ -287,6 +342,23 @@ async def snapshot(hosts: dict, running: set[str]) -> dict[str, dict | None]:
     for name in hosts:
         states.setdefault(name, {"phase": "finished"})
     return {n: states[n] for n in hosts}
+
+
+async def gather_stacks(hosts: dict, running: set[str]) -> dict[str, list | None]:
+    """Every running replica's thread_stacks() (None: no answer within ANSWER_TIMEOUT_S, e.g. a C
+    call that never releases the GIL), asked in the host's own concurrency group."""
+    asking = {n: h.thread_stacks.options(concurrency_group=thread_stacks.GROUP).remote()
+              for n, h in hosts.items() if n in running}
+    try:
+        replies = await asyncio.wait_for(gather_named(asking), ANSWER_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        replies = {}
+        for name, ref in asking.items():
+            try:
+                replies[name] = await asyncio.wait_for(ref, 0.1)
+            except Exception:  # noqa: BLE001 - not answering, or dead
+                replies[name] = None
+    return {n: (r if isinstance(r, list) else None) for n, r in replies.items()}
 
 
 def _progress(states: dict[str, dict | None], steps: int) -> tuple:

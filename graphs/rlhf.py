@@ -131,6 +131,9 @@ class RLHFConfig:
     the root of the wait (dataflow/stall.py); None = max(300 s, 5 x the slowest step), < 0 = off."""
     stall_action: Literal["stop", "warn"] = "stop"
     """On a stall: stop the run (exit 1) naming the root, or warn and keep waiting."""
+    stall_warn_s: float | None = 120.0
+    """Seconds without a learner step after which the driver prints where every node is (their
+    Python stacks too) once and the run goes on: an early look before the stall timeout; None = off."""
     max_restarts: Annotated[int, NonNegative] = 3
     """Times a generator, reward, reference, critic or prompt source replica is restarted after its
     process dies (its prompts are re-issued); the learner's death stops the run."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from dataflow import Graph, stall  # noqa: E402
+from dataflow import Graph, Node, stall  # noqa: E402
 from dataflow import run as cli  # noqa: E402
 from dataflow.runtime import RunOptions, run_graph  # noqa: E402
 from tests.graphs.alerts import TroubledSink  # noqa: E402
@@ -107,6 +108,36 @@ def test_a_blocked_output_points_at_its_consumer_and_a_silent_host_is_a_root():
     assert roots == ["square[0]"] and "does not answer the driver" in waits["square[0]"].what[0]
 
 
+def test_a_threads_short_stack_names_the_project_frames_and_the_ends_of_a_library_run():
+    """torch.compile's stacks are 50+ frames deep: the short form keeps where the thread is, the
+    project's frames, and each run of one package's frames by its ends; no stdlib or Ray frames."""
+    from dataflow.stacks import frame_of, short_lines
+
+    site = "/venv/lib/python3.11/site-packages/"
+    torch = [frame_of(f"{site}torch/_inductor/f{i}.py", i, f"f{i}") for i in range(30)]
+    frames = (torch + [frame_of(f"{site}torch/_dynamo/eval_frame.py", 600, "_fn"),
+                       frame_of(f"{stall.__file__[:-len('dataflow/stall.py')]}rl/packing.py", 240, "packed_logprobs"),
+                       frame_of(f"{site}ray/util/tracing/tracing_helper.py", 520, "_resume_span")])
+    assert short_lines({"frames": frames}) == [
+        "torch/_inductor/f0.py:0 f0", "torch/_inductor/f1.py:1 f1", "... 28 frames in torch",
+        "torch/_dynamo/eval_frame.py:600 _fn", "rl/packing.py:240 packed_logprobs"]
+    # Past SHORT_LINES the project's frames stay and a library's go first.
+    project = stall.__file__[:-len("dataflow/stall.py")]
+    mixed = [frame_of(f"{site}lib{i}/x.py" if i % 2 else f"{project}nodes/n{i}.py", i, f"f{i}") for i in range(1, 16)]
+    lines = short_lines({"frames": mixed})
+    assert [f"nodes/n{i}.py:{i} f{i}" for i in range(2, 16, 2)][:5] == [x for x in lines if x.startswith("nodes/")][:5]
+    assert lines[0] == "lib1/x.py:1 f1" and lines[-1] == "... (the file has the rest)", lines
+
+
+def test_the_early_look_comes_before_the_stall_timeout_only():
+    watch = stall.StallWatch(Graph("g"))  # stall_warn_s 120 s, timeout max(300 s, 5 x slowest step)
+    assert watch.early_look_s() == 120.0
+    watch.slowest_step_s = 100.0          # a slow first step: not before twice that
+    assert watch.early_look_s() == 200.0
+    assert stall.StallWatch(Graph("g", stall_timeout_s=2.0)).early_look_s() is None  # the tests' stalls
+    assert stall.StallWatch(Graph("g", stall_warn_s=None)).early_look_s() is None
+
+
 # ---- real graphs that stall ---------------------------------------------------------------------------
 def test_a_node_that_never_sends_stops_the_run_naming_it(capsys, ray_instance, tmp_path):
     rc, out, err, seconds = main(capsys, STALLS, "--set", "case=never_sends", "--set", "stall_timeout_s=2",
@@ -127,7 +158,43 @@ def test_a_node_blocking_its_event_loop_is_named_and_does_not_freeze_the_driver(
     assert rc == 1, err
     assert "root of the wait: source does not answer the driver" in err, err
     assert "[dataflow] stopped: the run stalled; root of the wait: source (" in err, err
+    assert re.search(r"thread AsyncIO Thread: default, innermost first:\n +tests/graphs/stalls.py:\d+ run\n", err), err
     assert seconds < 60, seconds
+
+
+def spin_in_place(seconds: float) -> None:
+    """Burns CPU here: the frame the stall report must name."""
+    t_end = time.monotonic() + seconds
+    while time.monotonic() < t_end:
+        sum(range(1000))
+
+
+class Spinning(Node):
+    """Produces `numbers`; its work, in an asyncio.to_thread worker as nodes/reference.py's is,
+    never ends (60 s: the actor is killed sooner)."""
+
+    outputs = ("numbers",)
+
+    async def run(self):
+        with self.ctx.span("train"):
+            await asyncio.to_thread(spin_in_place, 60)
+
+
+def test_the_report_names_where_the_busy_root_is_in_its_code(ray_instance, tmp_path):
+    graph = Graph("spins", stall_timeout_s=2.0)
+    graph.node("source", Spinning, cpus=0.1)
+    graph.node("sink", Sink, cpus=0.1, ends_run=True)
+    graph.channel("source.numbers", "sink.numbers", capacity=4, name="numbers")
+    with pytest.raises(stall.RunStalled) as stalled:
+        asyncio.run(run_graph(graph, RunOptions(out_dir=str(tmp_path), quiet=True)))
+    text = stalled.value.report
+    assert re.search(r"source  busy in 'train' for \d+ s   <- root\n", text), text
+    assert re.search(r"thread \S+, innermost first:\n +tests/test_stall.py:\d+ spin_in_place\n", text), text
+    assert "sink  " not in text.split("root of the wait")[1]  # only the root's stacks are on screen
+    stacks_file = tmp_path / "stall-1.txt"
+    assert f"every replica's threads, in full: {stacks_file}" in text, text
+    full = stacks_file.read_text()
+    assert "==== sink ====" in full and re.search(r'test_stall.py", line \d+, in spin_in_place', full), full
 
 
 def test_an_admission_deadlock_is_named_at_the_admission(capsys, ray_instance, tmp_path, monkeypatch):
