@@ -71,12 +71,10 @@ the step count: --max-steps is the total. Metrics go to the checkpoint's run dir
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import random
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -88,9 +86,12 @@ _TAGS = ("__tensor__", "__ndarray__", "__tuple__", "__dict__")
 
 
 # ---- state <-> (JSON, tensors) -----------------------------------------------------------------
-def pack(obj: Any) -> tuple[Any, dict]:
+def pack(obj: Any, copy: bool = False) -> tuple[Any, dict]:
     """(JSON-able tree, {name: tensor}) for a tree of dicts, lists, tuples, numbers, strings,
-    torch tensors and numpy arrays. Tensors sharing storage (tied embeddings) are stored once."""
+    torch tensors and numpy arrays. Tensors sharing storage (tied embeddings) are stored once.
+    The tree is always new; the tensors are the state's own where they already are contiguous on
+    the CPU, unless `copy`: then every one is a copy that later training cannot change (a GPU
+    tensor is copied to CPU memory either way)."""
     import numpy as np
     import torch
 
@@ -103,7 +104,8 @@ def pack(obj: Any) -> tuple[Any, dict]:
                tuple(t.stride()), t.dtype)
         if key not in seen:
             seen[key] = f"t{len(tensors)}"
-            tensors[seen[key]] = t.to("cpu").contiguous()
+            # .to("cpu") of a CPU tensor is the tensor itself: copy=True makes it a snapshot
+            tensors[seen[key]] = t.to("cpu", copy=copy).contiguous()
         return seen[key]
 
     def walk(x: Any) -> Any:
@@ -154,11 +156,15 @@ def _hashable(x: Any) -> Any:
 
 def write_state(directory: str | Path, state: dict, durable: bool = True) -> None:
     """state.json + tensors.safetensors in `directory` (created), flushed to disk if `durable`."""
+    write_packed(directory, *pack(state), durable=durable)
+
+
+def write_packed(directory: str | Path, tree: Any, tensors: dict, durable: bool = True) -> None:
+    """write_state() of what pack() returned (a background write: dataflow/host.py)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tree, tensors = pack(state)
     save_file(tensors, str(directory / TENSORS))
     if durable:
         _fsync(directory / TENSORS)
@@ -328,55 +334,3 @@ def continue_metrics(source: Path, target: Path, step: int) -> None:
             if record.get("step") == step:
                 break
     target.write_text("".join(line + "\n" for line in kept))
-
-
-# ---- the save, driven by the runtime ------------------------------------------------------------
-async def save(hosts: dict, first: list[str], run_dir: str | Path, step: int | None, manifest: dict,
-               after_first=None, previous: Path | None = None, timeout_s: float = 600.0) -> Path:
-    """Ask every host to save its replica's state for `step`, then commit step_<step>.
-
-    The replicas in `first` (the coordinating node's) save first; with step=None (an interrupt)
-    the step is the one the first of them reports its state is for. `after_first` (a coroutine
-    function) runs once they have saved: the driver polls there, so metrics.jsonl has the step's
-    record before the checkpoint exists. A replica whose process is dead (being restarted) keeps
-    its state from the `previous` checkpoint, if that has one (the manifest lists it under
-    "stale"). Returns the checkpoint directory."""
-    from ray.exceptions import RayActorError
-
-    first = [n for n in first if n in hosts]
-    rest = [n for n in hosts if n not in first]
-    if step is None:
-        if not first:
-            raise RuntimeError("no run-ending node to take the step of an interrupt checkpoint from")
-        # The step is known once the coordinator's state is taken: save it aside, then move it.
-        scratch = checkpoints_dir(run_dir) / "interrupt.tmp"
-        if scratch.exists():
-            shutil.rmtree(scratch)
-        reply = await asyncio.wait_for(hosts[first[0]].save_state.remote(str(scratch / first[0]), None), timeout_s)
-        step = reply["step"]
-        if step is None:
-            raise RuntimeError(f"node '{first[0]}' keeps no 'step' in its state_dict()")
-        tmp = begin(run_dir, step)
-        (scratch / first[0]).rename(tmp / first[0])
-        shutil.rmtree(scratch)
-        first = first[1:]
-    else:
-        tmp = begin(run_dir, step)
-    await asyncio.wait_for(asyncio.gather(*(hosts[n].save_state.remote(str(tmp / n), step) for n in first)), timeout_s)
-    if after_first is not None:
-        await after_first()
-    results = await asyncio.wait_for(asyncio.gather(
-        *(hosts[n].save_state.remote(str(tmp / n), step) for n in rest), return_exceptions=True), timeout_s)
-    stale = {}
-    for name, result in zip(rest, results):
-        if isinstance(result, RayActorError) or (isinstance(result, dict) and result.get("saved") is False):
-            # its process died mid-run (the runtime is restarting it)
-            old = replica_state_dir(previous, name) if previous is not None else None
-            if (tmp / name).exists():  # what it wrote before it died is incomplete
-                shutil.rmtree(tmp / name)
-            if old is not None:
-                shutil.copytree(old, tmp / name)
-            stale[name] = read_manifest(previous)["step"] if old is not None else None
-        elif isinstance(result, BaseException):
-            raise result
-    return commit(tmp, {**manifest, "step": step, "replicas": sorted(hosts), "stale": stale, "time": time.time()})

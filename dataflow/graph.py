@@ -31,8 +31,8 @@ from dataflow.validation import graph_problems, is_node_class
 DEFAULT_ALERTS = {"reward/failed_total": "total", "reward/timeouts_total": "total", "reward/failed": "count",
                   "data/skipped_lines": "total", "channel/bad_items/": "total", "restarts/total": "total",
                   "prompts/duplicates_dropped": "total"}
-RUN_SETTINGS = ("max_steps", "save_interval", "keep_checkpoints", "max_restarts", "drop_bad_items",
-                "stall_timeout_s", "stall_action", "stall_warn_s", "loggers")
+RUN_SETTINGS = ("max_steps", "save_interval", "keep_checkpoints", "async_checkpoint", "max_restarts",
+                "drop_bad_items", "stall_timeout_s", "stall_action", "stall_warn_s", "loggers")
 """Graph fields that Graph(config=...) takes from the config's fields of the same names."""
 
 
@@ -124,6 +124,12 @@ class Graph:
     keep_checkpoints: int = 3
     """Committed checkpoints kept in the run directory; older ones are deleted once a newer one
     commits (0 = keep all)."""
+    async_checkpoint: bool = True
+    """Write checkpoints in the background (dataflow/checkpointer.py): training waits only while
+    every replica copies its state to CPU memory, not for the files to reach the disk. The copy
+    lives until the files are written: host memory for the state is twice its size meanwhile
+    (state already on the CPU is copied; state on a GPU is copied to CPU memory by either mode).
+    False: training waits until the checkpoint has committed."""
     max_restarts: int = 0
     """Times each replica of a node that does not end the run is restarted after its process
     dies (0 = a death stops the run)."""

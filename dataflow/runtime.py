@@ -12,7 +12,8 @@ Its parts: dataflow/loading.py (graph files, --describe), dataflow/launch.py (Ra
 shutdown), dataflow/monitor.py (events -> progress lines, metrics.jsonl, trace, summary),
 dataflow/failures.py (call results -> the failure reported), dataflow/restarts.py (a dead
 replica's process comes back), dataflow/stall.py (no step for too long: what every node waits for,
-and the node at the root of the wait), dataflow/checkpoint.py (checkpoints on disk).
+and the node at the root of the wait), dataflow/checkpoint.py (checkpoints on disk) with
+dataflow/checkpointer.py (saving them; in the background with async_checkpoint).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dataflow import checkpoint, placement, snapshots, stacks
+from dataflow.checkpointer import Checkpointer
 from dataflow.errors import NodeFailed, UserError
 from dataflow.failures import (awaitable, death_summary, discard, failed, gather_named, gather_setups,
                                raise_first_failure, raise_if_failed, result_of, wait_for_root_cause)
@@ -77,6 +79,7 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
     stall = StallWatch(graph, run_dir)
     hosts: dict[str, Any] = {}
     running: dict[asyncio.Future, str] = {}  # run() calls in flight -> replica name
+    checkpoints = Checkpointer(graph, hosts, monitor)
     pgs: dict = {}  # placement groups by pool name
     try:
         # 1. Place (dataflow/placement.py): check the plan against the cluster's GPUs, then one
@@ -129,7 +132,8 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
                 running[await restart(graph, hosts, name, monitor)] = name
             while monitor.checkpoint_requests:  # a node asked for a checkpoint (ctx.checkpoint)
                 requester, step = monitor.checkpoint_requests.pop(0)
-                await _save_checkpoint(graph, hosts, monitor, step, "interval", requester)
+                await checkpoints.save(step, "interval", requester)
+            checkpoints.raise_if_failed()  # an async_checkpoint write that failed
             if any(failed(r) for r in results.values()):
                 await wait_for_root_cause(results, running)
                 await monitor.poll(hosts)  # the failed node's last logs
@@ -140,6 +144,8 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
                 break
             stall.stepped(monitor.step)
             await stall.check(hosts, set(running.values()))
+        await checkpoints.wait()  # the run ends once its last checkpoint has committed
+        checkpoints.raise_if_failed()
         await monitor.poll(hosts)
         if status == "done" and ended:  # the run ended because its input did
             short = f" after {monitor.step} of {max_steps} steps" if max_steps and monitor.step < max_steps else ""
@@ -151,8 +157,9 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
                     monitor.trace.add_kernel_intervals(name, recorded["intervals"], recorded["window"])
         return monitor.finish(status)
     except BaseException as e:
+        await checkpoints.wait()  # a checkpoint being written in the background commits first
         if isinstance(e, asyncio.CancelledError) and graph.save_interval and running:
-            await _save_checkpoint(graph, hosts, monitor, None, "interrupt")  # Ctrl-C / SIGTERM
+            await checkpoints.save(None, "interrupt")  # Ctrl-C / SIGTERM
         if isinstance(e, NodeFailed):  # where to continue from
             e.last_checkpoint = str(monitor.last_checkpoint or checkpoint.latest(run_dir) or "") or None
         if options.trace_path:  # a failed or interrupted run's timeline is the one worth reading
@@ -170,33 +177,3 @@ async def _load_states(hosts: dict, resume: Path, step: int) -> None:
     for name, result in loads.items():
         if isinstance(result, BaseException):
             raise NodeFailed(name, f"loading its state from {resume} failed: {death_summary(result)}")
-
-
-async def _save_checkpoint(graph: Graph, hosts: dict, monitor: Monitor, step: int | None, reason: str,
-                           requester: str | None = None) -> Path | None:
-    """Every replica saves its state for `step` (None: the step the run-ending node is at), then
-    the checkpoint is committed (dataflow/checkpoint.py). Answers the requesting node."""
-    first = [n for n in hosts if graph.nodes[n.split("[")[0]].ends_run]
-    path, error = None, None
-    try:
-        manifest = {"graph": graph.name, "reason": reason, **({"settings": monitor.settings} if monitor.settings else {})}
-        path = await checkpoint.save(hosts, first, monitor.run_dir, step, manifest,
-                                     after_first=lambda: monitor.poll(hosts), previous=monitor.last_checkpoint)
-    except Exception as e:
-        error = f"checkpoint of step {step} failed: {type(e).__name__}: {e}"
-        monitor.say(f"[dataflow] {error}")
-    if requester is not None:
-        try:
-            await hosts[requester].checkpoint_done.remote(str(path) if path else None, error)
-        except Exception:
-            pass  # the requester died: its run() result reports it
-    if path is not None:
-        monitor.last_checkpoint = path
-        monitor.artifacts["last checkpoint"] = str(path)
-        try:
-            checkpoint.prune(monitor.run_dir, graph.keep_checkpoints, path)
-        except OSError as e:  # a full or read-only disk must not stop training
-            monitor.say(f"[dataflow] could not delete old checkpoints (keep_checkpoints={graph.keep_checkpoints}): {e}")
-        monitor.say(f"[dataflow] {'interrupted: ' if reason == 'interrupt' else ''}checkpoint of step "
-                    f"{checkpoint.read_manifest(path)['step']} saved: {path}")
-    return path

@@ -124,6 +124,10 @@ class RLHFConfig:
     keep_checkpoints: Annotated[int, AtLeast(0, note="0 keeps every checkpoint")] = 3
     """Checkpoints kept under <run>/checkpoints: older ones are deleted once a newer one is saved
     (0 = keep all)."""
+    async_checkpoint: bool = True
+    """Write checkpoints in the background: training waits only while the state is copied to CPU
+    memory (host memory for it doubles until the files are written); False waits for the commit
+    (dataflow/checkpointer.py)."""
     drop_bad_items: bool = False
     """Drop (and count) channel items that fail to decode, instead of failing the node reading them."""
     stall_timeout_s: float | None = None

@@ -20,7 +20,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import ray  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from dataflow import checkpoint, snapshots  # noqa: E402
+from dataflow import checkpoint, checkpointer, snapshots  # noqa: E402
 from dataflow.runtime import RunOptions, load_graph, run_graph  # noqa: E402
 from tests.conftest import run_then_interrupt  # noqa: E402
 
@@ -108,7 +108,7 @@ class _Remote:
 
     def remote(self, *args):
         async def call():
-            return self.fn(*args)
+            return self.fn(*args[:2])  # (directory, step); a synchronous save
         return call()
 
 
@@ -135,15 +135,15 @@ def test_a_replica_killed_mid_save_keeps_its_previous_state_not_its_half_written
         (Path(directory) / "tensors.safetensors").write_bytes(b"half")
         raise RayActorError()
 
-    step_2 = asyncio.run(checkpoint.save({"learner": _Host(saver(2.0)), "critic": _Host(saver(2.0))}, ["learner"],
+    step_2 = asyncio.run(checkpointer.save({"learner": _Host(saver(2.0)), "critic": _Host(saver(2.0))}, ["learner"],
                                          run, 2, {"graph": "g"}))
-    step_4 = asyncio.run(checkpoint.save({"learner": _Host(saver(4.0)), "critic": _Host(dies_mid_write)},
+    step_4 = asyncio.run(checkpointer.save({"learner": _Host(saver(4.0)), "critic": _Host(dies_mid_write)},
                                          ["learner"], run, 4, {"graph": "g"}, previous=step_2))
     assert checkpoint.read_manifest(step_4)["stale"] == {"critic": 2}
     assert torch.equal(checkpoint.read_state(step_4 / "critic")["w"], torch.full((2,), 2.0))
     assert torch.equal(checkpoint.read_state(step_4 / "learner")["w"], torch.full((2,), 4.0))
     # no earlier checkpoint to take it from: the replica has no state in step 4 (it starts fresh)
-    step_4 = asyncio.run(checkpoint.save({"learner": _Host(saver(4.0)), "critic": _Host(dies_mid_write)},
+    step_4 = asyncio.run(checkpointer.save({"learner": _Host(saver(4.0)), "critic": _Host(dies_mid_write)},
                                          ["learner"], tmp_path / "other", 4, {"graph": "g"}))
     assert checkpoint.replica_state_dir(step_4, "critic") is None and not (step_4 / "critic").exists()
 
