@@ -52,6 +52,8 @@ class Checkpointer:
         the requesting node is answered once the state is taken: after the commit, or with
         async_checkpoint, after the capture (the commit follows in the background)."""
         await self.wait()  # at most one in flight: the previous checkpoint commits first
+        if step is not None:
+            self.raise_if_failed()  # no checkpoint after one that failed (an interrupt's may still be taken)
         background = self.graph.async_checkpoint and step is not None
         first = [n for n in self.hosts if self.graph.nodes[n.split("[")[0]].ends_run]
         manifest = {"graph": self.graph.name, "reason": reason,

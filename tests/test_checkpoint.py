@@ -73,6 +73,24 @@ def test_state_round_trips_exactly_and_is_json_plus_safetensors(tmp_path):
         checkpoint.pack({"x": object()})
 
 
+def test_a_captured_state_is_a_copy_that_training_does_not_change(tmp_path):
+    """async_checkpoint writes from pack(copy=True) after training has gone on: the files hold the
+    state as it was when captured. Without the copy a CPU tensor is the live one."""
+    model, opt = _trained_model_and_optimizer()
+    before = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+              "exp_avg": [opt.state[p]["exp_avg"].clone() for p in model.parameters()]}
+    captured = checkpoint.pack({"model": model.state_dict(), "optimizer": opt.state_dict()}, copy=True)
+    aliased = checkpoint.pack({"model": model.state_dict()})
+    model(torch.tensor([[3, 2, 1]])).logits.sum().backward()
+    opt.step()  # in place: what the learner's next step does while the write runs
+    checkpoint.write_packed(tmp_path / "node", *captured)
+    back = checkpoint.read_state(tmp_path / "node")
+    assert all(torch.equal(back["model"][k], v) for k, v in before["model"].items())
+    assert all(torch.equal(a, back["optimizer"]["state"][i]["exp_avg"]) for i, a in enumerate(before["exp_avg"]))
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before["model"][k])]
+    assert changed and not torch.equal(aliased[1][aliased[0]["model"][changed[0]]["__tensor__"]], before["model"][changed[0]])
+
+
 def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path):
     run = tmp_path / "run"
     tmp = checkpoint.begin(run, 2)
@@ -250,7 +268,7 @@ def test_resume_continues_the_run_and_metrics_have_no_gap(ray_instance, tmp_path
     in another directory: the same samples and rewards, and metrics, weights, optimizer and critic
     state within rounding (RESUME_TOL), far below what 3 steps of training change."""
     straight = tmp_path / "straight"
-    run(straight, *SYNC, max_steps=6)
+    run(straight, *SYNC, "async_checkpoint=true", max_steps=6)  # resumed from a checkpoint written in the background
     ckpt = straight / "checkpoints" / "step_3"
     manifest = checkpoint.read_manifest(ckpt)
     assert manifest["step"] == 3 and manifest["graph"] == "ppo" and manifest["reason"] == "interval"
@@ -292,3 +310,53 @@ def test_resume_continues_the_run_and_metrics_have_no_gap(ray_instance, tmp_path
     assert [r["step"] for r in steps_of(resumed)][:manifest["step"]] == list(range(1, manifest["step"] + 1))
     learner = checkpoint.read_state(last / "learner")
     assert learner["node"]["step"] == manifest["step"] == learner["steps"]
+
+
+# ---- async_checkpoint on tests/graphs/checkpoint_probe.py: a checkpoint every step ------------------------
+def run_probe(out: Path, *overrides: str):
+    graph, config = load_graph(str(ROOT / "tests/graphs/checkpoint_probe.py"), list(overrides))
+    return asyncio.run(run_graph(graph, RunOptions(out_dir=str(out), quiet=True), config))
+
+
+def test_every_checkpoint_holds_its_step_and_both_modes_write_the_same_files(ray_instance, tmp_path):
+    """6 steps, a checkpoint after each, keep_checkpoints=2. With async_checkpoint the probe's next
+    in-place update runs while the last checkpoint is written, one save waits for the previous
+    commit, and the run ends only after the last commit: step_5 and step_6 hold exactly w after
+    5 and 6 steps, nothing half-written is left, and the files are the synchronous run's."""
+    for mode in ("async", "sync"):
+        summary = run_probe(tmp_path / mode, f"async_checkpoint={mode == 'async'}")
+        assert summary.steps == 6
+        names = sorted(p.name for p in (tmp_path / mode / "checkpoints").iterdir())
+        assert names == ["step_5", "step_6"], names  # pruned as they committed, no .tmp left
+        for step in (5, 6):
+            state = checkpoint.read_state(tmp_path / mode / "checkpoints" / f"step_{step}" / "probe")
+            assert state["node"]["step"] == state["steps"] == step
+            assert torch.equal(state["node"]["w"], torch.full((1 << 22,), float(sum(range(step)))))
+        records = [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
+        blocked = [r["timing/checkpoint_blocked_s"] for r in records if "timing/checkpoint_blocked_s" in r]
+        print(f"{mode}: probe blocked per checkpoint: {', '.join(f'{b * 1e3:.0f}' for b in blocked)} ms")
+        assert len(blocked) == 6
+    # The same deterministic graph: the same node state in both modes (the processes' RNG states,
+    # saved beside it, are unseeded here and differ between any two runs).
+    for step in (5, 6):
+        for part in ("probe", "counter"):
+            a, b = (tmp_path / m / "checkpoints" / f"step_{step}" / part for m in ("sync", "async"))
+            ta, tb = node_tensors(a), node_tensors(b)
+            assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+            ja, jb = (json.loads((d / checkpoint.STATE_JSON).read_text()) for d in (a, b))
+            assert (ja["node"], ja["steps"], ja["rng"].keys()) == (jb["node"], jb["steps"], jb["rng"].keys())
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_failed_write_stops_the_run_and_leaves_the_previous_checkpoint(ray_instance, tmp_path, mode):
+    """The probe's state at step 3 cannot be written (a complex tensor): in both modes the run
+    stops naming the probe and the failed checkpoint, step_2 stays the latest and step_3.tmp is
+    left unread."""
+    from dataflow.errors import NodeFailed
+
+    with pytest.raises(NodeFailed) as e:
+        run_probe(tmp_path, f"async_checkpoint={mode == 'async'}", "probe.unsaveable_at=3")
+    assert e.value.node == "probe" and "checkpoint of step 3 failed: " in str(e.value), str(e.value)
+    assert checkpoint.latest(tmp_path) == tmp_path / "checkpoints" / "step_2"
+    assert (tmp_path / "checkpoints" / "step_3.tmp").is_dir()
+    assert e.value.last_checkpoint == str(tmp_path / "checkpoints" / "step_2")
