@@ -2,8 +2,11 @@
 
 When. The run's coordinating node (the learner) calls `await ctx.checkpoint(step)` at the end of
 every step where `ctx.checkpoint_due(step)` (the graph's `save_interval`; 0 = off). Ctrl-C /
-SIGTERM also save one (when save_interval > 0) before the run stops. The driver coordinates both:
-it asks every node replica to save its state, then commits the directory.
+SIGTERM also save one (when save_interval > 0) before the run stops. The driver coordinates both
+(dataflow/checkpointer.py): it asks every node replica to save its state, then commits the
+directory. With the graph's async_checkpoint (the default) training waits only until every replica
+has copied its state to CPU memory; the files are written and committed in the background, one
+checkpoint at a time.
 
 What. Every replica saves `node.state_dict()` plus the RNG states of its process (torch CPU and
 CUDA, Python `random`); the host adds its step counter. In the built-in nodes:
@@ -57,7 +60,8 @@ directory that this one resumed from an earlier point of, are left alone.
 Layout and atomicity. <run>/checkpoints/step_<k>/ holds manifest.json and one directory per
 replica with state.json and tensors.safetensors. Everything is written into step_<k>.tmp/ and
 renamed to step_<k> only once every replica has written and the manifest is in; a crash
-mid-save leaves a .tmp directory that is never read, and the previous checkpoints intact.
+mid-save, or a background write that failed, leaves a .tmp directory that is never read, and the
+previous checkpoints intact.
 
 Trust. Loading executes no code: tensors come from safetensors, everything else from JSON (the
 optimizer state too: its tensors go to safetensors, its numbers and lists to JSON). Tuples,

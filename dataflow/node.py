@@ -143,5 +143,7 @@ class NodeContext:
     async def checkpoint(self, step: int) -> str:
         """Save every node's state for `step` (the driver asks each replica; dataflow/checkpoint.py)
         and return the checkpoint directory. Call it where the run's state is consistent: after
-        step `step`'s update, before its new weights are published. Do not hold state_lock."""
+        step `step`'s update, before its new weights are published. Do not hold state_lock.
+        With async_checkpoint it returns once every replica's state is copied, and the directory
+        is committed later (dataflow/checkpointer.py); a failed write then stops the run."""
         return await self._host.checkpoint(step)
