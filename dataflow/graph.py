@@ -129,7 +129,9 @@ class Graph:
     every replica copies its state to CPU memory, not for the files to reach the disk. The copy
     lives until the files are written: host memory for the state is twice its size meanwhile
     (state already on the CPU is copied; state on a GPU is copied to CPU memory by either mode).
-    False: training waits until the checkpoint has committed."""
+    False: training waits until the checkpoint has committed. On by default: a checkpoint holds
+    the same state either way (tests/test_checkpoint.py), and a state on the GPU is copied to CPU
+    memory by the synchronous save too, so only the wait changes (bench/RESULTS.md)."""
     max_restarts: int = 0
     """Times each replica of a node that does not end the run is restarted after its process
     dies (0 = a death stops the run)."""
