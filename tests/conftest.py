@@ -20,9 +20,11 @@ def ray_instance(request):
 
     if ray.is_initialized():  # another module left one running
         ray.shutdown()
+    # Workers inherit PYTHONPATH (and RAY_AUTH_MODE, above) from this process, as in
+    # dataflow/launch.start_ray: a runtime_env would cost every actor a start through Ray's agent.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)
     ray.init(num_cpus=getattr(request.module, "RAY_NUM_CPUS", 4), include_dashboard=False,
-             log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}})
+             log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()
 
