@@ -39,15 +39,19 @@ def steps(records: list[dict]) -> list[dict]:
 SMALL = ("prompts_per_step=32", "channel_capacity=16", "critic.minibatch_size=32", "learner.minibatch_size=32")
 
 
-def test_ppo_reward_rises_on_the_default_task(tmp_path):
+def test_ppo_reward_rises_on_the_default_task_within_the_staleness_bound(tmp_path):
     """A short PPO run on the default task (copy 2 digits) must clearly learn: from under 0.3
-    (a random policy scores ~0.05) to a mean reward of at least 0.6."""
-    records = steps(run("graphs/ppo.py", tmp_path, "target_reward=0.6", max_steps=150))
+    (a random policy scores ~0.05) to a mean reward of at least 0.6. The same run (asynchronous:
+    max_staleness=1, the default, spelled out) checks the staleness bound: no step trains on
+    samples more than 1 version old, and generators really ran ahead of the learner at some point."""
+    records = steps(run("graphs/ppo.py", tmp_path, "target_reward=0.6", "max_staleness=1", max_steps=150))
     first, last = records[0]["reward/mean"], records[-1]["reward/mean"]
     assert first < 0.3, first
     assert last >= 0.6, [round(r["reward/mean"], 2) for r in records]
     assert (tmp_path / "final" / "model.safetensors").is_file()
     assert (tmp_path / "final" / "tokenizer.json").is_file()
+    assert all(r["staleness/max"] <= 1 for r in records), [r["staleness/max"] for r in records]
+    assert any(r["staleness/max"] > 0 for r in records)
 
 
 def test_synchronous_mode_trains_only_on_current_version(tmp_path):
@@ -68,13 +72,6 @@ def test_synchronous_mode_trains_only_on_current_version(tmp_path):
     assert {"prompts", "generator", "reward", "reference", "learner"} <= set(pid_name.values())
     counters = {e["name"] for e in events if e["ph"] == "C"}
     assert {"queue depth", "staleness", "samples in flight"} <= counters
-
-
-def test_staleness_bound_holds_and_async_runs_ahead(tmp_path):
-    records = steps(run("graphs/ppo.py", tmp_path, *SMALL, "max_staleness=2", max_steps=8))
-    assert all(r["staleness/max"] <= 2 for r in records)
-    # Asynchronous: generators really ran ahead of the learner at some point.
-    assert any(r["staleness/max"] > 0 for r in records)
 
 
 def test_reward_failures_are_counted_and_the_run_goes_on(tmp_path):
