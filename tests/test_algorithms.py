@@ -1,4 +1,4 @@
-"""Every algorithm setting of the learner (README "Algorithms") run end to end: the real GRPO / PPO
+"""Every algorithm setting of the learner (README "Algorithms") run end to end: the real GRPO
 graph on a real Ray instance, a few steps of the built-in task, each run checking what its
 settings must show in metrics.jsonl. Tiny batches: each run takes seconds."""
 
@@ -77,11 +77,5 @@ def test_grpo_graph_runs_each_algorithm_setting(tmp_path, name):
     check(run("graphs/grpo.py", tmp_path, [*TINY, *overrides], max_steps))
 
 
-def test_ppo_graph_kl_is_zero_at_the_start_at_a_sampling_temperature(tmp_path):
-    # Policy = reference at step 1, and one minibatch of one epoch trains at exactly those weights:
-    # the KL must be 0 at T=0.7 too (the reference's log-probs were at T=1 before: > 0).
-    steps = run("graphs/ppo.py", tmp_path, ["prompts_per_step=8", "channel_capacity=16", "max_staleness=0",
-                                            "learner.minibatch_size=8", "critic.minibatch_size=8",
-                                            "generator.temperature=0.7"], 1)
-    assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-5)
-    assert steps[0]["losses/approx_kl"] == pytest.approx(0.0, abs=1e-6)
+# The PPO graph's KL at the start at a sampling temperature (policy = reference, T=0.7): checked on
+# the user-model run of tests/test_ppo_graph.py, which runs the PPO graph synchronously anyway.

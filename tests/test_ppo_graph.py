@@ -99,9 +99,12 @@ def test_reward_failures_are_counted_and_the_run_goes_on(tmp_path):
     assert failed_totals and failed_totals[-1] >= sum(r["samples/failed"] for r in step_records)
 
 
-def test_user_model_dir_jsonl_and_reward_file(tmp_path):
+def test_user_model_dir_jsonl_and_reward_file_and_kl_zero_at_the_start(tmp_path):
     """The README's "your model, data and reward" path: a saved HF model directory, a JSONL
-    dataset with extra fields, and a reward file; two steps run and the metrics say so."""
+    dataset with extra fields, and a reward file; two steps run and the metrics say so.
+    The same run, synchronous at a sampling temperature: policy = reference at step 1, and one
+    minibatch (learner.minibatch_size = prompts_per_step) of one epoch trains at exactly those
+    weights, so the KL must be 0 at T=0.7 too (the reference's log-probs were at T=1 before: > 0)."""
     from rl.models import ModelConfig, build_policy, save_policy
     from rl.tasks import build_tokenizer
 
@@ -116,8 +119,11 @@ def test_user_model_dir_jsonl_and_reward_file(tmp_path):
     '''))
     records = run("graphs/ppo.py", tmp_path / "run", *SMALL, f"policy.path={tmp_path / 'model'}",
                   f"prompts.path={tmp_path / 'data.jsonl'}", f"reward.path={tmp_path / 'my_reward.py'}",
-                  'reward.weights={"exact": 1.0, "length": 1.0}', "max_new_tokens=4", max_steps=2)
+                  'reward.weights={"exact": 1.0, "length": 1.0}', "max_new_tokens=4", "max_staleness=0",
+                  "generator.temperature=0.7", max_steps=2)
     step_records = steps(records)
     assert [r["step"] for r in step_records] == [1, 2]
     assert all(r["samples/failed"] == 0 for r in step_records)
     assert all(-0.05 <= r["reward/mean"] <= 1.0 for r in step_records)
+    assert step_records[0]["kl"] == pytest.approx(0.0, abs=1e-5)
+    assert step_records[0]["losses/approx_kl"] == pytest.approx(0.0, abs=1e-6)
