@@ -1,5 +1,6 @@
-"""graphs/ppo.py and graphs/grpo.py on a real Ray instance: learning, the staleness bound, reward
-failures. One Ray instance for the module; runs go through runtime.run_graph in-process."""
+"""graphs/ppo.py on a real Ray instance: learning and the staleness bound, reward failures, a user's
+model, data and reward (and the KL at the start). One Ray instance for the module; runs go through
+runtime.run_graph in-process. (graphs/grpo.py's synchronous mode and trace: tests/test_algorithms.py.)"""
 
 from __future__ import annotations
 
@@ -23,10 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("ray_instance")  # one Ray for the module (tests/conftest.py)
 
 
-def run(graph_file: str, tmp_path: Path, *overrides: str, max_steps: int | None = None,
-        trace: str | None = None) -> list[dict]:
+def run(graph_file: str, tmp_path: Path, *overrides: str, max_steps: int | None = None) -> list[dict]:
     graph, config = load_graph(str(ROOT / graph_file), list(overrides))
-    options = RunOptions(max_steps=max_steps, out_dir=str(tmp_path), quiet=True, trace_path=trace)
+    options = RunOptions(max_steps=max_steps, out_dir=str(tmp_path), quiet=True)
     summary = asyncio.run(run_graph(graph, options, config))
     assert summary.status in ("done", "max steps reached"), summary.status
     return [json.loads(line) for line in Path(summary.metrics_path).read_text().splitlines()]
@@ -54,24 +54,8 @@ def test_ppo_reward_rises_on_the_default_task_within_the_staleness_bound(tmp_pat
     assert any(r["staleness/max"] > 0 for r in records)
 
 
-def test_synchronous_mode_trains_only_on_current_version(tmp_path):
-    trace = tmp_path / "trace.json"
-    records = steps(run("graphs/grpo.py", tmp_path, *SMALL, "group_size=4", "max_staleness=0", max_steps=4,
-                        trace=str(trace)))
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert all(r["staleness/max"] == 0 for r in records)
-    assert [r["version"] for r in records] == [1, 2, 3, 4]
-    # The trace of the run holds every node, with its unit-of-work slices and the run's counters.
-    doc = json.loads(trace.read_text())
-    events = doc["traceEvents"]
-    pid_name = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
-    slices = {(pid_name[e["pid"]], e["name"]) for e in events if e["ph"] == "X"}
-    for node, work in [("generator", "generate"), ("reward", "score"), ("reference", "reference forward"),
-                       ("learner", "train step"), ("learner", "weight push send")]:
-        assert (node, work) in slices, (node, work)
-    assert {"prompts", "generator", "reward", "reference", "learner"} <= set(pid_name.values())
-    counters = {e["name"] for e in events if e["ph"] == "C"}
-    assert {"queue depth", "staleness", "samples in flight"} <= counters
+# Synchronous GRPO (max_staleness=0: every step on the current version) and the run's trace: checked
+# on each of tests/test_algorithms.py's GRPO runs, which are synchronous and traced.
 
 
 def test_reward_failures_are_counted_and_the_run_goes_on(tmp_path):
