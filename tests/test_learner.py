@@ -188,7 +188,9 @@ def test_critic_micro_batches_equal_the_whole_minibatch(setup):
 def test_compiled_critic_layers_make_the_same_update_as_eager(setup, capsys):
     # critic.compile (the CUDA default for a one-process critic) on CPU: the trunk's layers compiled
     # through the value head's forward; the value pass and one critic update give the eager values,
-    # weights and stats.
+    # weights and stats. Micro-batches of 4 rows, as in the policy test below: the same layer
+    # shapes, so that test reuses these kernels from inductor's cache (a cold compile is ~40 s on
+    # 2 cores), and no 1-row remainder, whose specialized graphs cost ~10 s more to compile.
     from torch._dynamo.utils import counters
     from nodes.critic import CriticConfig, advantages_for, critic_update
     from rl.models import ValueModel
@@ -197,7 +199,7 @@ def test_compiled_critic_layers_make_the_same_update_as_eager(setup, capsys):
     tok, model, samples = setup
     samples = [dict(s, values=[0.1] * len(s["response_ids"]), returns=[s["score"]] * len(s["response_ids"]))
                for s in samples]
-    cfg = CriticConfig(epochs=1, minibatch_size=len(samples), micro_batch_size=3, max_grad_norm=1e9)
+    cfg = CriticConfig(epochs=1, minibatch_size=len(samples), micro_batch_size=4, max_grad_norm=1e9)
     results, values = [], []
     for compile in (False, True):
         vm = ValueModel.from_policy(fresh(model))

@@ -152,7 +152,15 @@ def test_a_node_that_never_sends_stops_the_run_naming_it(capsys, ray_instance, t
     assert seconds < 60, seconds
 
 
-def test_a_node_blocking_its_event_loop_is_named_and_does_not_freeze_the_driver(capsys, ray_instance, tmp_path):
+def test_a_node_blocking_its_event_loop_is_named_and_does_not_freeze_the_driver(capsys, ray_instance, tmp_path,
+                                                                                monkeypatch):
+    # The blocked host never answers: the snapshot waits out ANSWER_TIMEOUT_S (5 s) for nothing,
+    # and the stop waits out STOP_GRACE_S (5 s) before killing it. 2 s and 1 s still leave the
+    # sink, which does answer and stop, ample time on a loaded machine.
+    from dataflow import launch
+
+    monkeypatch.setattr(stall, "ANSWER_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(launch, "STOP_GRACE_S", 1.0)
     rc, out, err, seconds = main(capsys, STALLS, "--set", "case=blocks_loop", "--set", "stall_timeout_s=2",
                                  "--out", tmp_path)
     assert rc == 1, err
