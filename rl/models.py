@@ -19,8 +19,6 @@ from typing import Annotated
 
 import torch
 from torch import nn
-from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
 
 from dataflow.checks import AtLeast, NonNegative
 from rl.logprobs import logprobs_from_logits
@@ -77,7 +75,11 @@ def as_model_config(values: ModelConfig | dict | None) -> ModelConfig:
     return ModelConfig(**values)
 
 
+# transformers' model classes are imported where used: they take ~2.5 s to import, and the nodes
+# without a model (prompts, reward) import this module for ModelConfig (through rl/policy.py).
 def _hf_config(cfg: ModelConfig, tokenizer):
+    from transformers import LlamaConfig, Qwen2Config
+
     cls = LlamaConfig if cfg.family == "llama" else Qwen2Config
     return cls(vocab_size=len(tokenizer), hidden_size=cfg.n_embd, num_hidden_layers=cfg.n_layer,
                num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head or cfg.n_head,
@@ -93,6 +95,8 @@ def build_policy(model_config: ModelConfig | dict | None, tokenizer) -> nn.Modul
     The vocab comes from the tokenizer; embeddings are tied; the same seed gives the same weights.
     """
     cfg = as_model_config(model_config)
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
     hf_config = _hf_config(cfg, tokenizer)
     cls = LlamaForCausalLM if cfg.family == "llama" else Qwen2ForCausalLM
     with torch.random.fork_rng(devices=[]):
@@ -122,6 +126,8 @@ def load_policy(path: str):
     if not any(os.path.isfile(os.path.join(path, w)) for w in weights):
         raise FileNotFoundError(f"{path}: missing weights (model.safetensors); the save was "
                                 "incomplete: save again with save_policy()")
+    from transformers import AutoModelForCausalLM
+
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     return model, tokenizer
