@@ -82,14 +82,23 @@ class Checkpointer:
             raise self._failure
 
     async def _commit_in_background(self, taken: "Captured", reason: str, requester: str | None) -> None:
-        _, error = await self._commit(taken, reason)
+        _, error = await self._commit(taken, reason, died_ok=True)
         if error:
             self._failure = NodeFailed(requester or "driver", f"{error} (written in the background: async_checkpoint)")
 
-    async def _commit(self, taken: "Captured", reason: str) -> tuple[Path | None, str | None]:
+    async def _commit(self, taken: "Captured", reason: str, died_ok: bool = False) -> tuple[Path | None, str | None]:
+        """(checkpoint dir, None), or (None, the error). `died_ok` (a background write): a replica
+        whose process died while writing is not the checkpoint's failure but that node's, which the
+        run reports (or restarts it) from its run() result; the checkpoint is only not committed."""
+        from ray.exceptions import RayActorError
+
         try:
             path = await taken.commit()
         except Exception as e:
+            if died_ok and isinstance(e, RayActorError):
+                self.monitor.say(f"[dataflow] checkpoint of step {taken.step} not committed: a node's process "
+                                 f"died while writing it ({taken.tmp.name} is left unread)")
+                return None, None
             return None, self._failed(taken.step, e)
         monitor = self.monitor
         monitor.last_checkpoint = path
