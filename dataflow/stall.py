@@ -25,7 +25,7 @@ threads' Python stacks (NodeHost.thread_stacks, answered on a thread of its own,
 blocks its event loop answers too; dataflow/stacks.py). The report shows the roots' stacks in a
 few lines each, and <run>/stall-<n>.txt holds every replica's in full.
 
-An early look (Graph.stall_warn_s, default STALL_WARN_S): a quiet spell longer than that, and than
+An early look (Graph.stall_warn_s, default 120 s): a quiet spell longer than that, and than
 twice the slowest step, but shorter than the stall timeout prints the same report once and the
 run goes on. The 300 s floor exists for slow first steps, yet a hang at start-up then says nothing
 for 5 minutes; this says where every node is after 2.
@@ -54,7 +54,6 @@ STALL_FACTOR = 5.0      # default stall timeout: this many times the slowest ste
 DEADLOCK_S = 20.0       # every node waiting, nothing moving, for this long: a deadlock
 SNAPSHOT_EVERY_S = 5.0  # how often the driver asks the hosts what they wait for
 ANSWER_TIMEOUT_S = 5.0  # a host that does not answer wait_state() within this is "not answering"
-STALL_WARN_S = 120.0    # default Graph.stall_warn_s: the early look at a quiet run that is not yet stalled
 
 
 class RunStalled(Exception):
@@ -258,7 +257,7 @@ class StallWatch:
 
     def early_look_s(self) -> float | None:
         """When a quiet spell gets its early report (see the module docstring); None: none."""
-        warn_s = getattr(self.graph, "stall_warn_s", STALL_WARN_S)
+        warn_s = self.graph.stall_warn_s
         if warn_s is None or warn_s <= 0:
             return None
         at = max(float(warn_s), 2 * self.slowest_step_s)
