@@ -170,8 +170,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", default="", help="token budgets per micro-batch, comma-separated "
                     "(default: 8192,16384; tiny: 256,512)")
     ap.add_argument("--attn", default="auto", help="attention kinds for the packed variants, comma-separated: "
-                    "auto (flash_attention_2 if installed, else flex_attention on CUDA, sdpa on CPU), "
-                    "flash_attention_2, flex_attention, sdpa (dense block-diagonal mask)")
+                    "auto (flash_attention_2 if installed, else torch_varlen (torch's FlashAttention varlen "
+                    "kernel) or flex_attention on CUDA, sdpa on CPU), flash_attention_2, torch_varlen, "
+                    "flex_attention, sdpa (dense block-diagonal mask)")
     ap.add_argument("--per-sample", action="store_true", help="one length per sample, not per prompt")
     ap.add_argument("--reps", type=int, default=0, help="timed repetitions after one warm-up (default 3; tiny 1)")
     ap.add_argument("--skip", default="", help="variants to skip, comma-separated (e.g. today,padded-rows)")

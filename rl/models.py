@@ -168,14 +168,15 @@ class ValueModel(nn.Module):
                    gradient_checkpointing=gradient_checkpointing)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, **attention_kwargs) -> torch.Tensor:
         """attention_mask None: a packed batch (rl/packing.packed_values): position_ids restart at
-        every row, and each row's first token gets 0. Always through this module (not the
-        backbone alone), so FSDP2's hooks on it gather its parameters."""
+        every row, and each row's first token gets 0 (attention_kwargs: the rows' boundaries,
+        PackedBatch.attention_kwargs). Always through this module (not the backbone alone), so
+        FSDP2's hooks on it gather its parameters."""
         if position_ids is None:
             position_ids = mask_position_ids(attention_mask)
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids, use_cache=False).last_hidden_state
+                               position_ids=position_ids, use_cache=False, **attention_kwargs).last_hidden_state
         v = self.value_head(hidden).squeeze(-1)
         v = v if v.dtype == torch.float64 else v.float()  # fp32 out of bf16 autocast; a float64 test model stays exact
         shifted = torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)

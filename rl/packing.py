@@ -17,17 +17,20 @@ Attention confined to each row. The model is called with position_ids and attent
 transformers (5.x; masking_utils.find_packed_sequence_indices) reads position ids that restart as
 packed sequences, and every attention implementation then keeps each token to its own row:
   flash_attention_2/3  flash_attn_varlen_func with cu_seqlens from the position ids: no wasted work;
+  torch_varlen         torch's own FlashAttention varlen kernel (rl/varlen_attention.py), from the
+                       rows' cumulative lengths (PackedBatch.attention_kwargs): no wasted work;
   flex_attention       a BlockMask of the block-diagonal causal mask: blocks across rows skipped;
   sdpa / eager         a dense [N, N] block-diagonal causal mask: exact, but O(N^2) attention work
                        and mask memory over the whole pack: for CPU tests and small packs only.
 use_varlen_attention picks the first one available on the device (flash needs the flash_attn
-package; flex needs CUDA and torch.compile). Position ids restart per row, so RoPE sees each row
+package; torch_varlen CUDA and torch >= 2.10; flex CUDA and torch.compile). Position ids restart per row, so RoPE sees each row
 as pad_batch + sequence_logprobs do (cumsum(mask) - 1): the same numbers, up to float rounding.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +38,9 @@ from torch import nn
 
 from rl.logprobs import token_logprobs
 from rl.padded_batch import pad_batch, sequence_logprobs
+from rl import varlen_attention
+
+VARLEN_KWARG_READERS = ("flash_attention_2", "flash_attention_3", varlen_attention.NAME)
 
 
 @dataclass
@@ -61,6 +67,20 @@ class PackedBatch:
     def num_tokens(self) -> int:
         """Tokens the forward pass processes: N, all of them real."""
         return self.input_ids.shape[1]
+
+    def attention_kwargs(self, model: nn.Module) -> dict:
+        """The rows' boundaries as the keywords transformers forwards to each attention call
+        (cumulative lengths, longest row), for the implementations that read them (flash
+        attention, torch_varlen): without them each layer would derive them from the position ids,
+        a host sync per layer. Empty for the others (sdpa, flex build their mask from the ids)."""
+        config = getattr(getattr(model, "backbone", model), "config", None)
+        name = getattr(config, "_attn_implementation", None)
+        if name not in VARLEN_KWARG_READERS:
+            return {}
+        cu = torch.tensor([0, *itertools.accumulate(self.seq_lens)], dtype=torch.int32,
+                          device=self.input_ids.device)
+        longest = max(self.seq_lens, default=0)
+        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
     def take_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The rows' [b, t] part of a padded [B, T] tensor (rows in packing order, t = columns):
@@ -238,7 +258,7 @@ def packed_sequence_logprobs(model: nn.Module, packed: PackedBatch, temperature:
     Keeps the autograd graph (wrap in torch.no_grad() for old/ref log-probs)."""
     cols = _predicting_columns(packed)
     out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
-                use_cache=False, logits_to_keep=cols)
+                use_cache=False, logits_to_keep=cols, **packed.attention_kwargs(model))
     logits = out.logits                                    # [1, K, V]: column k predicts cols[k] + 1
     del out
     targets = packed.input_ids[:, cols + 1]
@@ -259,16 +279,21 @@ def packed_values(value_model: nn.Module, packed: PackedBatch) -> torch.Tensor:
     """values [1, N] of rl/models.ValueModel on a packed batch: values[0, t] = the value head on the
     hidden state at t - 1 of the same row, 0 at each row's first token (ValueModel.forward, packed).
     The dtype is ValueModel's: float32 out of bf16 autocast, float64 for a float64 model."""
-    return value_model(packed.input_ids, None, position_ids=packed.position_ids)
+    return value_model(packed.input_ids, None, position_ids=packed.position_ids,
+                       **packed.attention_kwargs(value_model))
 
 
 def varlen_attention_available(device) -> str:
     """The attention implementation that confines a pack's rows without wasted work on `device`:
-    "flash_attention_2" (CUDA with the flash_attn package), "flex_attention" (CUDA: torch's own,
-    compiled), else "sdpa" (exact, with a dense block-diagonal mask: CPU and tests)."""
+    "flash_attention_2" (CUDA with the flash_attn package), "torch_varlen" (CUDA: torch's own
+    FlashAttention varlen kernel, rl/varlen_attention.py), "flex_attention" (CUDA, a torch without
+    that kernel: compiled per pack length), else "sdpa" (exact, with a dense block-diagonal mask: CPU
+    and tests)."""
     if torch.device(device).type == "cuda":
         if importlib.util.find_spec("flash_attn") is not None:
             return "flash_attention_2"
+        if varlen_attention.kernel_available():
+            return varlen_attention.NAME
         return "flex_attention"
     return "sdpa"
 
@@ -277,10 +302,13 @@ def use_varlen_attention(model: nn.Module, device, implementation: str = "auto")
     """Switch `model`'s attention (a transformers model, or a ValueModel's backbone) to the
     implementation packed batches should run with; returns its name. "auto":
     varlen_attention_available(device). transformers also runs padded batches (a 2-D mask) under
-    each of them, so a node may switch once at setup; checked here on CPU: sdpa (tests) and, once
-    by hand, flex_attention (packed fp32 log-probs within 1e-6 of padded sdpa after a ~60 s
-    compile). flash_attention_2, and flex on CUDA, are unchecked until a GPU session."""
+    each of them, so a node may switch once at setup; checked here on CPU: sdpa and torch_varlen's
+    per-sequence path (tests) and, once by hand, flex_attention (packed fp32 log-probs within 1e-6
+    of padded sdpa after a ~60 s compile). flash_attention_2 is unchecked (no flash_attn wheel on
+    the GPU machine); torch_varlen's kernel and flex on CUDA: bench/varlen.py."""
     name = varlen_attention_available(device) if implementation == "auto" else implementation
+    if name == varlen_attention.NAME:
+        varlen_attention.register()
     target = getattr(model, "backbone", model)             # ValueModel keeps its trunk there
     if getattr(target.config, "_attn_implementation", None) != name:
         target.set_attn_implementation(name)

@@ -236,3 +236,53 @@ def test_compiled_layers_with_flex_attention_compile_once_for_many_pack_lengths(
         assert (lp - want_lp).abs().max() < 1e-4 and (ent - want_ent).abs().max() < 1e-4
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] < graphs[1] == graphs[2] == graphs[3] == graphs[4], graphs
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_torch_varlen_attention_equals_padded_sdpa(family):
+    """torch_varlen (rl/varlen_attention.py; on CPU its per-sequence path: the glue around the CUDA
+    kernel, i.e. the rows' boundaries from PackedBatch.attention_kwargs, grouped-query heads, the
+    layout transformers hands over): packed log-probs, values and gradients equal the padded sdpa
+    computation in float64; a padded batch (2-D mask) run under it equals sdpa too; and the
+    boundaries are what confines attention (one boundary for the whole pack gives other numbers)."""
+    import copy
+
+    from rl.packing import use_varlen_attention
+
+    reference = tiny_model(family)                              # sdpa, padded: the reference
+    model = copy.deepcopy(reference)
+    assert use_varlen_attention(model, "cpu", "torch_varlen") == "torch_varlen"
+    samples = random_samples()
+    batch = pad_batch(samples, 0, token_keys=())
+    mask = batch["response_mask"].double()
+    w = torch.randn(mask.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+
+    lp, ent = sequence_logprobs(reference, batch["input_ids"], batch["attention_mask"], mask, 0.7)
+    ((lp * w).sum() + 0.3 * ent.sum()).backward()
+    packed = pack_rows(batch["input_ids"], batch["attention_mask"], mask)
+    kwargs = packed.attention_kwargs(model)
+    assert kwargs["cu_seq_lens_q"].tolist()[-1] == packed.num_tokens and kwargs["max_length_q"] == 14
+    plp, pent = packed_sequence_logprobs(model, packed, 0.7)
+    ((plp * packed.take(w)).sum() + 0.3 * pent.sum()).backward()
+    assert lp.abs().sum() > 1.0
+    assert (packed.to_padded(plp.detach()) - lp.detach()).abs().max() < 1e-10
+    assert (packed.to_padded(pent.detach()) - ent.detach()).abs().max() < 1e-10
+    assert_grads_close(grads(model), grads(reference))
+
+    with torch.no_grad():                                       # padded rows under torch_varlen
+        padded_lp, _ = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], mask)
+        want, _ = sequence_logprobs(reference, batch["input_ids"], batch["attention_mask"], mask)
+        assert (padded_lp - want).abs().max() < 1e-10
+        one = {"cu_seq_lens_q": torch.tensor([0, packed.num_tokens], dtype=torch.int32),
+               "max_length_q": packed.num_tokens}
+        out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, **one).logits
+        right = model(input_ids=packed.input_ids, position_ids=packed.position_ids, **kwargs).logits
+        assert (out - right).abs().max() > 1e-3
+
+    value_model = ValueModel(copy.deepcopy(reference.model), 32, seed=3).double()
+    value_ref = copy.deepcopy(value_model)
+    use_varlen_attention(value_model, "cpu", "torch_varlen")
+    with torch.no_grad():
+        v = packed_values(value_model, packed)
+        want_v = value_ref(batch["input_ids"], batch["attention_mask"])
+    assert (packed.to_padded(v) * mask - want_v * mask).abs().max() < 1e-10 and v.abs().sum() > 0.1
