@@ -140,7 +140,9 @@ def main() -> int:
     t_ready = time.time()   # model and data exist: the clock of the run starts here
     sets = graph_overrides(args, model, train, on_gpu)
     log(args.algo, "graph settings: " + " ".join(sets))
+    t_load = time.time()
     graph, config = load_graph(str(ROOT / "graphs" / f"{args.algo}.py"), sets)
+    log(args.algo, f"graph loaded in {time.time() - t_load:.1f} s")
     run_dir = out / "run"
     clock = CheckpointClock(run_dir)
     options = RunOptions(max_steps=args.steps, out_dir=str(run_dir), quiet=False,

@@ -146,15 +146,20 @@ def bench_reference(model, samples, plan, amp, device) -> None:
 
 
 def bf16_agreement(model, samples, rows, amp, device) -> dict:
-    """max / mean |packed - padded| of the response log-probs of `rows` under the run's autocast."""
+    """max / mean |packed - padded sdpa| of the response log-probs of `rows` under the run's autocast."""
     from rl.padded_batch import pad_batch, sequence_logprobs
     from rl.packing import pack_rows, packed_sequence_logprobs
     from rl.precision import autocast
 
     full = pad_batch([samples[i] for i in rows], 0, token_keys=(), device=device)
+    packed_kind = model.config._attn_implementation
     with torch.no_grad(), autocast(amp, device):
+        # The padded reference runs under sdpa (the padded passes' attention): under the packed
+        # kind itself, torch_varlen's padded path is the same kernel on the same tokens (diff 0).
+        model.set_attn_implementation("sdpa")
         padded, _ = sequence_logprobs(model, full["input_ids"], full["attention_mask"], full["response_mask"],
                                       with_entropy=False)
+        model.set_attn_implementation(packed_kind)
         packed = pack_rows(full["input_ids"], full["attention_mask"], full["response_mask"])
         diff = (packed.to_padded(packed_sequence_logprobs(model, packed, with_entropy=False)[0]) - padded).abs()
     mask = full["response_mask"] > 0
