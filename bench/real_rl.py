@@ -102,6 +102,19 @@ class CheckpointClock:
         return self.saved[step] - self.began.get(step, self.saved[step])
 
 
+def keep_actor_logs(dst: Path, session: Path = Path("/tmp/ray/session_latest/logs")) -> None:
+    """The actors' stderr (Ray's worker-*.err, non-empty ones) into one small archive: what the
+    nodes print there (TORCH_LOGS=recompiles, warnings) is not in the driver's log, and the device
+    machine returns a handful of files per call."""
+    import tarfile
+
+    files = sorted(f for f in session.glob("worker-*.err") if f.stat().st_size > 0) if session.is_dir() else []
+    if files:
+        with tarfile.open(dst, "w:gz") as tar:
+            for f in files:
+                tar.add(f, arcname=f.name)
+
+
 def render_prompts(model_dir: str, src: str, dst: Path) -> str:
     """A copy of the JSONL `src` whose chat prompts are rendered with the model's template."""
     from transformers import AutoTokenizer
@@ -153,6 +166,7 @@ def main() -> int:
     t_end = time.time()
     clock.stop()
     log(args.algo, f"run {summary.status}: {summary.steps} steps in {summary.seconds:.1f} s")
+    keep_actor_logs(out / "actor_logs.tgz")
     records = [json.loads(line) for line in Path(summary.metrics_path).read_text().splitlines()]
     steps = {r["step"]: r for r in records if "step" in r}
     # The step records' time_s counts from the graph running (after start-up); start-up = the
