@@ -101,6 +101,7 @@ def pack(obj: Any, copy: bool = False) -> tuple[Any, dict]:
 
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[tuple, str] = {}
+    from_gpu: set = set()
 
     def tensor_ref(t: torch.Tensor) -> str:
         t = t.detach()
@@ -108,8 +109,16 @@ def pack(obj: Any, copy: bool = False) -> tuple[Any, dict]:
                tuple(t.stride()), t.dtype)
         if key not in seen:
             seen[key] = f"t{len(tensors)}"
-            # .to("cpu") of a CPU tensor is the tensor itself: copy=True makes it a snapshot
-            tensors[seen[key]] = t.to("cpu", copy=copy).contiguous()
+            if t.is_cuda:
+                # Into pinned memory, all copies queued, one wait at the end: tensor by tensor into
+                # pageable memory (.to("cpu")) waits on each and stages it, ~1.4 s per checkpoint
+                # of SmolLM2's learner on an H200. Freed pinned blocks are reused by torch's caching
+                # host allocator, so later checkpoints do not allocate again.
+                tensors[seen[key]] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                from_gpu.add(t.device)
+            else:
+                # .to("cpu") of a CPU tensor is the tensor itself: copy=True makes it a snapshot
+                tensors[seen[key]] = t.to("cpu", copy=copy).contiguous()
         return seen[key]
 
     def walk(x: Any) -> Any:
@@ -132,7 +141,10 @@ def pack(obj: Any, copy: bool = False) -> tuple[Any, dict]:
         raise TypeError(f"checkpoint: cannot save a {type(x).__name__} (state_dict() values must be "
                         "tensors, arrays, numbers, strings, lists, tuples or dicts)")
 
-    return walk(obj), tensors
+    tree = walk(obj)
+    for device in from_gpu:                      # the copies are done before anyone reads them
+        torch.cuda.synchronize(device)
+    return tree, tensors
 
 
 def unpack(tree: Any, tensors: dict) -> Any:
