@@ -31,8 +31,10 @@ import random
 from dataclasses import dataclass
 from typing import Iterator
 
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
@@ -54,6 +56,11 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     whitespace and every digit is its own token ("314:" == "3 1 4 :"). Decoding joins tokens with
     spaces. `tokenizer.save_pretrained(dir)` / `load_tokenizer(dir)` round-trip it.
     """
+    # Imported here, not at the top: the driver imports this module (graph files -> node configs)
+    # and never builds a tokenizer; transformers' import is 1.5 s of its start on 2 cores.
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + DIGITS + WORDS)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -69,6 +76,8 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise FileNotFoundError(f"{path}: no tokenizer.json; save one with "
                                 "tokenizer.save_pretrained(path)")
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
