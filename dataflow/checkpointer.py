@@ -37,6 +37,7 @@ from typing import Any
 
 from dataflow.checkpoint import begin, checkpoints_dir, commit, prune, read_manifest, replica_state_dir, step_dir
 from dataflow.errors import NodeFailed
+from dataflow.failures import wait_within
 
 
 class Checkpointer:
@@ -153,7 +154,7 @@ async def capture(hosts: dict, first: list[str], run_dir: str | Path, step: int 
         scratch = checkpoints_dir(run_dir) / "interrupt.tmp"
         if scratch.exists():
             shutil.rmtree(scratch)
-        reply = await asyncio.wait_for(hosts[first[0]].save_state.remote(str(scratch / first[0]), None), timeout_s)
+        reply = await wait_within(hosts[first[0]].save_state.remote(str(scratch / first[0]), None), timeout_s)
         step = reply["step"]
         if step is None:
             raise RuntimeError(f"node '{first[0]}' keeps no 'step' in its state_dict()")
@@ -165,12 +166,12 @@ async def capture(hosts: dict, first: list[str], run_dir: str | Path, step: int 
     else:
         tmp = begin(run_dir, step)
         taken = Captured(hosts, tmp, step, manifest, previous, {}, set(first), background)
-    replies = await asyncio.wait_for(asyncio.gather(
+    replies = await wait_within(asyncio.gather(
         *(hosts[n].save_state.remote(str(tmp / n), step, taken.background) for n in first)), timeout_s)
     taken.results.update(zip(first, replies))
     if after_first is not None:
         await after_first()
-    replies = await asyncio.wait_for(asyncio.gather(
+    replies = await wait_within(asyncio.gather(
         *(hosts[n].save_state.remote(str(tmp / n), step, taken.background) for n in rest),
         return_exceptions=True), timeout_s)
     taken.results.update(zip(rest, replies))
@@ -200,7 +201,7 @@ class Captured:
 
         if self.background:
             writing = [n for n, r in self.results.items() if isinstance(r, dict) and r.get("saved") is not False]
-            done = await asyncio.wait_for(asyncio.gather(
+            done = await wait_within(asyncio.gather(
                 *(self.hosts[n].write_done.remote(str(self.tmp / n)) for n in writing),
                 return_exceptions=True), timeout_s)
             self.results.update(zip(writing, done))

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from dataflow import checkpoint, snapshots
 from dataflow.errors import NodeFailed
-from dataflow.failures import awaitable, death_summary, gather_named, raise_if_failed
+from dataflow.failures import awaitable, death_summary, gather_named, raise_if_failed, wait_within
 from dataflow.graph import Graph
 from dataflow.launch import clock_offset, wiring
 
@@ -48,7 +48,7 @@ async def restart(graph: Graph, hosts: dict, name: str, monitor: Monitor) -> asy
             if node in edge.dst:
                 await asyncio.gather(*(hosts[p].redeliver.remote(edge.name, name)
                                        for p in graph.nodes[edge.src].replica_names()))
-        reply = await asyncio.wait_for(awaitable(host.connect.remote(wiring(graph, name, hosts))), RESTART_TIMEOUT_S)
+        reply = await wait_within(awaitable(host.connect.remote(wiring(graph, name, hosts))), RESTART_TIMEOUT_S)
     except Exception as e:
         raise NodeFailed(name, f"its process died and the restart failed: {death_summary(e)}") from None
     raise_if_failed(name, reply)

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from dataflow import stacks as thread_stacks
 
-from dataflow.failures import gather_named
+from dataflow.failures import gather_named, wait_within
 from dataflow.graph import Graph
 
 STALL_FLOOR_S = 300.0   # default stall timeout before the slowest step says more (start-up, first step)
@@ -329,12 +329,12 @@ async def snapshot(hosts: dict, running: set[str]) -> dict[str, dict | None]:
     run() has returned is "finished" without asking."""
     asking = {n: h.wait_state.remote() for n, h in hosts.items() if n in running}
     try:
-        replies = await asyncio.wait_for(gather_named(asking), ANSWER_TIMEOUT_S)
+        replies = await wait_within(gather_named(asking), ANSWER_TIMEOUT_S)
     except asyncio.TimeoutError:  # ask again one by one, so those that answer still count
         replies = {}
         for name, ref in asking.items():
             try:
-                replies[name] = await asyncio.wait_for(ref, 0.1)
+                replies[name] = await wait_within(ref, 0.1)
             except Exception:  # noqa: BLE001 - not answering, or dead (its run() result says which)
                 replies[name] = None
     states = {n: (r if isinstance(r, dict) else None) for n, r in replies.items()}
@@ -349,12 +349,12 @@ async def gather_stacks(hosts: dict, running: set[str]) -> dict[str, list | None
     asking = {n: h.thread_stacks.options(concurrency_group=thread_stacks.GROUP).remote()
               for n, h in hosts.items() if n in running}
     try:
-        replies = await asyncio.wait_for(gather_named(asking), ANSWER_TIMEOUT_S)
+        replies = await wait_within(gather_named(asking), ANSWER_TIMEOUT_S)
     except asyncio.TimeoutError:
         replies = {}
         for name, ref in asking.items():
             try:
-                replies[name] = await asyncio.wait_for(ref, 0.1)
+                replies[name] = await wait_within(ref, 0.1)
             except Exception:  # noqa: BLE001 - not answering, or dead
                 replies[name] = None
     return {n: (r if isinstance(r, list) else None) for n, r in replies.items()}
