@@ -29,10 +29,12 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
@@ -54,6 +56,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     whitespace and every digit is its own token ("314:" == "3 1 4 :"). Decoding joins tokens with
     spaces. `tokenizer.save_pretrained(dir)` / `load_tokenizer(dir)` round-trip it.
     """
+    # Imported here: this module is the reward node's, whose process then never imports torch
+    # (transformers' AutoTokenizer does; its tokenizer classes alone do not): ~2 s of CPU less per run.
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + DIGITS + WORDS)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -69,6 +75,8 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise FileNotFoundError(f"{path}: no tokenizer.json; save one with "
                                 "tokenizer.save_pretrained(path)")
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
