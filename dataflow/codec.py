@@ -29,14 +29,18 @@ made contiguous (one copy at encode); CUDA tensors are moved to the CPU.
 
 from __future__ import annotations
 
+import functools
 import struct
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import numpy as np
-import torch
+
+# torch is imported only when a tensor is decoded: a node whose items hold no tensors (a reward
+# function, a toy graph's node) then starts its actor process without torch's ~2 s import.
 
 DEFAULT_OOB_THRESHOLD = 64 * 1024
 """Arrays of at least this many bytes travel as separate buffers instead of in the header."""
@@ -51,17 +55,23 @@ _ALIGN = 64  # raw-region entries start at multiples of this (vector loads, cach
 _EXT_NUMPY = 1
 _EXT_TORCH = 2
 
-# torch dtypes we carry, by the name used on the wire. numpy dtypes travel as `dtype.str`
-# (e.g. "<f4", "|b1"), restricted to plain numeric kinds so decode never builds object arrays.
-_TORCH_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-        torch.float16, torch.bfloat16, torch.float32, torch.float64,
-        torch.uint16, torch.uint32, torch.uint64, torch.complex64, torch.complex128,
-    )
-}
 _NUMPY_KINDS = frozenset("biufc")
+
+
+@functools.cache
+def torch_dtypes() -> dict:
+    """The torch dtypes we carry, by the name used on the wire. numpy dtypes travel as `dtype.str`
+    (e.g. "<f4", "|b1"), restricted to plain numeric kinds so decode never builds object arrays."""
+    import torch
+
+    return {
+        str(d).removeprefix("torch."): d
+        for d in (
+            torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+            torch.float16, torch.bfloat16, torch.float32, torch.float64,
+            torch.uint16, torch.uint32, torch.uint64, torch.complex64, torch.complex128,
+        )
+    }
 
 
 class DecodeError(ValueError):
@@ -109,12 +119,13 @@ class _Encoder:
         return -1, offset
 
     def default(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
+        torch = sys.modules.get("torch")  # not imported: obj cannot be a tensor
+        if torch is not None and isinstance(obj, torch.Tensor):
             t = obj.detach()
             if t.device.type != "cpu":
                 t = t.cpu()
             name = str(t.dtype).removeprefix("torch.")
-            if name not in _TORCH_DTYPES:
+            if name not in torch_dtypes():
                 raise TypeError(f"cannot encode torch dtype {t.dtype}")
             # reshape(-1) makes 0-d tensors 1-d so the uint8 view is allowed; .numpy() shares
             # memory (its base keeps the tensor alive while the buffer is in flight).
@@ -186,7 +197,9 @@ class _Decoder:
             buf, start = self._locate(where, offset, count * dtype.itemsize)
             return np.frombuffer(buf, dtype, count, start).reshape(shape)
         if code == _EXT_TORCH:
-            dtype = _TORCH_DTYPES.get(dtype_name)
+            import torch
+
+            dtype = torch_dtypes().get(dtype_name)
             if dtype is None:
                 raise DecodeError(f"torch dtype {dtype_name!r} not allowed")
             buf, start = self._locate(where, offset, count * dtype.itemsize)

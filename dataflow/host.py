@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 import time
 import traceback
@@ -61,16 +62,23 @@ RESTART_WAIT_S = 300.0
 
 class NodeHost(CheckpointCalls):
     def __init__(self, spec: HostSpec):
-        import torch
-
         self.spec = spec
         self.name = spec.node if spec.num_replicas == 1 else f"{spec.node}[{spec.replica}]"
         # Each replica computes with the CPUs it was given: oversubscribing threads across the
         # actors of one machine costs more than it gains.
-        torch.set_num_threads(max(1, int(spec.cpus)))
-        self.device = "cuda" if spec.gpus > 0 and torch.cuda.is_available() else "cpu"
-        if self.device == "cuda" and spec.gpus < 1:  # a share of a GPU: stay within it (dataflow/placement.py)
-            torch.cuda.set_per_process_memory_fraction(spec.gpus)
+        threads = max(1, int(spec.cpus))
+        self.device = "cpu"
+        if "torch" in sys.modules or spec.gpus > 0:  # the node's module (unpickled with spec) uses torch
+            import torch
+
+            torch.set_num_threads(threads)
+            self.device = "cuda" if spec.gpus > 0 and torch.cuda.is_available() else "cpu"
+            if self.device == "cuda" and spec.gpus < 1:  # a share of a GPU: stay within it (dataflow/placement.py)
+                torch.cuda.set_per_process_memory_fraction(spec.gpus)
+        else:
+            # A node without torch (plain Python: a toy graph's, a reward's) starts without its
+            # ~2 s import; if it imports torch later, its OpenMP pool reads this when torch loads.
+            os.environ["OMP_NUM_THREADS"] = str(threads)
         self.tracer = Tracer(self.name, enabled=spec.trace, device=self.device)
         self.endpoint = channels.ChannelEndpoint()
         self.events: list[dict] = []

@@ -62,8 +62,10 @@ async def start_ray(graph: Graph, options: RunOptions) -> bool:
         # worker waits on Ray's runtime-env agent (5 actors up in 3.0-4.5 s without one, 6.1-11.3 s
         # with env_vars only, on a 2-core machine).
         os.environ["PYTHONPATH"] = python_path
+        # address="local": a new instance even when this machine runs a cluster (`ray start`, or
+        # ray.cluster_utils in a test beside this one), which ray.init() with no address would join.
         with keep_sigterm_handler(), own_process_group():
-            ray.init(num_cpus=max(os.cpu_count() or 1, needed), **kwargs)
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), **kwargs)
     return True
 
 

@@ -21,8 +21,8 @@ from typing import Annotated
 
 from dataflow.checks import ExistingPath
 from dataflow.errors import UserError
-from rl.models import ModelConfig, build_policy, load_policy
 from rl import tasks
+from rl.model_config import ModelConfig
 
 
 @dataclass(kw_only=True)
@@ -70,6 +70,8 @@ def load_tokenizer(spec: PolicySpec):
 def load(spec: PolicySpec):
     """(model, tokenizer), the tokenizer with a pad token. Never downloads; a missing or
     incomplete directory is a UserError."""
+    from rl.models import build_policy, load_policy  # torch: the prompts node imports this module without it
+
     if spec.path:
         try:
             model, tokenizer = load_policy(spec.path)

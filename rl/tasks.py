@@ -29,9 +29,8 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -57,7 +56,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     spaces. `tokenizer.save_pretrained(dir)` / `load_tokenizer(dir)` round-trip it.
     """
     # Imported here, not at the top: the driver imports this module (graph files -> node configs)
-    # and never builds a tokenizer; transformers' import is 1.5 s of its start on 2 cores.
+    # and never builds a tokenizer, and the reward node's process then never imports torch
+    # (transformers' AutoTokenizer does; its tokenizer classes alone do not).
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 

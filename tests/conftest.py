@@ -23,7 +23,9 @@ def ray_instance(request):
     # Workers inherit PYTHONPATH (and RAY_AUTH_MODE, above) from this process, as in
     # dataflow/launch.start_ray: a runtime_env would cost every actor a start through Ray's agent.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)
-    ray.init(num_cpus=getattr(request.module, "RAY_NUM_CPUS", 4), include_dashboard=False,
+    # address="local": never join a cluster another test module started meanwhile (test_multinode's
+    # ray.cluster_utils.Cluster publishes its address, which ray.init() with no address would join).
+    ray.init(address="local", num_cpus=getattr(request.module, "RAY_NUM_CPUS", 4), include_dashboard=False,
              log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()

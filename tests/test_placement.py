@@ -391,7 +391,7 @@ def ray_instance():
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=2, num_gpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False,
+    ray.init(address="local", num_cpus=2, num_gpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}})
     yield ray
     ray.shutdown()

@@ -51,15 +51,9 @@ ENV.pop("RAY_ADDRESS", None)
 SLOW_COUNTER = ["--set", "counter.delay_s=0.2", "--set", "counter.count=1000"]  # ~200 s if not stopped
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_instance():
-    """One local Ray for the in-process tests (the subprocess CLIs start their own)."""
-    if ray.is_initialized():  # another module left one running: start clean
-        ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}})
-    yield
-    ray.shutdown()
+# One local Ray for the in-process tests (tests/conftest.py; the subprocess CLIs start their own).
+# Its workers inherit PYTHONPATH instead of a runtime_env, which made every actor wait on Ray's agent.
+pytestmark = pytest.mark.usefixtures("ray_instance")
 
 
 def main(capsys, *argv: str) -> tuple[int, str, str]:
@@ -603,8 +597,10 @@ def test_joins_an_existing_cluster_with_address(tmp_path):
         assert status.returncode == 0, "the cluster we joined must still be running"
     finally:
         # `ray stop` would stop every Ray instance on the machine (this module's too): end only
-        # the processes of the cluster started above, found by its temp dir.
+        # the processes of the cluster started above, found by its temp dir, and its Ray client
+        # server, whose command line names only the GCS address (an argument ending in :port).
         _kill_processes_mentioning(temp_dir)
+        _kill_processes_mentioning(f":{port}\0")
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
