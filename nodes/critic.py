@@ -33,7 +33,7 @@ from rl import policy
 from rl.microbatch import check_micro_batch_settings, padding_metrics, rank_micro_batches, sample_lengths
 from rl.models import ValueModel
 from rl.padded_batch import pad_batch, unpad_tokens
-from rl.packing import micro_batch, micro_batch_values, start_warm_up, use_varlen_attention
+from rl.packing import micro_batch, micro_batch_values, use_varlen_attention
 from rl.precision import Precision, autocast, compile_layers, compile_setting, compute_dtype, prepare_trained
 from rl.advantages import gae_advantages
 from rl.masked import masked_mean
@@ -219,7 +219,6 @@ class Critic(RankCommands, Node):
             check_micro_batch_settings("critic", c.micro_batch_size, c.max_tokens_per_micro_batch)
         except ValueError as e:
             raise UserError(str(e)) from None
-        self.compiled = False  # compiled layers (one rank): warmed up while the first batch comes
         base, self.tokenizer = policy.load(c.policy)
         self.model = ValueModel.from_policy(base, gradient_checkpointing=c.gradient_checkpointing)
         prepare_trained(self.model, self.ctx.device, c.precision)  # fp32 masters (rl/precision.py)
@@ -232,8 +231,7 @@ class Critic(RankCommands, Node):
             except ValueError as e:
                 raise UserError(f"critic.dp={c.dp} critic.tp={c.tp}: {e}") from None
         else:  # sharded ranks stay eager, as the learner's
-            self.compiled = compile_layers(self.model, compile_setting(c.compile, c.packing, c.gradient_checkpointing),
-                                           self.ctx.device)
+            compile_layers(self.model, compile_setting(c.compile, c.packing, c.gradient_checkpointing), self.ctx.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr)
         self.rng = random.Random(c.seed)
         self.pending: list[tuple[int, dict]] = []  # (prompt id, sample) not yet trained on
@@ -312,14 +310,8 @@ class Critic(RankCommands, Node):
         if self._pending_state is not None:  # dp x tp, resumed: every rank takes its shards
             await self._all("load")
         inp, out = self.ctx.inputs["with_ref"], self.ctx.outputs["advantaged"]
-        # The compiled layers' graphs build while the first batch is generated (rl/packing.warm_up_passes).
-        warm = start_warm_up(self.ctx, self.model, self.ctx.device, compute_dtype(c.precision, self.ctx.device),
-                             c.packing, self.tokenizer.pad_token_id, train=True) if self.compiled else None
         async for batch in inp.batches(c.items_per_call, 0.01):
             items = [m.data for m in batch]
-            if warm is not None:
-                await warm
-                warm = None
             with self.ctx.span("value forward", items=len(items)):
                 value_stats = await self._all("values", items=items)
             self._count_tokens(value_stats)

@@ -39,9 +39,9 @@ from rl.kl import AdaptiveKLController, FixedKLController, KLConfig
 from rl.losses import PolicyLoss
 from rl.microbatch import enable_gradient_checkpointing
 from rl.models import save_policy
-from rl.packing import start_warm_up, use_varlen_attention
+from rl.packing import use_varlen_attention
 from rl.ppo_update import check_config, ppo_update, step_advantages  # noqa: F401 (step_advantages: tests, bench)
-from rl.precision import Precision, compile_layers, compile_setting, compute_dtype, prepare_trained
+from rl.precision import Precision, compile_layers, compile_setting, prepare_trained
 from rl.schedule import ScheduleConfig, lr_multiplier
 
 
@@ -181,7 +181,6 @@ class Learner(RankCommands, Node):
         elif self.ctx.num_replicas > 1:
             raise UserError(f"node '{self.ctx.name}' has {self.ctx.num_replicas} replicas but learner.dp x "
                             f"learner.tp = 1; declare it with replicas=dp*tp")
-        self.compiled = False       # compiled layers (one rank): warmed up while the first batch comes
         self._pending_state = None  # dp x tp: a loaded (model, optimizer) state, spread in run()
         self._saved = None          # dp x tp: (model, optimizer) gathered for state_dict()
         self.model, self.tokenizer = policy.load(c.policy)
@@ -199,8 +198,7 @@ class Learner(RankCommands, Node):
             except ValueError as e:
                 raise UserError(f"learner.dp={c.dp} learner.tp={c.tp}: {e}") from None
         else:  # sharded ranks stay eager (compiling FSDP2/TP layers is untried here)
-            self.compiled = compile_layers(self.model, compile_setting(c.compile, c.packing, c.gradient_checkpointing),
-                                           self.ctx.device)
+            compile_layers(self.model, compile_setting(c.compile, c.packing, c.gradient_checkpointing), self.ctx.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=tuple(c.betas),
                                            weight_decay=c.weight_decay)
         self.kl_ctl = (AdaptiveKLController(c.kl.coef, c.kl.target, c.kl.horizon) if c.kl.kind == "adaptive"
@@ -337,10 +335,6 @@ class Learner(RankCommands, Node):
         c = self.config
         if self._pending_state is not None:    # dp x tp, resumed: every rank takes its shards
             await self._all("load")
-        # The compiled layers' graphs build while the first batch is generated and scored.
-        warm = start_warm_up(self.ctx, self.model, self.ctx.device, compute_dtype(c.precision, self.ctx.device),
-                             c.packing, self.tokenizer.pad_token_id, c.temperature, True,
-                             c.entropy_coef != 0) if self.compiled else None
         await self._all("publish", version=self.version)
         t_last = time.perf_counter()
         while True:
@@ -361,9 +355,6 @@ class Learner(RankCommands, Node):
             if max(staleness) > c.max_staleness:
                 raise RuntimeError(f"sample of version {min(s['version'] for s in samples)} reached learner "
                                    f"version {self.version}: staleness {max(staleness)} > max_staleness {c.max_staleness}")
-            if warm is not None:
-                await warm
-                warm = None
             # Update -> report, under the state lock: a checkpoint sees a step whole or not at all.
             async with self.ctx.state_lock:
                 with self.ctx.span("train step", samples=len(samples), version=self.version):

@@ -21,7 +21,7 @@ from dataflow.checks import AtLeast, NonNegative, Positive
 from rl import policy
 from rl.microbatch import check_micro_batch_settings, padding_metrics, rank_micro_batches, sample_lengths
 from rl.padded_batch import pad_batch, unpad_tokens
-from rl.packing import micro_batch, micro_batch_logprobs, start_warm_up, use_varlen_attention
+from rl.packing import micro_batch, micro_batch_logprobs, use_varlen_attention
 from rl.precision import Precision, compile_layers, compile_setting, prepare_frozen
 
 
@@ -91,15 +91,11 @@ class Reference(Node):
         prepare_frozen(self.model, self.ctx.device, c.precision)
         if c.packing:
             self.ctx.log(f"packed passes, attention: {use_varlen_attention(self.model, self.ctx.device)}")
-        self.compiled = compile_layers(self.model, compile_setting(c.compile, c.packing), self.ctx.device)
+        compile_layers(self.model, compile_setting(c.compile, c.packing), self.ctx.device)
 
     async def run(self):
         inp, out = self.ctx.inputs["scored"], self.ctx.outputs["with_ref"]
         c = self.config
-        # The compiled layers' graphs build while the first batch is generated (rl/packing.warm_up_passes);
-        # no autocast, as add_logprobs: the frozen model runs in its own dtype (prepare_frozen).
-        warm = start_warm_up(self.ctx, self.model, self.ctx.device, torch.float32, c.packing,
-                             self.tokenizer.pad_token_id, c.temperature) if self.compiled else None
         # Padding reported once per learner step (the items' meta "batch"): the passes' tokens add
         # up until an item of a later batch arrives (a call's items may straddle two: rounded).
         tokens, reported_batch = [0, 0], None
@@ -110,9 +106,6 @@ class Reference(Node):
                 self.ctx.metrics(padding_metrics(*tokens, "reference"))
                 tokens = [0, 0]
             reported_batch = newest
-            if warm is not None:
-                await warm
-                warm = None
             with self.ctx.span("reference forward", items=len(items)):
                 padding = await asyncio.to_thread(add_logprobs, self.model, self.tokenizer.pad_token_id, items,
                                                   "ref_logprobs", c.micro_batch_size, c.temperature,

@@ -29,7 +29,6 @@ as pad_batch + sequence_logprobs do (cumsum(mask) - 1): the same numbers, up to 
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import itertools
 from dataclasses import dataclass
@@ -314,54 +313,3 @@ def use_varlen_attention(model: nn.Module, device, implementation: str = "auto")
     if getattr(target.config, "_attn_implementation", None) != name:
         target.set_attn_implementation(name)
     return name
-
-
-def warm_up_passes(model: nn.Module, device, amp: torch.dtype, packing: bool, pad_id: int,
-                   temperature: float = 1.0, train: bool = False, entropy_grad: bool = True) -> None:
-    """Run, on a small made-up batch, the passes a node's first real batch will run: the no-grad
-    forward (eval mode) and, with `train`, the forward and backward (train mode); each on rows of
-    uneven lengths (padded) and on rows of one length (no mask: another graph). Compiled layers
-    (rl/precision.compile_layers, dynamic shapes) build their graphs here, while the node waits for
-    its first batch, instead of inside its first step. On an H200 with SmolLM2 those compiles were
-    the reference's first pass (9.9 s) and most of the learner's first step (14.8 s), one after
-    the other on the first step's path. No trace left: gradients cleared, the mode restored, the
-    tokens from a private generator (no global RNG drawn). A ValueModel runs its value pass."""
-    from rl.precision import autocast
-
-    config = getattr(model, "backbone", model).config
-    vocab = config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    was_training = model.training
-    try:
-        for lengths in ([(7, 13), (3, 6), (11, 4), (5, 17), (9, 10)], [(6, 9)] * 3):
-            samples = [{"prompt_ids": torch.randint(1, vocab, (p,), generator=g).tolist(),
-                        "response_ids": torch.randint(1, vocab, (r,), generator=g).tolist()} for p, r in lengths]
-            batch = pad_batch(samples, pad_id, token_keys=(), device=device)
-            mb = micro_batch(batch, list(range(len(samples))), packing)
-
-            def forward(**kw):
-                if hasattr(model, "value_head"):
-                    return micro_batch_values(model, mb), None
-                return micro_batch_logprobs(model, mb, temperature, **kw)
-
-            model.eval()
-            with torch.no_grad(), autocast(amp, device):
-                forward(with_entropy=False)
-            if train:
-                model.train()
-                with autocast(amp, device):
-                    out, entropy = forward(entropy_grad=entropy_grad)
-                    loss = out.sum() + (entropy.sum() if entropy is not None and entropy.requires_grad else 0)
-                loss.backward()
-                model.zero_grad(set_to_none=True)
-    finally:
-        model.train(was_training)
-
-
-def start_warm_up(ctx, model: nn.Module, *args, **kwargs) -> asyncio.Task:
-    """warm_up_passes(model, *args, **kwargs) in a thread, as a task of the node's event loop,
-    traced as "compile warm-up" (ctx: the node's NodeContext). The node awaits it before its first pass."""
-    async def warm_up():
-        with ctx.span("compile warm-up"):
-            await asyncio.to_thread(warm_up_passes, model, *args, **kwargs)
-    return asyncio.create_task(warm_up())

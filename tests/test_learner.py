@@ -194,7 +194,6 @@ def test_compiled_critic_layers_make_the_same_update_as_eager(setup, capsys):
     from torch._dynamo.utils import counters
     from nodes.critic import CriticConfig, advantages_for, critic_update
     from rl.models import ValueModel
-    from rl.packing import warm_up_passes
     from rl.precision import compile_layers
 
     tok, model, samples = setup
@@ -203,27 +202,21 @@ def test_compiled_critic_layers_make_the_same_update_as_eager(setup, capsys):
     cfg = CriticConfig(epochs=1, minibatch_size=len(samples), micro_batch_size=4, max_grad_norm=1e9)
     results, values = [], []
     for compile in (False, True):
-        vm = ValueModel.from_policy(fresh(model)).eval()   # as the critic holds it between updates
+        vm = ValueModel.from_policy(fresh(model))
         torch._dynamo.reset()   # graphs another test compiled for the same layer class would be reused
         assert compile_layers(vm, compile, "cpu") == compile
         graphs_at_setup = counters["stats"]["unique_graphs"]
         assert all((layer._compiled_call_impl is not None) == compile for layer in vm.backbone.layers)
-        if compile:   # the critic's warm-up while its first batch comes: after it nothing compiles
-            mode = vm.training
-            warm_up_passes(vm, "cpu", torch.float32, False, tok.pad_token_id, train=True)
-            assert counters["stats"]["unique_graphs"] > graphs_at_setup and vm.training == mode
-            assert all(p.grad is None for p in vm.parameters())
-            graphs_at_setup = counters["stats"]["unique_graphs"]
         items = [{"samples": [dict(s, token_rewards=[0.0] * len(s["response_ids"])) for s in samples]}]
         advantages_for(vm, items, tok.pad_token_id, cfg, "cpu")          # the value pass: no grad
         values.append([v for s in items[0]["samples"] for v in s["values"]])
         stats = critic_update(vm, torch.optim.SGD(vm.parameters(), lr=1.0), samples, tok.pad_token_id, cfg,
                               random.Random(0))
         results.append(({k: v.clone() for k, v in vm.state_dict().items()}, stats))
-        # the value pass and the update compile nothing after the warm-up; a second update runs
-        # the same graphs
+        # the layers compile on first use, in the value pass and the update; a second update of
+        # the same batch runs the graphs already compiled
         graphs_after = counters["stats"]["unique_graphs"]
-        assert graphs_after == graphs_at_setup
+        assert (graphs_after > graphs_at_setup) == compile
         critic_update(vm, torch.optim.SGD(vm.parameters(), lr=0.0), samples, tok.pad_token_id, cfg, random.Random(0))
         assert counters["stats"]["unique_graphs"] == graphs_after
     assert "torch.compile does not work" not in capsys.readouterr().out
@@ -306,7 +299,6 @@ def test_compiled_layers_make_the_same_update_as_eager(setup, capsys):
     # rl/precision.compile_layers (the CUDA default for the learner and reference) on CPU:
     # every decoder layer compiled, and one update gives the eager update's weights and stats.
     from torch._dynamo.utils import counters
-    from rl.packing import warm_up_passes
     from rl.precision import compile_layers
 
     tok, model, samples = setup
@@ -319,23 +311,15 @@ def test_compiled_layers_make_the_same_update_as_eager(setup, capsys):
         assert compile_layers(m, compile, "cpu") == compile
         graphs_at_setup = counters["stats"]["unique_graphs"]
         assert all((layer._compiled_call_impl is not None) == compile for layer in m.model.layers)
-        if compile:
-            # The learner's warm-up while its first batch comes (rl/packing.warm_up_passes): it
-            # builds the graphs, so the first update compiles nothing; and it leaves no gradient or
-            # mode behind (the update below equals eager's, which had no warm-up).
-            warm_up_passes(m, "cpu", torch.float32, False, tok.pad_token_id, cfg.temperature, train=True,
-                           entropy_grad=cfg.entropy_coef != 0)
-            assert counters["stats"]["unique_graphs"] > graphs_at_setup and not m.training
-            assert all(p.grad is None for p in m.parameters())
-            graphs_at_setup = counters["stats"]["unique_graphs"]
         # SGD: the weight change is the gradient (Adam's would turn float noise near 0 into +-lr)
         stats = ppo_update(m, torch.optim.SGD(m.parameters(), lr=1.0), samples, 0.1, tok.pad_token_id, cfg,
                            random.Random(0), stale=True)
         results.append(({k: v.clone() for k, v in m.state_dict().items()}, stats))
-        # the update compiles nothing after the warm-up (its padded and unpadded micro-batches,
-        # with grad and without: proximal log-probs); a second update runs the same graphs
+        # the layers compile on first use, inside the update (its padded and unpadded
+        # micro-batches, with grad and without: proximal log-probs); a second update of the same
+        # batch runs the graphs already compiled
         graphs_after = counters["stats"]["unique_graphs"]
-        assert graphs_after == graphs_at_setup
+        assert (graphs_after > graphs_at_setup) == compile
         ppo_update(m, torch.optim.SGD(m.parameters(), lr=0.0), samples, 0.1, tok.pad_token_id, cfg,
                    random.Random(0), stale=True)
         assert counters["stats"]["unique_graphs"] == graphs_after
