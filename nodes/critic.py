@@ -32,7 +32,7 @@ from dataflow.weights.multirank import CRITIC_RANKS_EDGE, RankCommands
 from rl import policy
 from rl.microbatch import check_micro_batch_settings, padding_metrics, rank_micro_batches, sample_lengths
 from rl.models import ValueModel
-from rl.padded_batch import pad_batch, unpad_tokens
+from rl.padded_batch import COLUMN_MULTIPLE, pad_batch, unpad_tokens
 from rl.packing import micro_batch, micro_batch_values, use_varlen_attention
 from rl.precision import Precision, autocast, compile_layers, compile_setting, compute_dtype, prepare_trained
 from rl.advantages import gae_advantages
@@ -110,7 +110,7 @@ def critic_update(model, optimizer, samples: list[dict], pad_id: int, c: CriticC
         rng.shuffle(order)
         for start in range(0, len(order), c.minibatch_size):
             mb = [samples[i] for i in order[start:start + c.minibatch_size]]
-            batch = pad_batch(mb, pad_id, token_keys=("values", "returns"), device=device)
+            batch = pad_batch(mb, pad_id, token_keys=("values", "returns"), device=device, multiple_of=COLUMN_MULTIPLE)
             mask = batch["response_mask"]
             row_tokens = mask.sum(1).tolist()   # read once: slice weights are Python floats from these
             mb_tokens = max(sum(row_tokens), 1.0)
@@ -164,7 +164,7 @@ def advantages_for(model, items: list[dict], pad_id: int, c: CriticConfig, devic
     budget balanced over ranks, every rank running as many passes), summed over dp (a row's values
     come from one rank, zeros from the others), so every rank ends with all of them."""
     samples = [s for item in items for s in item["samples"]]
-    batch = pad_batch(samples, pad_id, token_keys=("token_rewards",), device=device)
+    batch = pad_batch(samples, pad_id, token_keys=("token_rewards",), device=device, multiple_of=COLUMN_MULTIPLE)
     lengths = sample_lengths(samples)
     num = len(samples)
     if ranks is not None:  # row `num`: a copy of row 0 that pads short dp shares (its values dropped)

@@ -20,7 +20,7 @@ from dataflow.errors import UserError
 from dataflow.checks import AtLeast, NonNegative, Positive
 from rl import policy
 from rl.microbatch import check_micro_batch_settings, padding_metrics, rank_micro_batches, sample_lengths
-from rl.padded_batch import pad_batch, unpad_tokens
+from rl.padded_batch import COLUMN_MULTIPLE, pad_batch, unpad_tokens
 from rl.packing import micro_batch, micro_batch_logprobs, use_varlen_attention
 from rl.precision import Precision, compile_layers, compile_setting, prepare_frozen
 
@@ -59,7 +59,7 @@ def add_logprobs(model, pad_id: int, items: list[dict], key: str, micro_batch_si
     padding ("reference/padding_frac", tokens processed and real)."""
     samples = [s for item in items for s in item["samples"]]
     device = next(model.parameters()).device
-    batch = pad_batch(samples, pad_id, token_keys=(), device=device)
+    batch = pad_batch(samples, pad_id, token_keys=(), device=device, multiple_of=COLUMN_MULTIPLE)
     lengths = sample_lengths(samples)
     logprobs = torch.zeros(batch["response_mask"].shape, dtype=torch.float64, device=device)
     processed = 0

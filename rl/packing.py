@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from rl.logprobs import token_logprobs
-from rl.padded_batch import pad_batch, sequence_logprobs
+from rl.padded_batch import aligned, pad_batch, sequence_logprobs
 from rl import varlen_attention
 
 VARLEN_KWARG_READERS = ("flash_attention_2", "flash_attention_3", varlen_attention.NAME)
@@ -152,11 +152,17 @@ def padded_columns(attention_mask: torch.Tensor, rows: list[int] | torch.Tensor)
     to their longest response's last. pad_batch puts every response at the same column P, so the
     rows' own padded batch is this column slice of the whole one (x[rows][:, cols]): a padded
     token-budget micro-batch costs rows x (its longest prompt + longest response), not the
-    minibatch's T. One read of the mask (a host sync)."""
+    minibatch's T. Its width is a multiple of COLUMN_MULTIPLE where the batch's is (pad_batch's is).
+    One read of the mask (a host sync)."""
     used = torch.nonzero(attention_mask[torch.as_tensor(rows, device=attention_mask.device)].sum(0) > 0)
+    total = attention_mask.shape[1]
     if len(used) == 0:
-        return slice(0, attention_mask.shape[1])
-    return slice(int(used[0]), int(used[-1]) + 1)
+        return slice(0, total)
+    start, stop = int(used[0]), int(used[-1]) + 1
+    # widened with padding columns to an aligned width (rl/padded_batch.COLUMN_MULTIPLE): right first, then left
+    extra = aligned(stop - start) - (stop - start)
+    right = min(extra, total - stop)
+    return slice(max(0, start - (extra - right)), stop + right)
 
 
 @dataclass

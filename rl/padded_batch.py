@@ -25,12 +25,27 @@ def mask_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+COLUMN_MULTIPLE = 8
+"""The model passes' padded widths are multiples of this (pad_batch(multiple_of=...) in the learner,
+reference and critic; rl/packing.padded_columns widens their micro-batches to it).
+Inductor specializes a compiled layer on whether the sequence length is a multiple of 8 (its
+alignment check): on one H200, SmolLM2's learner ran 62 GRPO steps at unaligned widths, then one
+aligned width recompiled its layers for 9-12 s of that step (bench/RESULTS.md, thirteenth session).
+One alignment for every width keeps one graph; tensor cores like the multiple too."""
+
+
+def aligned(width: int) -> int:
+    """The smallest multiple of COLUMN_MULTIPLE at or above width."""
+    return -(-width // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
+
+
 def pad_batch(samples: list[dict], pad_id: int, token_keys: tuple[str, ...] = ("logprobs",),
-              device: str | torch.device = "cpu") -> dict:
+              device: str | torch.device = "cpu", multiple_of: int = 1) -> dict:
     """Padded tensors for a list of samples (dicts with prompt_ids and response_ids).
 
     Layout: prompts LEFT-padded to the longest prompt P, responses RIGHT-padded to the longest
-    response R, so every response starts at column P and T = P + R. Returns
+    response R, so every response starts at column P, and T = P + R rounded up to a multiple of
+    `multiple_of` (extra right padding; the model passes' batches use COLUMN_MULTIPLE). Returns
       input_ids [B, T] long, attention_mask [B, T] long (1 = real token),
       response_mask [B, T] float (1 = response token), prompt_len P,
       and for each key in token_keys (per-response-token lists, e.g. behaviour "logprobs",
@@ -39,7 +54,7 @@ def pad_batch(samples: list[dict], pad_id: int, token_keys: tuple[str, ...] = ("
     num = len(samples)
     prompt_len = max(len(s["prompt_ids"]) for s in samples)
     response_len = max(len(s["response_ids"]) for s in samples)
-    total = prompt_len + response_len
+    total = -(-(prompt_len + response_len) // multiple_of) * multiple_of
     input_ids = torch.full((num, total), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((num, total), dtype=torch.long)
     response_mask = torch.zeros((num, total), dtype=torch.float32)

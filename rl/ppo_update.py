@@ -37,7 +37,7 @@ from rl.kl import kl_penalty, kl_shaped_rewards, sequence_kl
 from rl.losses import agg_row_weights, policy_loss, weighted_token_sum
 from rl.masked import masked_mean, masked_whiten
 from rl.microbatch import check_micro_batch_settings, padding_metrics, rank_micro_batches, sample_lengths
-from rl.padded_batch import pad_batch
+from rl.padded_batch import COLUMN_MULTIPLE, pad_batch
 from rl.packing import micro_batch, micro_batch_logprobs
 from rl.precision import autocast, compute_dtype
 from rl.shaping import overlong_penalty
@@ -203,7 +203,7 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
     kl_in_loss = c.kl.placement == "loss"
     per_token = stale and version is not None and all("token_versions" in s for s in samples)
     full = pad_batch(samples, pad_id, token_keys=_token_keys(c) + (("token_versions",) if per_token else ()),
-                     device=device)
+                     device=device, multiple_of=COLUMN_MULTIPLE)
     num = len(samples)
     # Micro-batches: rows (micro_batch_size) or a token budget (max_tokens_per_micro_batch), each
     # run packed or padded to its own rows' columns (rl/microbatch.py, rl/packing.py).

@@ -499,3 +499,35 @@ def test_stale_steps_weight_each_token_by_its_own_version(setup):
     assert old_stats["losses/is_weight"] == pytest.approx(per_sample_stats["losses/is_weight"], abs=1e-12)
     assert min((mixed - on_policy).abs().max(), (mixed - per_sample).abs().max()) > 1e-9
     assert mixed_stats["losses/is_weight"] != pytest.approx(old_stats["losses/is_weight"], abs=1e-9)
+
+
+@pytest.mark.parametrize("micro", [0, 5])
+def test_model_passes_run_at_aligned_widths(setup, micro):
+    # Inductor specializes a compiled layer on whether the width is a multiple of 8: on an H200 one
+    # aligned width after 62 unaligned steps recompiled the learner's layers for 9-12 s. The
+    # learner, reference and critic pad every pass to rl/padded_batch.COLUMN_MULTIPLE columns.
+    from nodes.critic import CriticConfig, advantages_for, critic_update
+    from rl.models import ValueModel
+    from rl.padded_batch import COLUMN_MULTIPLE
+
+    tok, model, samples = setup
+    assert any((len(s["prompt_ids"]) + len(s["response_ids"])) % COLUMN_MULTIPLE for s in samples)
+    widths = []
+
+    def record(m):
+        return m.get_input_embeddings().register_forward_hook(lambda mod, inp, out: widths.append(inp[0].shape[-1]))
+
+    m = fresh(model)
+    record(m)
+    cfg = LearnerConfig(minibatch_size=len(samples), micro_batch_size=micro)
+    ppo_update(m, torch.optim.SGD(m.parameters(), lr=0.0), with_advantages([dict(s) for s in samples], cfg), 0.0,
+               tok.pad_token_id, cfg, random.Random(0), stale=True)
+    add_logprobs(m, tok.pad_token_id, [{"samples": [dict(s) for s in samples]}], "ref", micro_batch_size=micro)
+    vm = ValueModel.from_policy(fresh(model))
+    record(vm.backbone)
+    ccfg = CriticConfig(epochs=1, minibatch_size=len(samples), micro_batch_size=micro)
+    items = [{"samples": [dict(s, token_rewards=[0.0] * len(s["response_ids"])) for s in samples]}]
+    advantages_for(vm, items, tok.pad_token_id, ccfg, "cpu")
+    critic_update(vm, torch.optim.SGD(vm.parameters(), lr=0.0), items[0]["samples"], tok.pad_token_id, ccfg,
+                  random.Random(0))
+    assert len(widths) >= 4 and all(w % COLUMN_MULTIPLE == 0 for w in widths), widths

@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from rl.microbatch import enable_gradient_checkpointing
 from rl.models import ValueModel
-from rl.padded_batch import pad_batch, sequence_logprobs, unpad_tokens
+from rl.padded_batch import COLUMN_MULTIPLE, aligned, pad_batch, sequence_logprobs, unpad_tokens
 from rl.packing import (
     micro_batch,
     micro_batch_logprobs,
@@ -171,10 +171,14 @@ def test_empty_prompt_is_an_error():
 
 def test_padded_columns_trim_a_micro_batch_to_its_own_rows():
     model = tiny_model("llama")
-    batch = pad_batch(random_samples(), 0, token_keys=())
+    batch = pad_batch(random_samples(), 0, token_keys=(), multiple_of=COLUMN_MULTIPLE)   # as the nodes' batches
     rows = [1, 3, 5]                                    # prompts 7, 4, 6; responses 1, 4, 3
     cols = padded_columns(batch["attention_mask"], rows)
-    assert cols.stop - cols.start == 7 + 4
+    # their 7 + 4 columns, widened with padding columns to an aligned width (one compiled graph)
+    assert batch["input_ids"].shape[1] % COLUMN_MULTIPLE == 0
+    assert cols.stop - cols.start == aligned(7 + 4) == 16
+    used = torch.nonzero(batch["attention_mask"][rows].sum(0)).squeeze(1)
+    assert cols.start <= used.min() and used.max() < cols.stop
     with torch.no_grad():
         full, _ = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["response_mask"])
         trimmed, _ = sequence_logprobs(model, *(batch[k][rows][:, cols] for k in
@@ -184,7 +188,7 @@ def test_padded_columns_trim_a_micro_batch_to_its_own_rows():
     mb = micro_batch(batch, rows, packing=False)                  # the same, as the nodes' micro-batch
     with torch.no_grad():
         lp, _ = micro_batch_logprobs(model, mb)
-    assert mb.input_ids.shape == (3, 11) and (mb.take(full) - lp).abs().max() < 1e-10
+    assert mb.input_ids.shape == (3, 16) and (mb.take(full) - lp).abs().max() < 1e-10
     back = mb.to_padded(lp)
     assert (back[rows] - full[rows]).abs().max() < 1e-10 and back[[0, 2, 4]].abs().sum() == 0
 
