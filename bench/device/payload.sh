@@ -15,6 +15,8 @@
 # checks the sha256s, installs into /tmp/site, converts SmolLM2 to /tmp/real/smollm2 and writes the
 # arithmetic task to /tmp/real/arithmetic. Later calls in the same lease just source setup.sh again.
 # On 2026-12-02 the eight calls took ~5 s each after a 97 s start; the install ~4 min (vLLM).
+# Then bench/device/calls.sh runs the real-model benches with one .tgz per run (the device tool
+# returns a limited number of files per call).
 set -euo pipefail
 VLLM=${VLLM:-1}
 TRL=${TRL:-0}

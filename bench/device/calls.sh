@@ -1,0 +1,46 @@
+# Sourced on the device machine after bench/device/setup.sh: one-line runs of the real-model benches
+# that bring back one .tgz per run. The device tool returns only a limited number of files per call
+# (2026-12-02: a real_variants run's five files were refused as "(count)"), and the 600 s call limit
+# once ran out while taring traces, so each run keeps only logs, metrics, curves and its gzip'd trace.
+#
+#   source bench/device/setup.sh && source bench/device/calls.sh
+#   rl grpo_async 300 --steps 100 --eval-every 10 --lr 5e-6 --trace --set max_staleness=1
+#   variants var_dr 250 --steps 40 --val-every 20 --budget-s 225 --variants dr_grpo --seeds 1
+#
+# Model and data: /tmp/real/smollm2 and /tmp/real/arithmetic (setup.sh). Runs write under /tmp/runs
+# (their checkpoints stay there); $OUT/<name>.tgz comes back.
+
+pack() {  # pack <name>: $OUT/<name>/ -> $OUT/<name>.tgz
+  (cd "$OUT" && tar -czf "$1.tgz" "$1" && rm -rf "$1")
+}
+
+rl() {  # rl <name> <timeout s> <bench/real_rl.py args...>
+  local name=$1 limit=$2; shift 2
+  local run=/tmp/runs/$name dest=$OUT/$name
+  mkdir -p "$dest"
+  echo "== $name $(date +%T) (call at ${SECONDS}s)"
+  timeout "$limit" python3 bench/real_rl.py --model /tmp/real/smollm2 --data /tmp/real/arithmetic --out "$run" "$@" \
+    > "$dest/log.txt" 2>&1
+  echo "   rc=$? $(date +%T)"; grep -h "accuracy\|start-up \|graph loaded" "$dest/log.txt" | cut -c1-160
+  cp "$run"/curve.json "$run"/curve.md "$run"/curve.png "$run"/actor_logs.tgz "$dest"/ 2>/dev/null
+  [ -f "$run/run/metrics.jsonl" ] && gzip -c "$run/run/metrics.jsonl" > "$dest/metrics.jsonl.gz"
+  [ -f "$run/trace.json" ] && timeout 40 gzip -1 -c "$run/trace.json" > "$dest/trace.json.gz"
+  pack "$name"
+}
+
+variants() {  # variants <name> <timeout s> <bench/real_variants.py args...>
+  local name=$1 limit=$2; shift 2
+  local run=/tmp/runs/$name dest=$OUT/$name
+  mkdir -p "$dest"
+  echo "== $name $(date +%T) (call at ${SECONDS}s)"
+  timeout "$limit" python3 bench/real_variants.py --model-dir /tmp/real/smollm2 --data /tmp/real/arithmetic \
+    --out "$run" "$@" > "$dest/stdout.txt" 2>&1
+  echo "   rc=$? $(date +%T)"; tail -8 "$dest/stdout.txt" | cut -c1-200
+  cp "$run"/results.json "$run"/table.md "$dest"/ 2>/dev/null
+  for d in "$run"/*/; do
+    local b; b=$(basename "$d")
+    cp "$d/log.txt" "$dest/$b.log" 2>/dev/null
+    [ -f "$d/run/metrics.jsonl" ] && gzip -c "$d/run/metrics.jsonl" > "$dest/${b}_metrics.jsonl.gz"
+  done
+  pack "$name"
+}
