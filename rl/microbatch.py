@@ -36,6 +36,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from rl.padded_batch import COLUMN_MULTIPLE, aligned
 from rl.precision import micro_slices
 
 Layout = Literal["packed", "padded"]
@@ -80,14 +81,16 @@ def karmarkar_karp(weights: Sequence[float], num_parts: int, equal_size: bool = 
     return [sorted(items) for _, items in heap[0][2]]
 
 
-def micro_batch_cost(lengths: Sequence[tuple[int, int]], rows: Sequence[int], layout: Layout = "packed") -> int:
-    """Tokens a forward pass over `rows` processes in `layout` (module docstring)."""
+def micro_batch_cost(lengths: Sequence[tuple[int, int]], rows: Sequence[int], layout: Layout = "packed",
+                     multiple: int = 1) -> int:
+    """Tokens a forward pass over `rows` processes in `layout` (module docstring); padded, at a width
+    rounded up to `multiple` (the nodes' passes: rl/padded_batch.COLUMN_MULTIPLE)."""
     if not rows:
         return 0
     if layout == "packed":
         return sum(lengths[i][0] + lengths[i][1] for i in rows)
     if layout == "padded":
-        return len(rows) * (max(lengths[i][0] for i in rows) + max(lengths[i][1] for i in rows))
+        return len(rows) * aligned(max(lengths[i][0] for i in rows) + max(lengths[i][1] for i in rows), multiple)
     raise ValueError(f"layout={layout!r}; use 'packed' or 'padded'")
 
 
@@ -107,8 +110,9 @@ def token_budget_micro_batches(lengths: Sequence[tuple[int, int]], max_tokens: i
     packed: Karmarkar-Karp into ceil(total / max_tokens) parts of near-equal tokens, one part more
     until every part fits (at worst one row each: each row fits, see below).
     padded: longest first, a row joins the current micro-batch while rows x (longest prompt +
-    longest response) fits (verl's get_truncate_padding_micro_batches), so rows of similar length
-    share a micro-batch and padding stays small.
+    longest response), widened to an aligned width, fits (verl's get_truncate_padding_micro_batches),
+    so rows of similar length share a micro-batch and padding stays small. A row alone may exceed the
+    budget by its alignment (fewer than COLUMN_MULTIPLE tokens).
     Raises ValueError naming `setting` when a row alone exceeds max_tokens (module docstring)."""
     _check_fits(lengths, max_tokens, setting)
     if not lengths:
@@ -125,7 +129,7 @@ def token_budget_micro_batches(lengths: Sequence[tuple[int, int]], max_tokens: i
         raise ValueError(f"layout={layout!r}; use 'packed' or 'padded'")
     parts, current = [], []
     for i in sorted(range(len(lengths)), key=lambda i: (-sum(lengths[i]), i)):
-        if current and micro_batch_cost(lengths, current + [i], "padded") > max_tokens:
+        if current and micro_batch_cost(lengths, current + [i], "padded", COLUMN_MULTIPLE) > max_tokens:
             parts.append(sorted(current))
             current = []
         current.append(i)

@@ -34,9 +34,9 @@ aligned width recompiled its layers for 9-12 s of that step (bench/RESULTS.md, t
 One alignment for every width keeps one graph; tensor cores like the multiple too."""
 
 
-def aligned(width: int) -> int:
-    """The smallest multiple of COLUMN_MULTIPLE at or above width."""
-    return -(-width // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
+def aligned(width: int, multiple: int = COLUMN_MULTIPLE) -> int:
+    """The smallest multiple of `multiple` at or above width."""
+    return -(-width // multiple) * multiple
 
 
 def pad_batch(samples: list[dict], pad_id: int, token_keys: tuple[str, ...] = ("logprobs",),
@@ -54,7 +54,7 @@ def pad_batch(samples: list[dict], pad_id: int, token_keys: tuple[str, ...] = ("
     num = len(samples)
     prompt_len = max(len(s["prompt_ids"]) for s in samples)
     response_len = max(len(s["response_ids"]) for s in samples)
-    total = -(-(prompt_len + response_len) // multiple_of) * multiple_of
+    total = aligned(prompt_len + response_len, multiple_of)
     input_ids = torch.full((num, total), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((num, total), dtype=torch.long)
     response_mask = torch.zeros((num, total), dtype=torch.float32)

@@ -203,3 +203,16 @@ def test_padding_stats():
     assert padding_stats([], "packed")["perf/padding_frac"] == 0.0
     # micro-batches sliced out of one [B, T = 9] minibatch batch: 3 rows x 9 columns processed
     assert padding_stats(mbs, "padded", width=9)["perf/padding_frac"] == 1 - 12 / 27
+
+
+def test_padded_budget_counts_the_aligned_width():
+    # the nodes' padded passes run at widths rounded up to COLUMN_MULTIPLE (rl/packing.padded_columns):
+    # two rows of 5 tokens fit a budget of 10 unaligned, but run as 2 x 8 = 16 tokens
+    from rl.padded_batch import COLUMN_MULTIPLE
+    from rl.microbatch import token_budget_micro_batches
+
+    lengths = [(3, 2), (3, 2)]
+    assert micro_batch_cost(lengths, [0, 1], "padded") == 10
+    assert micro_batch_cost(lengths, [0, 1], "padded", COLUMN_MULTIPLE) == 16
+    assert token_budget_micro_batches(lengths, 10, "padded") == [[0], [1]]
+    assert token_budget_micro_batches(lengths, 16, "padded") == [[0, 1]]
