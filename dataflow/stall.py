@@ -54,6 +54,9 @@ STALL_FACTOR = 5.0      # default stall timeout: this many times the slowest ste
 DEADLOCK_S = 20.0       # every node waiting, nothing moving, for this long: a deadlock
 SNAPSHOT_EVERY_S = 5.0  # how often the driver asks the hosts what they wait for
 ANSWER_TIMEOUT_S = 5.0  # a host that does not answer wait_state() within this is "not answering"
+STACKS_TIMEOUT_S = 10.0  # thread_stacks() answers on a thread of its own, even from a blocked host:
+#                         longer, since only a C call holding the GIL keeps it from answering (a
+#                         loaded 2-core CI machine once took over 2 s to answer a spinning node)
 
 
 class RunStalled(Exception):
@@ -344,12 +347,12 @@ async def snapshot(hosts: dict, running: set[str]) -> dict[str, dict | None]:
 
 
 async def gather_stacks(hosts: dict, running: set[str]) -> dict[str, list | None]:
-    """Every running replica's thread_stacks() (None: no answer within ANSWER_TIMEOUT_S, e.g. a C
+    """Every running replica's thread_stacks() (None: no answer within STACKS_TIMEOUT_S, e.g. a C
     call that never releases the GIL), asked in the host's own concurrency group."""
     asking = {n: h.thread_stacks.options(concurrency_group=thread_stacks.GROUP).remote()
               for n, h in hosts.items() if n in running}
     try:
-        replies = await wait_within(gather_named(asking), ANSWER_TIMEOUT_S)
+        replies = await wait_within(gather_named(asking), STACKS_TIMEOUT_S)
     except asyncio.TimeoutError:
         replies = {}
         for name, ref in asking.items():

@@ -154,9 +154,10 @@ def test_a_node_that_never_sends_stops_the_run_naming_it(capsys, ray_instance, t
 
 def test_a_node_blocking_its_event_loop_is_named_and_does_not_freeze_the_driver(capsys, ray_instance, tmp_path,
                                                                                 monkeypatch):
-    # The blocked host never answers: the snapshot waits out ANSWER_TIMEOUT_S (5 s) for nothing,
+    # The blocked host never answers wait_state: the snapshot waits out ANSWER_TIMEOUT_S (5 s) for nothing,
     # and the stop waits out STOP_GRACE_S (5 s) before killing it. 2 s and 1 s still leave the
-    # sink, which does answer and stop, ample time on a loaded machine.
+    # sink, which does answer and stop, ample time on a loaded machine. Its stacks answer on a
+    # thread of their own within STACKS_TIMEOUT_S (10 s, left as it is: 2 s once ran out in CI).
     from dataflow import launch
 
     monkeypatch.setattr(stall, "ANSWER_TIMEOUT_S", 2.0)
