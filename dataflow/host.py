@@ -7,7 +7,8 @@ Lifecycle, driven by the runtime (dataflow/runtime.py):
                   with the node name, traceback and the item being processed).
   4. poll()       called by the driver every ~0.5 s: events (logs, step metrics), trace data,
                   channel statistics. wait_state(): what the replica waits for right now (the
-                  driver's stall diagnosis, dataflow/stall.py); thread_stacks(): where in the code.
+                  driver's stall diagnosis, dataflow/stall.py). Where in the code: the host's
+                  StackServer answers the driver outside Ray (dataflow/stacks.py).
   5. stop()       cancels run(); every blocking wait in channels is cancellable.
 Checkpoints: checkpoint() from the node, save_state / write_done / load_state from the driver
 (dataflow/host_checkpoint.py). Between actors: channel_take / channel_receiver_closed (channel
@@ -107,7 +108,8 @@ class NodeHost(CheckpointCalls):
         self._version_waits: dict[int, tuple[str, int, str, int]] = {}
         self._publishing: tuple[str, int, str, int] | None = None
         self._phase = "created"  # created -> setup -> running -> finished
-        self._loop_thread: int | None = None  # the event loop's thread, for thread_stacks()
+        self._loop_thread: int | None = None  # the event loop's thread, for the stack server
+        self.stack_server = stacks.StackServer(_node_ip(), self._thread_stacks)
 
     # ---- set-up -----------------------------------------------------------------------------
     async def connect(self, wiring: dict) -> dict:
@@ -147,14 +149,14 @@ class NodeHost(CheckpointCalls):
         except Exception as e:
             return self._failure(e, phase="setup")
         return {"status": "ready", "device": self.device, "pid": os.getpid(),
-                "setup_s": round(time.perf_counter() - t, 3)}
+                "stacks": self.stack_server.address, "setup_s": round(time.perf_counter() - t, 3)}
 
     # ---- running ----------------------------------------------------------------------------
     async def run(self) -> dict:
         self._run_task = asyncio.current_task()
         self._phase = "running"
         try:
-            self._node_run = self.node.run()  # its await chain: where a waiting node waits (thread_stacks)
+            self._node_run = self.node.run()  # its await chain: where a waiting node waits (_thread_stacks)
             reason = await self._node_run
             # A node may say why it ended (the prompt source: its data ran out); the driver tells
             # the user when the run ends before its max steps.
@@ -245,10 +247,10 @@ class NodeHost(CheckpointCalls):
                 "publishing": self._publishing, "channels": channel_stats,
                 "latest": {edge: version for edge, (version, _) in self._versions.items()}}
 
-    async def thread_stacks(self) -> list[dict]:
-        """Where this process's threads are in the code (dataflow/stacks.py). Called in the
-        stacks.GROUP concurrency group, on a thread of its own: it answers while the node blocks the loop."""
-        return stacks.capture(skip_ident=threading.get_ident(), loop_ident=self._loop_thread,
+    def _thread_stacks(self, skip_ident: int) -> list[dict]:
+        """Where this process's threads are in the code (dataflow/stacks.py), but the stack
+        server's own (`skip_ident`), which calls this: it answers while the node blocks the loop."""
+        return stacks.capture(skip_ident=skip_ident, loop_ident=self._loop_thread,
                               coro=getattr(self, "_node_run", None))
 
     def _report_peak_memory(self) -> None:
@@ -372,3 +374,9 @@ class NodeHost(CheckpointCalls):
             self._version_waits.pop(key, None)
         return self.latest_version(edge)
 
+
+def _node_ip() -> str:
+    """This machine's address in the Ray cluster: where the driver reaches the stack server."""
+    import ray
+
+    return ray.util.get_node_ip_address()

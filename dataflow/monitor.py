@@ -63,6 +63,7 @@ class Monitor:
         self.last_checkpoint: Path | None = resume
         self.restarts: dict[str, int] = {}
         self.pids: dict[str, int] = {}
+        self.stack_servers: dict[str, list] = {}  # replica -> its StackServer's address (dataflow/stacks.py)
         self.acked: dict[str, tuple[int, int]] = {}  # replica -> (pid, seq) of the last event handled
         self.trace = TraceCollector(enabled=options.trace_path is not None)
         # Run-level counters (queue depths, staleness) live on a driver track of the same trace.
@@ -89,13 +90,15 @@ class Monitor:
             (run_dir / "config.json").write_text(json.dumps(self.settings, indent=1))
         self.loggers = RunLoggers(run_dir, graph.loggers, self.settings, graph.name, resume is not None)  # dataflow/loggers.py
 
-    def processes(self, pids: dict) -> None:
+    def processes(self, pids: dict, stack_servers: dict) -> None:
         """Which process hosts which replica: <run>/processes.json (for kill tests and operators)."""
         self.pids.update(pids)
+        self.stack_servers.update(stack_servers)
         (self.run_dir / "processes.json").write_text(json.dumps(self.pids, indent=1))
 
-    def restarted(self, name: str, pid: int, state_dir: Path | None) -> None:
-        self.processes({name: pid})
+    def restarted(self, name: str, setup: dict, state_dir: Path | None) -> None:
+        """`setup`: its host's connect() reply, from its new process."""
+        self.processes({name: setup["pid"]}, {name: setup["stacks"]})
         record = {"time_s": round(time.time() - (self.t_running or self.t_start), 3), "node": "driver",
                   "restarted": name, "state_from": str(state_dir) if state_dir else None,
                   "restarts/total": sum(self.restarts.values()),

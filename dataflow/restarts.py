@@ -67,7 +67,7 @@ async def restart(graph: Graph, hosts: dict, name: str, monitor: Monitor) -> asy
                         for p in graph.producers(ch.name)})
     run = asyncio.ensure_future(awaitable(host.run.remote()))
     await gather_named({other: h.peer_restarted.remote(name) for other, h in hosts.items() if other != name})
-    monitor.restarted(name, reply["pid"], state_dir)
+    monitor.restarted(name, reply, state_dir)
     return run
 
 

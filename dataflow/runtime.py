@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dataflow import checkpoint, placement, snapshots, stacks
+from dataflow import checkpoint, placement, snapshots
 from dataflow.checkpointer import Checkpointer
 from dataflow.errors import NodeFailed, UserError
 from dataflow.failures import (awaitable, death_summary, discard, failed, gather_named, gather_setups,
@@ -76,7 +76,7 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
     started_ray = await start_ray(graph, options)
     monitor = Monitor(graph, run_dir, options, config, resume, resume_step)
     monitor.ray_s = monitor.t_start - t_ray
-    stall = StallWatch(graph, run_dir)
+    stall = StallWatch(graph, run_dir, monitor.stack_servers)
     hosts: dict[str, Any] = {}
     running: dict[asyncio.Future, str] = {}  # run() calls in flight -> replica name
     checkpoints = Checkpointer(graph, hosts, monitor)
@@ -86,7 +86,7 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
         #    placement group per pool (and one for the nodes without a pool), each actor in its bundle.
         plan = placement.plan(graph, placement.cluster_gpus())
         pgs = await placement.create_groups(plan)
-        actor_cls = ray.remote(concurrency_groups=stacks.CONCURRENCY_GROUPS)(NodeHost)
+        actor_cls = ray.remote(NodeHost)
         for replica_name, slot in plan.slots.items():
             spec = graph.nodes[slot.node]
             host_spec = HostSpec(node=spec.name, replica=spec.replica_names().index(replica_name),
@@ -110,7 +110,7 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
         setups = await gather_setups({n: h.connect.remote(wiring(graph, n, hosts)) for n, h in hosts.items()})
         for name, result in setups.items():
             raise_if_failed(name, result)
-        monitor.processes({n: r["pid"] for n, r in setups.items()})
+        monitor.processes({n: r["pid"] for n, r in setups.items()}, {n: r["stacks"] for n, r in setups.items()})
         monitor.mark("setup", {n: r.get("setup_s", 0.0) for n, r in setups.items()})
         if resume is not None:  # every replica's state, before any node runs
             await _load_states(hosts, resume, resume_step)

@@ -2,10 +2,14 @@
 (dataflow/stall.py). "busy in 'train' for 190 s" says which node; the stack says where (a compile,
 a kernel launch, a lock, a loop).
 
-The host (dataflow/host.py, NodeHost.thread_stacks) captures them from a thread of its own (a Ray
-concurrency group), so a node whose event loop is blocked still answers. The driver prints a short
-form under the root replicas (short_lines) and writes every replica's full stacks to
-<run>/stall-<n>.txt (write_file). No Ray import here.
+Each host (dataflow/host.py) runs a StackServer: a daemon thread of its own that answers the
+driver on a TCP socket of its own (ask()), outside Ray. A Ray call would not do: Ray hands every
+call to an actor through one dispatch thread, and when a node blocks its event loop just as
+another call of the actor completes, that thread blocks too (Ray's fiber waits on a future the
+blocked loop would set), so even a call in a concurrency group of its own never arrives
+(tests/test_stall.py's blocked-loop test, a third of its runs on a loaded machine). The driver
+prints a short form under the root replicas (short_lines) and writes every replica's full stacks
+to <run>/stall-<n>.txt (write_file). No Ray import here.
 
 A thread counts as running node code when it has a frame outside the standard library and Ray's
 package (the project's and the user's code, torch, ...), unless that frame is a library's and the
@@ -16,17 +20,17 @@ node thread waiting on a lock in the node's own code is kept: that lock is the a
 
 from __future__ import annotations
 
+import asyncio
+import hmac
+import json
 import os
+import secrets
+import socket
 import sys
 import sysconfig
 import threading
 from pathlib import Path
-
-# Ray runs an async actor's methods of a concurrency group on that group's own event loop thread:
-# NodeHost.thread_stacks is called in this one, so it answers while the node blocks the default
-# loop (time.sleep, a synchronous compile). The runtime declares it: ray.remote(concurrency_groups=...).
-GROUP = "stacks"
-CONCURRENCY_GROUPS = {GROUP: 1}
+from typing import Callable
 
 MAX_FRAMES = 100    # frames kept per thread (innermost), for the file; deep recursion stays readable
 SHORT_LINES = 8     # lines per thread in the report's short form
@@ -106,6 +110,43 @@ def _await_chain(coro) -> list[list]:
         frames.append(frame_of(_path(frame.f_code.co_filename), frame.f_lineno, frame.f_code.co_name))
         coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
     return frames[::-1]
+
+
+class StackServer:
+    """Answers ask() with capture()'s threads, from a daemon thread listening on `host`. Each
+    request must bring the server's token (a random secret the driver learns through Ray)."""
+
+    def __init__(self, host: str, threads: Callable[[int], list[dict]]):
+        self._threads = threads  # threads(skip_ident) -> capture(...) of the host's process
+        self._socket = socket.create_server((host, 0))
+        self.token = secrets.token_hex(16)
+        self.address = (host, self._socket.getsockname()[1], self.token)
+        threading.Thread(target=self._serve, name="dataflow stack server", daemon=True).start()
+
+    def _serve(self) -> None:
+        me = threading.get_ident()
+        while True:
+            conn, _ = self._socket.accept()
+            with conn:
+                try:
+                    conn.settimeout(5.0)
+                    got = conn.makefile("rb").readline(200).strip().decode(errors="replace")
+                    if hmac.compare_digest(got, self.token):
+                        conn.sendall(json.dumps(self._threads(me)).encode())
+                except OSError:  # the driver gave up (timed out): the next request is answered
+                    pass
+
+
+async def ask(address: tuple | list) -> list[dict]:
+    """A StackServer's threads (its `address`: host, port, token)."""
+    host, port, token = address
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(token.encode() + b"\n")
+        await writer.drain()
+        return json.loads(await reader.read())
+    finally:
+        writer.close()
 
 
 def short_lines(thread: dict) -> list[str]:

@@ -21,8 +21,8 @@ publisher of the version it waits for, the subscriber whose ack it waits for. A 
 not wait (busy, running code of its own, not answering, finished) points nowhere.
 
 Where the roots are in their code: with each report the driver asks every running replica for its
-threads' Python stacks (NodeHost.thread_stacks, answered on a thread of its own, so a node that
-blocks its event loop answers too; dataflow/stacks.py). The report shows the roots' stacks in a
+threads' Python stacks (each host's StackServer, on a thread and a socket of its own outside Ray,
+so a node that blocks its event loop answers too; dataflow/stacks.py). The report shows the roots' stacks in a
 few lines each, and <run>/stall-<n>.txt holds every replica's in full.
 
 An early look (Graph.stall_warn_s, default 120 s): a quiet spell longer than that, and than
@@ -54,7 +54,7 @@ STALL_FACTOR = 5.0      # default stall timeout: this many times the slowest ste
 DEADLOCK_S = 20.0       # every node waiting, nothing moving, for this long: a deadlock
 SNAPSHOT_EVERY_S = 5.0  # how often the driver asks the hosts what they wait for
 ANSWER_TIMEOUT_S = 5.0  # a host that does not answer wait_state() within this is "not answering"
-STACKS_TIMEOUT_S = 10.0  # thread_stacks() answers on a thread of its own, even from a blocked host:
+STACKS_TIMEOUT_S = 10.0  # a stack server answers on a thread of its own, even from a blocked host:
 #                         longer, since only a C call holding the GIL keeps it from answering (a
 #                         loaded 2-core CI machine once took over 2 s to answer a spinning node)
 
@@ -205,7 +205,7 @@ def _strongly_connected(waits: dict[str, Wait]) -> list[list[str]]:
 def report(waits: dict[str, Wait], roots: list[str], cycle: list[str], headline: str,
            stacks: dict[str, list | None] | None = None, stacks_file: str | None = None) -> str:
     """The lines the user sees: the headline, each replica and what it waits for, the root, and
-    under each root where its code is (`stacks`: replica -> NodeHost.thread_stacks(), None: no answer)."""
+    under each root where its code is (`stacks`: replica -> its threads (stacks.capture), None: no answer)."""
     width = max(len(r) for r in waits)
     lines = [headline]
     for r, w in waits.items():
@@ -230,9 +230,11 @@ def root_summary(waits: dict[str, Wait], roots: list[str], cycle: list[str]) -> 
 class StallWatch:
     """The driver's stall timer and deadlock detector (see the module docstring)."""
 
-    def __init__(self, graph: Graph, run_dir: str | Path | None = None):
+    def __init__(self, graph: Graph, run_dir: str | Path | None = None, stack_servers: dict | None = None):
         self.graph = graph
         self.run_dir = Path(run_dir) if run_dir is not None else None  # where stall-<n>.txt go
+        # replica -> its host's StackServer address; the runtime's dict, kept current across restarts
+        self.stack_servers = stack_servers if stack_servers is not None else {}
         self.reports = 0
         self.looked_early = False  # the stall_warn_s report of this quiet spell is out
         self.t_last_step = time.monotonic()
@@ -315,7 +317,7 @@ class StallWatch:
                       headline: str) -> tuple[str, list[str], str]:
         """(report text, roots, root summary), every replica's stacks written to stall-<n>.txt."""
         roots, cycle = roots_of(waits)
-        stacks = await gather_stacks(hosts, running)
+        stacks = await gather_stacks({n: self.stack_servers.get(n) for n in hosts if n in running})
         self.reports += 1
         path = self.run_dir / f"stall-{self.reports}.txt" if self.run_dir is not None else None
         text = report(waits, roots, cycle, headline, stacks, str(path) if path else None)
@@ -346,20 +348,17 @@ async def snapshot(hosts: dict, running: set[str]) -> dict[str, dict | None]:
     return {n: states[n] for n in hosts}
 
 
-async def gather_stacks(hosts: dict, running: set[str]) -> dict[str, list | None]:
-    """Every running replica's thread_stacks() (None: no answer within STACKS_TIMEOUT_S, e.g. a C
-    call that never releases the GIL), asked in the host's own concurrency group."""
-    asking = {n: h.thread_stacks.options(concurrency_group=thread_stacks.GROUP).remote()
-              for n, h in hosts.items() if n in running}
-    try:
-        replies = await wait_within(gather_named(asking), STACKS_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        replies = {}
-        for name, ref in asking.items():
-            try:
-                replies[name] = await wait_within(ref, 0.1)
-            except Exception:  # noqa: BLE001 - not answering, or dead
-                replies[name] = None
+async def gather_stacks(servers: dict[str, tuple | None]) -> dict[str, list | None]:
+    """Every running replica's threads from its stack server (None: no answer within
+    STACKS_TIMEOUT_S, e.g. a C call that never releases the GIL)."""
+    async def one(address):
+        if address is None:
+            return None
+        try:
+            return await wait_within(thread_stacks.ask(address), STACKS_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - not answering, or gone
+            return None
+    replies = await gather_named({n: one(a) for n, a in servers.items()})
     return {n: (r if isinstance(r, list) else None) for n, r in replies.items()}
 
 
