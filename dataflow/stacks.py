@@ -188,7 +188,8 @@ def short_lines(thread: dict) -> list[str]:
 def replica_lines(stacks: list[dict] | None) -> list[str]:
     """The short form of a replica's node-code threads, for under its line in the report."""
     if stacks is None:
-        return ["(no stacks: the process did not answer, e.g. a C call that holds the GIL)"]
+        return ["(no stacks: the process did not answer, e.g. a C call that holds the GIL, or the driver "
+                "cannot reach its stack server's port)"]
     busy = [t for t in stacks if t["node_code"]]
     if not busy:
         return ["(no thread runs node code: it waits in Ray or the standard library)"]
