@@ -34,6 +34,7 @@ from dataflow.host_checkpoint import CheckpointCalls
 from dataflow.node import NodeContext
 from dataflow.trace.kernels import KernelRecorder
 from dataflow.trace.tracer import Tracer
+from dataflow.failures import wait_within
 
 
 @dataclass
@@ -318,7 +319,7 @@ class NodeHost(CheckpointCalls):
             for sub_name, handle in self._subscribers.get(edge, []):
                 self._publishing = (edge, version, sub_name, self.tracer.now_us())
                 try:
-                    await asyncio.wait_for(handle.on_publish.remote(edge, version, [ref]),
+                    await wait_within(handle.on_publish.remote(edge, version, [ref]),
                                            self._publish_timeout[edge])
                 except asyncio.TimeoutError:
                     raise RuntimeError(f"publishing '{edge}' v{version} from {self.name} to {sub_name}: "

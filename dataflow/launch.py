@@ -20,6 +20,7 @@ from dataflow.errors import UserError
 from dataflow.graph import Graph
 from dataflow.loading import PROJECT_ROOT
 from dataflow.trace.collector import measure_clock_offset
+from dataflow.failures import wait_within
 
 if TYPE_CHECKING:
     from dataflow.runtime import RunOptions
@@ -83,7 +84,7 @@ async def probe_address(address: str, where: str = "--address") -> None:
     advice = ("start the cluster there (`ray start --head --port=PORT`), or pass the address its head "
               "printed; without --address a local Ray is started")
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(*target), PROBE_TIMEOUT_S)
+        _, writer = await wait_within(asyncio.open_connection(*target), PROBE_TIMEOUT_S)
     except asyncio.TimeoutError:
         raise UserError(f"{where} {address}: no answer within {PROBE_TIMEOUT_S:g} s; {advice}") from None
     except OSError as e:
@@ -108,7 +109,7 @@ async def join_in_thread(address: str, kwargs: dict, where: str = "--address") -
 
     threading.Thread(target=join, name="ray.init", daemon=True).start()
     try:
-        await asyncio.wait_for(asyncio.shield(done), JOIN_TIMEOUT_S)
+        await wait_within(asyncio.shield(done), JOIN_TIMEOUT_S)
     except asyncio.TimeoutError:
         raise UserError(f"{where} {address}: something answers there, but joining it as a Ray cluster did "
                         f"not complete within {JOIN_TIMEOUT_S:g} s (is it a Ray head's GCS port, of the same "

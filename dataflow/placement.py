@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 from dataflow.errors import GraphError, UserError
+from dataflow.failures import wait_within
 
 NO_POOL = "no pool"
 STRATEGIES = ("STRICT_PACK", "PACK")
@@ -277,7 +278,7 @@ async def create_groups(result: Plan, timeout_s: float = 60.0) -> dict:
             pgs[name] = placement_group(g.bundles, strategy=g.strategy)
         for name, pg in pgs.items():  # one deadline for all: they are placed concurrently
             try:
-                await asyncio.wait_for(pg.ready(), timeout=max(0.1, deadline - time.monotonic()))
+                await wait_within(pg.ready(), max(0.1, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 g = result.groups[name]
                 what = (f"pool '{name}' ({g.where}): {g.strategy} bundles {g.bundles}" if name != NO_POOL

@@ -29,6 +29,7 @@ import socket
 import sys
 import sysconfig
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -126,15 +127,14 @@ class StackServer:
     def _serve(self) -> None:
         me = threading.get_ident()
         while True:
-            conn, _ = self._socket.accept()
-            with conn:
-                try:
+            try:
+                conn, _ = self._socket.accept()
+                with conn, conn.makefile("rb") as request:
                     conn.settimeout(5.0)
-                    got = conn.makefile("rb").readline(200).strip().decode(errors="replace")
-                    if hmac.compare_digest(got, self.token):
+                    if hmac.compare_digest(request.readline(200).strip(), self.token.encode()):
                         conn.sendall(json.dumps(self._threads(me)).encode())
-                except OSError:  # the driver gave up (timed out): the next request is answered
-                    pass
+            except Exception:  # noqa: BLE001 - the driver gave up, no file handles left, ...: the
+                time.sleep(0.1)    # driver reports "no stacks"; this thread must live to answer the next
 
 
 async def ask(address: tuple | list) -> list[dict]:

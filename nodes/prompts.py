@@ -54,6 +54,7 @@ import numpy as np
 from dataflow import Node, UserError
 from nodes.evaluator import VALIDATED, ValidationConfig
 from dataflow.checks import AtLeast, ExistingPath, NonNegative, OneOf
+from dataflow.failures import wait_within
 from rl import data, policy
 from rl.tasks import DEFAULT_NUM_DIGITS, DEFAULT_TASK, TASK_NAMES, make_task
 
@@ -206,7 +207,7 @@ class PromptSource(Node):
     async def _wait_for_evaluator(self) -> None:
         timeout = self.config.val.start_timeout_s
         try:
-            await asyncio.wait_for(self.ctx.wait_version(VALIDATED, 0, why="the evaluator to start"), timeout)
+            await wait_within(self.ctx.wait_version(VALIDATED, 0, why="the evaluator to start"), timeout)
         except asyncio.TimeoutError:
             raise UserError(f"val.path={self.config.val.path} is set, but no evaluator said it is up within "
                             f"{timeout:g} s: the graph needs an Evaluator node (nodes/evaluator.py) fed by the "
@@ -288,7 +289,7 @@ class PromptSource(Node):
         found no data for (the learner cannot go past that one)."""
         while (goal := min(batches, self.starved)) > self.ctx.latest_version("policy"):
             try:
-                await asyncio.wait_for(self.ctx.wait_version("policy", goal, why=why), timeout=1.0)
+                await wait_within(self.ctx.wait_version("policy", goal, why=why), 1.0)
             except asyncio.TimeoutError:
                 pass  # look at self.starved again
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rl.rewards import BATCHED, BadResult, RewardFn
+from dataflow.failures import wait_within
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class RewardRunner:
             done = asyncio.run_coroutine_threadsafe(self._bounded(fn(*args, **kwargs)), self._async_loop())
             try:
                 limit = None if self.timeout_s is None else self.timeout_s + ASYNC_GRACE_S
-                return await asyncio.wait_for(asyncio.wrap_future(done), limit)
+                return await wait_within(asyncio.wrap_future(done), limit)
             except asyncio.TimeoutError:             # its loop is blocked: abandon it
                 done.cancel()
                 raise RewardTimeout(f"timed out after {self.timeout_s:g}s (its event loop is blocked)") from None
@@ -152,7 +153,7 @@ class RewardRunner:
         thread = threading.Thread(target=target, daemon=True, name=f"reward-{self.reward.name}")
         thread.start()
         try:
-            return await asyncio.wait_for(asyncio.shield(result), self.timeout_s)
+            return await wait_within(asyncio.shield(result), self.timeout_s)
         except asyncio.TimeoutError:
             self._abandoned.append(thread)
             # Retrieve its late error, if any, so asyncio does not log "exception never retrieved".

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dataflow.errors import UserError
+from dataflow.failures import wait_within
 
 if TYPE_CHECKING:
     from dataflow.weights.sync import GeneratorWeightSync, WeightSyncConfig
@@ -252,7 +253,7 @@ class IpcReceiver:
         """Wait (up to timeout_s) until staging holds a version >= target, copy it into the model
         (between serving() blocks: nothing generates); returns that version."""
         try:
-            await asyncio.wait_for(self._wait_staged(target), self.config.timeout_s)
+            await wait_within(self._wait_staged(target), self.config.timeout_s)
         except asyncio.TimeoutError:
             raise RuntimeError(f"{self.ctx.full_name}: weights v{target} not staged from the learner's CUDA "
                                f"IPC buffer within {self.config.timeout_s:g} s (serving v{current}, "

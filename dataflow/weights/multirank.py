@@ -40,6 +40,7 @@ import torch.distributed as dist
 from dataflow.errors import UserError
 from dataflow.weights.layout import ParallelLayout, apply_training_layout, build_mesh
 from dataflow.weights.rendezvous import device_info, free_port, tcp_store
+from dataflow.failures import wait_within
 
 RANKS_EDGE = "ranks"
 """Versioned edge (the learner -> itself) carrying its replica 0's rendezvous address."""
@@ -65,7 +66,7 @@ async def join(ctx, layout: ParallelLayout, timeout_s: float = 600.0,
         await ctx.publish(edge, {"host": host, "port": port}, version=0)
     else:
         try:
-            await asyncio.wait_for(ctx.wait_version(edge, 0), timeout_s)
+            await wait_within(ctx.wait_version(edge, 0), timeout_s)
         except asyncio.TimeoutError:
             raise RuntimeError(f"{me}: no rendezvous address from {ctx.name}[0] on edge '{edge}' "
                                f"within {timeout_s:g} s (is g.versioned('{edge}', src='{ctx.name}', "

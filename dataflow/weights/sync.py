@@ -73,6 +73,7 @@ from dataflow.errors import UserError
 from dataflow.weights import ipc as cuda_ipc
 from dataflow.weights.edges import SYNC_EDGE
 from dataflow.weights.rendezvous import device_info, free_port, tcp_store
+from dataflow.failures import wait_within
 
 
 @dataclass(kw_only=True)
@@ -281,7 +282,7 @@ class GeneratorWeightSync:
 
         c, me = self.config, self.ctx.full_name
         try:
-            await asyncio.wait_for(self.ctx.wait_version(SYNC_EDGE, 0), c.rendezvous_timeout_s)
+            await wait_within(self.ctx.wait_version(SYNC_EDGE, 0), c.rendezvous_timeout_s)
         except asyncio.TimeoutError:
             raise WeightPushError(f"{me}: no weight push address from the learner on '{SYNC_EDGE}' "
                                   f"within {c.rendezvous_timeout_s:g} s") from None
