@@ -263,16 +263,19 @@ def test_prompts_are_reissued_after_a_jsonl_dataset_is_exhausted(ray_instance, t
     (max_staleness=2) into channels that hold them all: the source has sent its last prompt within
     a second, and the generator (one prompt per call) still holds most of them when it is killed
     after step 1. The source is still up to re-issue them, so all 3 batches train, each prompt once
-    (before the fix: the source had returned, and the run ended after step 1)."""
+    (before the fix: the source had returned, and the run ended after step 1). The model and the
+    response cap make a prompt cost the generator ~75 ms here, so batches 2 and 3 need ~2.4 s, past
+    the ~1 s the kill takes to follow step 1: with a 1-layer model and 12 tokens the generator
+    once finished all three before it (CI, 2026-12-02), and the run ended with nothing to restart."""
     rows = [{"prompt": f"copy {i // 10} {i % 10} :", "answer": f"{i // 10} {i % 10}"} for i in range(48)]
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "reward.py").write_text("def reward(prompt, response, answer):\n"
                                         "    return float(response.split() == answer.split())\n")
     graph, config = load_graph(str(ROOT / "graphs/ppo.py"), [
         f"prompts.path={tmp_path / 'data.jsonl'}", "prompts.epochs=1", f"reward.path={tmp_path / 'reward.py'}",
-        "max_new_tokens=12", "prompts_per_step=16", "channel_capacity=64", "max_staleness=2",
+        "max_new_tokens=48", "prompts_per_step=16", "channel_capacity=64", "max_staleness=2",
         "learner.minibatch_size=16", "critic.minibatch_size=16", "generator.prompts_per_call=1",
-        "policy.model.n_layer=1", "policy.model.n_embd=64", "policy.model.intermediate_size=128",
+        "policy.model.n_layer=2", "policy.model.n_embd=128", "policy.model.intermediate_size=256",
         "learner.record_prompt_ids=true"])
     run_dir = tmp_path / "run"
     thread, outcome = run_in_thread(graph, config, RunOptions(out_dir=str(run_dir), quiet=True))
