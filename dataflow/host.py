@@ -320,7 +320,7 @@ class NodeHost(CheckpointCalls):
                 self._publishing = (edge, version, sub_name, self.tracer.now_us())
                 try:
                     await wait_within(handle.on_publish.remote(edge, version, [ref]),
-                                           self._publish_timeout[edge])
+                                      self._publish_timeout[edge])
                 except asyncio.TimeoutError:
                     raise RuntimeError(f"publishing '{edge}' v{version} from {self.name} to {sub_name}: "
                                        f"no ack within {self._publish_timeout[edge]:g} s") from None

@@ -119,7 +119,11 @@ class StackServer:
 
     def __init__(self, host: str, threads: Callable[[int], list[dict]]):
         self._threads = threads  # threads(skip_ident) -> capture(...) of the host's process
-        self._socket = socket.create_server((host, 0))
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self._socket = socket.create_server((host, 0), family=family)
+        except OSError:  # an address Ray reports but this process cannot bind: every interface
+            self._socket = socket.create_server(("", 0), family=family)
         self.token = secrets.token_hex(16)
         self.address = (host, self._socket.getsockname()[1], self.token)
         threading.Thread(target=self._serve, name="dataflow stack server", daemon=True).start()

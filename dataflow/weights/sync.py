@@ -5,8 +5,8 @@
                                      of fp32 masters), on the versioned edge `policy`; a generator
                                      fetches it at its next generate call and load_state_dict()s it.
                                      The tensors travel as the channel codec's numpy buffers, which
-                                     Ray sends out of band: pickled torch tensors cost 2-5 s each
-                                     way for SmolLM2-135M's fp32 weights, the buffers 0.1 s.
+                                     Ray sends out of band: pickled torch tensors cost 1-5 s each
+                                     way for SmolLM2-135M's fp32 weights, the buffers under 0.1 s.
     weight_transport="collective"    the HybridEngine push (dataflow/weights/hybrid_engine.py): the learner
                                      hosts a PushGroup (gloo; NCCL when every end has a CUDA device
                                      of its own) and broadcasts its weights with a WeightPusher to a
