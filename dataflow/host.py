@@ -110,7 +110,9 @@ class NodeHost(CheckpointCalls):
         self._publishing: tuple[str, int, str, int] | None = None
         self._phase = "created"  # created -> setup -> running -> finished
         self._loop_thread: int | None = None  # the event loop's thread, for the stack server
-        self.stack_server = stacks.StackServer(_node_ip(), self._thread_stacks)
+        import ray
+
+        self.stack_server = stacks.StackServer(ray.util.get_node_ip_address(), self._thread_stacks)
 
     # ---- set-up -----------------------------------------------------------------------------
     async def connect(self, wiring: dict) -> dict:
@@ -374,10 +376,3 @@ class NodeHost(CheckpointCalls):
         finally:
             self._version_waits.pop(key, None)
         return self.latest_version(edge)
-
-
-def _node_ip() -> str:
-    """This machine's address in the Ray cluster: where the driver reaches the stack server."""
-    import ray
-
-    return ray.util.get_node_ip_address()
