@@ -89,7 +89,9 @@ def run_settings(args, name: str, seed: int, model: str, train: str, val: str, o
         if kind == "ppo":
             sets.append(f"critic.micro_batch_size={mb}")
     if on_gpu:
-        shares = {node: round(share * f, 4) for node, f in SHARES[kind].items()}
+        # With --kl 0 the graph runs no reference (graphs/rlhf.py use_reference): its part goes to the others.
+        fracs = {node: f for node, f in SHARES[kind].items() if node != "reference" or args.kl > 0}
+        shares = {node: round(share * f / sum(fracs.values()), 4) for node, f in fracs.items()}
         sets += ["prompts.max_prompt_tokens=128", "gpu_shares=" + json.dumps(shares, separators=(",", ":"))]
     if name == "dapo":
         sets.append(f"learner.overlong_buffer={max(1, min(args.overlong_buffer, args.max_new_tokens // 4))}")

@@ -5,6 +5,9 @@
      │  └─ dropped ────┼──────────────── (refill: one more prompt each) ◄┘                       │
      └─────────────────┴─────────────────── policy (versioned, latest wins) ◄────────────────────┘
 
+The reference runs only when its log-probs are read: with learner.kl.coef=0 the samples go
+straight on (use_reference, graphs/rlhf.py).
+
 The filter (nodes/group_filter.py) drops the groups whose responses all scored alike and the prompt
 source refills their batch, so every step trains on prompts_per_step groups with a learning signal
 (DAPO, arXiv 2503.14476; verl's filter_groups). Its counts are in metrics.jsonl (filter/*).
@@ -18,7 +21,7 @@ from typing import Annotated, ClassVar
 from dataflow import Graph, policy_edge, share
 from dataflow.checks import AtLeast
 from graphs.rlhf import PROGRESS, RLHFConfig
-from nodes import DROPPED_EDGE, Generator, GroupFilter, GroupFilterConfig, Learner, PromptSource, Reference
+from nodes import DROPPED_EDGE, Generator, GroupFilter, GroupFilterConfig, Learner, PromptSource
 
 
 @dataclass(kw_only=True)
@@ -43,14 +46,14 @@ def build(cfg: DAPOGraphConfig) -> Graph:
     g.node("generator", Generator, cfg.generator, cpus=1, side="rollout", replicas=cfg.generator_replicas)
     g.node("reward", **cfg.reward_node())
     g.node("filter", GroupFilter, cfg.filter, cpus=0.1)
-    g.node("reference", Reference, cfg.reference, cpus=0.2, side="train")
+    # filter -> reference; with learner.kl.coef=0 no reference, and filter's port goes on (use_reference)
+    with_ref = cfg.add_reference(g, "filter.kept", name="kept")
     g.node("learner", Learner, cfg.learner, cpus=1, side="train", replicas=cfg.learner.num_ranks, ends_run=True)
     cap = cfg.channel_capacity
     g.channel("prompts.prompts", "generator.prompts", capacity=cap, name="prompts")
     g.channel("generator.samples", "reward.samples", capacity=cap, name="samples")
     g.channel("reward.scored", "filter.scored", capacity=cap, name="scored")
-    g.channel("filter.kept", "reference.scored", capacity=cap, name="kept")
-    g.channel("reference.with_ref", "learner.rollouts", capacity=cap, name="rollouts")
+    g.channel(with_ref, "learner.rollouts", capacity=cap, name="rollouts")
     # Generators first: the prompt source must not admit a batch before they hold its weights.
     policy_edge(g, src="learner", dst=["generator", "prompts", "filter"], transport=cfg.weight_transport)
     g.versioned(DROPPED_EDGE, src="filter", dst=["prompts"])

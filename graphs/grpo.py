@@ -4,6 +4,9 @@
        ▲              ▲                                                                              │
        └──────────────┴────────────────────── policy (versioned, latest wins) ◄──────────────────────┘
 
+The reference runs only when its log-probs are read: with learner.kl.coef=0 the samples go
+straight on (use_reference, graphs/rlhf.py).
+
 No critic: the learner normalises each prompt's group of scores (DeepSeekMath's GRPO) and uses the
 same clipped objective, KL-in-loss and staleness bound as graphs/ppo.py (the settings both share
 are declared once in graphs/rlhf.py; --describe lists them).
@@ -17,7 +20,7 @@ from typing import Annotated, ClassVar
 from dataflow import Graph, policy_edge, share
 from dataflow.checks import AtLeast
 from graphs.rlhf import PROGRESS, RLHFConfig
-from nodes import Generator, Learner, PromptSource, Reference
+from nodes import Generator, Learner, PromptSource
 
 
 @dataclass(kw_only=True)
@@ -37,13 +40,13 @@ def build(cfg: GRPOGraphConfig) -> Graph:
     g.node("prompts", PromptSource, cfg.prompts, cpus=0.1)
     g.node("generator", Generator, cfg.generator, cpus=1, side="rollout", replicas=cfg.generator_replicas)
     g.node("reward", **cfg.reward_node())
-    g.node("reference", Reference, cfg.reference, cpus=0.2, side="train")
+    # reward -> reference; with learner.kl.coef=0 no reference, and reward's port goes on (use_reference)
+    with_ref = cfg.add_reference(g, "reward.scored")
     g.node("learner", Learner, cfg.learner, cpus=1, side="train", replicas=cfg.learner.num_ranks, ends_run=True)
     cap = cfg.channel_capacity
     g.channel("prompts.prompts", "generator.prompts", capacity=cap, name="prompts")
     g.channel("generator.samples", "reward.samples", capacity=cap, name="samples")
-    g.channel("reward.scored", "reference.scored", capacity=cap, name="scored")
-    g.channel("reference.with_ref", "learner.rollouts", capacity=cap, name="rollouts")
+    g.channel(with_ref, "learner.rollouts", capacity=cap, name="rollouts")
     # Generators first: the prompt source must not admit a batch before they hold its weights.
     policy_edge(g, src="learner", dst=["generator", "prompts"], transport=cfg.weight_transport)
     cfg.add_validation(g)   # with val.path: reward -> evaluator, rounds between steps

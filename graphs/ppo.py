@@ -4,6 +4,9 @@
        ▲              ▲                                                          │
        └──────────────┴────────────── policy (versioned, latest wins) ◄──────────┘
 
+The reference runs only when its log-probs are read: with learner.kl.coef=0 the samples go
+straight on (use_reference, graphs/rlhf.py).
+
 Each arrow is a bounded channel: scoring, reference log-probs and critic values run on samples as
 they stream out of the generators, overlapping rollout. The learner trains step k on prompt batch
 k, then pushes version k+1 to the generators; the prompt source admits batch k only once version
@@ -21,7 +24,7 @@ from typing import ClassVar
 
 from dataflow import Graph, policy_edge, share
 from graphs.rlhf import PROGRESS, RLHFConfig
-from nodes import Critic, Generator, Learner, PromptSource, Reference
+from nodes import Critic, Generator, Learner, PromptSource
 
 
 @dataclass(kw_only=True)
@@ -40,14 +43,14 @@ def build(cfg: PPOGraphConfig) -> Graph:
     g.node("prompts", PromptSource, cfg.prompts, cpus=0.1)
     g.node("generator", Generator, cfg.generator, cpus=1, side="rollout", replicas=cfg.generator_replicas)
     g.node("reward", **cfg.reward_node())
-    g.node("reference", Reference, cfg.reference, cpus=0.2, side="train")
+    # reward -> reference; with learner.kl.coef=0 no reference, and reward's port goes on (use_reference)
+    with_ref = cfg.add_reference(g, "reward.scored")
     g.node("critic", Critic, cfg.critic, cpus=0.5, side="train", replicas=cfg.critic.num_ranks)
     g.node("learner", Learner, cfg.learner, cpus=1, side="train", replicas=cfg.learner.num_ranks, ends_run=True)
     cap = cfg.channel_capacity
     g.channel("prompts.prompts", "generator.prompts", capacity=cap, name="prompts")
     g.channel("generator.samples", "reward.samples", capacity=cap, name="samples")
-    g.channel("reward.scored", "reference.scored", capacity=cap, name="scored")
-    g.channel("reference.with_ref", "critic.with_ref", capacity=cap, name="with_ref")
+    g.channel(with_ref, "critic.with_ref", capacity=cap, name="with_ref")
     g.channel("critic.advantaged", "learner.rollouts", capacity=cap, name="rollouts")
     # Generators first: the prompt source must not admit a batch before they hold its weights.
     policy_edge(g, src="learner", dst=["generator", "prompts"], transport=cfg.weight_transport)

@@ -18,7 +18,7 @@ from nodes.critic import CriticConfig
 from nodes.generator import GeneratorConfig
 from nodes.learner import LearnerConfig
 from nodes.prompts import PromptConfig
-from nodes.reference import ReferenceConfig
+from nodes.reference import Reference, ReferenceConfig
 from nodes.evaluator import VALIDATED, Evaluator, ValidationConfig
 from nodes.reward import Reward, RewardConfig, RewardWithValidation
 from nodes.reward_model import RewardModel, RewardModelConfig
@@ -138,6 +138,11 @@ class RLHFConfig:
     stall_warn_s: float | None = 120.0
     """Seconds without a learner step after which the driver prints where every node is (their
     Python stacks too) once and the run goes on: an early look before the stall timeout; None = off."""
+    use_reference: Literal["auto", "always"] = "auto"
+    """The reference node (the frozen starting policy's log-probs) feeds only the KL term. auto: run
+    it when learner.kl.coef > 0; with 0 nothing reads it, and the graph leaves out its model, its
+    GPU share and its forward pass per step (as TRL does with beta=0, and verl without
+    use_kl_loss / use_kl_in_reward). always: run it anyway, for the KL-to-reference metric."""
     max_restarts: Annotated[int, NonNegative] = 3
     """Times a generator, reward, reference, critic or prompt source replica is restarted after its
     process dies (its prompts are re-issued); the learner's death stops the run."""
@@ -178,6 +183,15 @@ class RLHFConfig:
             return {"kind": RewardModel, "config": self.reward_model, "cpus": 0.2, **on_gpu}
         kind = RewardWithValidation if self.val.path else Reward   # + a `validation` port
         return {"kind": kind, "config": self.reward, "cpus": 0.1}
+
+    def add_reference(self, g: Graph, src: str, name: str = "scored") -> str:
+        """src -> reference (a channel called `name`), returning the port that carries the samples
+        on: "reference.with_ref", or `src` itself when the graph needs no reference (use_reference)."""
+        if self.use_reference == "auto" and self.learner.kl.coef == 0:
+            return src
+        g.node("reference", Reference, self.reference, cpus=0.2, side="train")
+        g.channel(src, "reference.scored", capacity=self.channel_capacity, name=name)
+        return "reference.with_ref"
 
     def add_validation(self, g: Graph) -> None:
         """With val.path: the validation branch, reward.validation -> evaluator, and the evaluator's

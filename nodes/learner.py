@@ -365,15 +365,17 @@ class Learner(RankCommands, Node):
                 kl_coef = self.kl_ctl.value
                 # KL in the reward: the controller sees the rollout's KL (verl's apply_kl_penalty),
                 # in the loss: the policy's KL to the reference during the update.
-                in_reward = c.kl.placement == "reward"
-                self.kl_ctl.update(stats["kl/rollout"] if in_reward else stats["losses/kl"], len(samples))
+                # No KL stat without a reference node (KL coefficient 0, rl/ppo_update.with_reference).
+                kl = stats.get("kl/rollout" if c.kl.placement == "reward" else "losses/kl")
+                if kl is not None:
+                    self.kl_ctl.update(kl, len(samples))
                 self.version += 1
                 now = time.perf_counter()
                 ok = [s["score"] for s in samples if not s["failed"]]
                 mean = sum(ok) / max(len(ok), 1)
                 std = math.sqrt(sum((x - mean) ** 2 for x in ok) / max(len(ok), 1))
                 metrics = {
-                    "reward/mean": mean, "reward/std": std, "kl": stats["kl/rollout" if in_reward else "losses/kl"],
+                    "reward/mean": mean, "reward/std": std, **({"kl": kl} if kl is not None else {}),
                     "entropy": stats["entropy"], "lr": self.lr_at(self.version - 1),
                     "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
                     "staleness/token_mean": sum(token_staleness) / max(len(token_staleness), 1),

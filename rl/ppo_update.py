@@ -132,7 +132,7 @@ def compute_advantages(samples: list[dict], batch: dict, c, kl_coef: float = 0.0
         if token_rewards is not None:
             token_rewards[rows, _last_token_index(batch, lengths)] += penalty * (lengths > 0)
         stats["reward/overlong_penalty"] = float(penalty.sum() / valid.sum().clamp(min=1))
-    if c.kl.placement == "reward":
+    if c.kl.placement == "reward" and "ref_logprobs" in batch:
         kl = kl_penalty(old_logprobs.to(torch.float64), batch["ref_logprobs"].to(torch.float64),
                         c.kl.estimator, c.kl.clamp or None) * mask
         per_seq = sequence_kl(kl, mask)
@@ -154,16 +154,29 @@ def compute_advantages(samples: list[dict], batch: dict, c, kl_coef: float = 0.0
     return per_seq[:, None] * mask, stats
 
 
-def _token_keys(c) -> tuple[str, ...]:
+def with_reference(samples: list[dict], kl_coef: float) -> bool:
+    """Whether the samples carry the reference's log-probs. Without them there is no KL term (and
+    no "losses/kl" or "kl/rollout" stat): the graph leaves the reference node out when the KL
+    coefficient is 0 (graphs/rlhf.RLHFConfig.use_reference); a coefficient > 0 needs them."""
+    have = ["ref_logprobs" in s for s in samples]
+    if any(have) != all(have):
+        raise ValueError("some samples of the step carry reference log-probs ('ref_logprobs') and some do not")
+    if not all(have) and kl_coef > 0:
+        raise ValueError(f"the KL coefficient is {kl_coef:g} but the samples carry no reference log-probs: "
+                         "the graph has no reference node before the learner; add one, or set learner.kl.coef=0")
+    return all(have)
+
+
+def _token_keys(c, with_ref: bool = True) -> tuple[str, ...]:
     kind = resolved_advantage(c)
-    return ("logprobs", "ref_logprobs", *(("advantages",) if kind == "gae" else ()),
+    return ("logprobs", *(("ref_logprobs",) if with_ref else ()), *(("advantages",) if kind == "gae" else ()),
             *(("token_rewards",) if kind == "reinforce_pp" else ()))
 
 
 def step_advantages(samples: list[dict], c) -> list[list[float]]:
     """Each sample's per-token advantages as lists (KL in the reward left out: that needs the
     learner's log-probs, see ppo_update). For inspection and tests."""
-    batch = pad_batch(samples, 0, token_keys=_token_keys(c))
+    batch = pad_batch(samples, 0, token_keys=_token_keys(c, with_reference(samples, 0.0)))
     advantages, _ = compute_advantages(samples, batch, c)
     p = batch["prompt_len"]
     return [advantages[i, p:p + len(s["response_ids"])].tolist() for i, s in enumerate(samples)]
@@ -174,8 +187,8 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
     """Advantages of `samples`, then c.ppo_epochs epochs over minibatches; one gradient clip per
     optimizer step. Returns the mean stats of the optimizer steps (and the advantages' stats).
 
-    Each sample needs "prompt_ids", "response_ids", "logprobs" (behaviour), "ref_logprobs",
-    "score", "failed", "finished", and "advantages" (gae) or "token_rewards" (reinforce_pp).
+    Each sample needs "prompt_ids", "response_ids", "logprobs" (behaviour), "ref_logprobs" (with
+    a KL coefficient > 0; see with_reference), "score", "failed", "finished", and "advantages" (gae) or "token_rewards" (reinforce_pp).
     Failed samples are masked out of every loss term; with c.mask_truncated, so are responses
     that hit the length cap ("finished" False; DAPO's overlong filtering); they stay in the
     group baselines. An optimizer step whose loss or gradient norm is not finite is skipped (the
@@ -201,8 +214,9 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
     amp = compute_dtype(c.precision, device)
     agg_mode, scale = resolved_loss_agg_mode(c), loss_scale_factor(c)
     kl_in_loss = c.kl.placement == "loss"
+    with_ref = with_reference(samples, kl_coef)
     per_token = stale and version is not None and all("token_versions" in s for s in samples)
-    full = pad_batch(samples, pad_id, token_keys=_token_keys(c) + (("token_versions",) if per_token else ()),
+    full = pad_batch(samples, pad_id, token_keys=_token_keys(c, with_ref) + (("token_versions",) if per_token else ()),
                      device=device, multiple_of=COLUMN_MULTIPLE)
     num = len(samples)
     # Micro-batches: rows (micro_batch_size) or a token budget (max_tokens_per_micro_batch), each
@@ -302,9 +316,10 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
                         behaviour_logprobs=take(behaviour) if stale else None,
                         is_truncation=c.is_truncation if stale else None,
                         stale_tokens=take(stale_tokens) if per_token else None)
-                    kl_tokens = kl_penalty(logprobs, take(full["ref_logprobs"]), c.kl.estimator, c.kl.clamp or None)
+                    kl_tokens = (kl_penalty(logprobs, take(full["ref_logprobs"]), c.kl.estimator, c.kl.clamp or None)
+                                 if with_ref else torch.zeros_like(logprobs))
                     loss = pg_loss
-                    if kl_in_loss:
+                    if kl_in_loss and with_ref:
                         loss = loss + kl_coef * weighted_token_sum(kl_tokens, m, row_weights[idx])
                     if c.entropy_coef:
                         loss = loss - c.entropy_coef * weighted_token_sum(entropy, m, row_weights[idx])
@@ -336,7 +351,7 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
                 skipped, skipped_last = skipped + 1, skipped_last + 1
                 reason = reason or (f"non-finite loss {sums['loss']} (policy {sums['policy']}, kl {sums['kl']})"
                                     if not finite else f"non-finite gradient norm {grad_norm.item()}")
-            for k in ("policy", "kl", "approx_kl", "clipfrac", "clipfrac_lower", "ratio", "is_weight"):
+            for k in ("policy", *(("kl",) if with_ref else ()), "approx_kl", "clipfrac", "clipfrac_lower", "ratio", "is_weight"):
                 stats.setdefault(f"losses/{k}", []).append(sums[k])
             stats.setdefault("entropy", []).append(sums["entropy"])
             stats.setdefault("grad_norm", []).append(grad_norm.item())

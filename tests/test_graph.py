@@ -205,3 +205,24 @@ def test_cli_help_is_complete():
     r = run_cli("--help")
     for flag in ("--set", "--address", "--max-steps", "--describe", "--trace", "--out"):
         assert flag in r.stdout
+
+
+@pytest.mark.parametrize("graph_file", ["graphs/grpo.py", "graphs/ppo.py", "graphs/dapo.py"])
+def test_the_reference_node_runs_only_when_its_logprobs_are_read(graph_file):
+    """use_reference=auto: a KL coefficient of 0 leaves the reference out and the samples go from
+    its upstream straight to its downstream; > 0, or use_reference=always, keeps it."""
+    from dataflow.runtime import load_graph
+
+    def wiring(*sets):
+        g, _ = load_graph(str(ROOT / graph_file), list(sets))
+        ports = lambda ends: ",".join(f"{node}.{port}" for node, port in ends)   # noqa: E731
+        return set(g.nodes), {(ports(c.src), ports(c.dst)) for c in g.channels.values()}
+
+    nodes, channels = wiring("learner.kl.coef=0.05")
+    assert "reference" in nodes and any(dst == "reference.scored" for _, dst in channels)
+    assert wiring("learner.kl.coef=0", "use_reference=always") == (nodes, channels)
+    nodes0, channels0 = wiring("learner.kl.coef=0")
+    assert nodes0 == nodes - {"reference"}
+    upstream = next(src for src, dst in channels if dst == "reference.scored")
+    downstream = next(dst for src, dst in channels if src == "reference.with_ref")
+    assert channels0 == {c for c in channels if "reference" not in c[0] + c[1]} | {(upstream, downstream)}

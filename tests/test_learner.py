@@ -531,3 +531,33 @@ def test_model_passes_run_at_aligned_widths(setup, micro):
     critic_update(vm, torch.optim.SGD(vm.parameters(), lr=0.0), items[0]["samples"], tok.pad_token_id, ccfg,
                   random.Random(0))
     assert len(widths) >= 4 and all(w % COLUMN_MULTIPLE == 0 for w in widths), widths
+
+
+@pytest.mark.parametrize("placement", ["loss", "reward"])
+def test_without_reference_logprobs_the_update_is_the_one_at_kl_coefficient_zero(setup, placement):
+    """With learner.kl.coef=0 the graph leaves the reference out (graphs/rlhf.use_reference) and the
+    samples carry no "ref_logprobs": the update must be exactly the one the KL-free loss gives with
+    them, only without a KL stat; with a coefficient > 0 their absence is a clear error."""
+    tok, model, samples = setup
+    results = []
+    for keep_ref in (True, False):
+        cfg = LearnerConfig(algorithm="grpo", group_size=2, minibatch_size=8, ppo_epochs=2, micro_batch_size=4,
+                            entropy_coef=0.01, max_grad_norm=1e9)
+        cfg.kl.coef, cfg.kl.placement = 0.0, placement
+        m = fresh(model).double()
+        opt = torch.optim.SGD(m.parameters(), lr=1.0)
+        batch = [{k: v for k, v in s.items() if keep_ref or k != "ref_logprobs"} for s in samples]
+        stats = ppo_update(m, opt, batch, 0.0, tok.pad_token_id, cfg, random.Random(0), stale=False)
+        results.append(({k: v.clone() for k, v in m.state_dict().items()}, stats))
+    (w_ref, s_ref), (w_none, s_none) = results
+    for k in w_ref:
+        torch.testing.assert_close(w_none[k], w_ref[k], rtol=0, atol=0)
+    kl_keys = {"losses/kl", "kl/rollout"}
+    assert not kl_keys & set(s_none)
+    assert ("losses/kl" if placement == "loss" else "kl/rollout") in s_ref
+    assert {k: v for k, v in s_none.items()} == {k: v for k, v in s_ref.items() if k not in kl_keys}
+
+    cfg.kl.coef = 0.1
+    with pytest.raises(ValueError, match=r"KL coefficient is 0.1 .*set learner.kl.coef=0"):
+        ppo_update(fresh(model), torch.optim.SGD(model.parameters(), lr=0.0), batch, 0.1, tok.pad_token_id, cfg,
+                   random.Random(0), stale=False)
