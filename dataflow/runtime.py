@@ -123,7 +123,9 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
         running.update({asyncio.ensure_future(awaitable(h.run.remote())): n for n, h in hosts.items()})
         status, ended = "done", {}  # replica -> why it ended, if it said (a source whose data ran out)
         while running:
-            done, _ = await asyncio.wait(running, timeout=POLL_INTERVAL_S)
+            # The first run() to end (a node that died, failed or returned) is handled at once;
+            # otherwise the loop wakes every POLL_INTERVAL_S to poll the hosts' events.
+            done, _ = await asyncio.wait(running, timeout=POLL_INTERVAL_S, return_when=asyncio.FIRST_COMPLETED)
             await monitor.poll(hosts)
             results = {running.pop(fut): result_of(fut) for fut in done}
             ended.update({n: r["reason"] for n, r in results.items() if isinstance(r, dict) and r.get("reason")})
