@@ -19,6 +19,7 @@ dataflow/checkpointer.py (saving them; in the background with async_checkpoint).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +29,14 @@ from dataflow import checkpoint, placement, snapshots
 from dataflow.checkpointer import Checkpointer
 from dataflow.errors import NodeFailed, UserError
 from dataflow.failures import (awaitable, death_summary, discard, failed, gather_named, gather_setups,
-                               raise_first_failure, raise_if_failed, result_of, wait_for_root_cause)
+                               raise_first_failure, raise_if_failed, result_of, unless_the_run_ends,
+                               wait_for_root_cause)
 from dataflow.graph import Graph
 from dataflow.host import HostSpec, NodeHost
 from dataflow.launch import clock_offset, shutdown, start_ray, stop_all, wiring
 from dataflow.loading import describe, load_graph
 from dataflow.monitor import Monitor, RunSummary
-from dataflow.restarts import restart, restartable
+from dataflow.restarts import ends_the_run, restart, restartable
 from dataflow.resume import checkpoint_to_resume
 from dataflow.stall import StallWatch
 
@@ -122,6 +124,7 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
         #    stalls (no step for too long: RunStalled names the node at the root of the wait).
         running.update({asyncio.ensure_future(awaitable(h.run.remote())): n for n, h in hosts.items()})
         status, ended = "done", {}  # replica -> why it ended, if it said (a source whose data ran out)
+        ends = functools.partial(ends_the_run, graph, monitor=monitor)  # (replica, its run() result) -> bool
         while running:
             # The first run() to end (a node that died, failed or returned) is handled at once;
             # otherwise the loop wakes every POLL_INTERVAL_S to poll the hosts' events.
@@ -132,9 +135,12 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
             for name in [n for n, r in results.items() if restartable(graph, n, r, monitor)]:
                 del results[name]
                 running[await restart(graph, hosts, name, monitor)] = name
-            while monitor.checkpoint_requests:  # a node asked for a checkpoint (ctx.checkpoint)
+            # A node asked for a checkpoint (ctx.checkpoint). The save takes seconds under load; it is
+            # raced against the run() calls, so that a node that ends the run meanwhile is reported
+            # now, not after it (the save is then not committed).
+            while monitor.checkpoint_requests and not any(failed(r) for r in results.values()):
                 requester, step = monitor.checkpoint_requests.pop(0)
-                await checkpoints.save(step, "interval", requester)
+                results.update(await checkpoints.save_unless_the_run_ends(step, requester, running, ends))
             checkpoints.raise_if_failed()  # an async_checkpoint write that failed
             if any(failed(r) for r in results.values()):
                 await wait_for_root_cause(results, running)
