@@ -37,7 +37,7 @@ from typing import Any
 
 from dataflow.checkpoint import begin, checkpoints_dir, commit, prune, read_manifest, replica_state_dir, step_dir
 from dataflow.errors import NodeFailed
-from dataflow.failures import wait_within
+from dataflow.failures import unless_the_run_ends, wait_within
 
 
 class Checkpointer:
@@ -71,6 +71,27 @@ class Checkpointer:
             self._writing = asyncio.ensure_future(self._commit_in_background(taken, reason, requester))
         else:
             await self._answer(requester, *await self._commit(taken, reason))
+
+    async def save_unless_the_run_ends(self, step: int, requester: str | None, running: dict, ends_run) -> dict:
+        """save(step, "interval", requester), raced against the nodes' run() calls (`running`:
+        future -> replica; failures.unless_the_run_ends): {} once saved, or at once {replica:
+        result} of those that ended the run meanwhile (`ends_run`). A save waits for every
+        replica's capture, which under load or behind a busy state lock takes seconds; a node
+        that dies meanwhile is reported now, not after it.
+
+        Such a save is abandoned: step_<k>.tmp is left uncommitted (never read), as a background
+        write is when a replica's process dies during it (_commit's died_ok). Finishing it would
+        hold up the report of the failure for as long as the live replicas take to capture (one
+        that waits on the dead node: until its own timeout), and a run that is ending has its
+        previous checkpoint to resume from. A replica whose process Ray restarts does not end
+        the run: the save goes on, with its previous state (Captured.commit), as before."""
+        _, ending = await unless_the_run_ends(self.save(step, "interval", requester), running, ends_run)
+        last = self.monitor.last_checkpoint
+        if ending and not (last and Path(last).name == f"step_{step}"):  # (cancelled after its commit: kept)
+            tmp = step_dir(self.monitor.run_dir, step).with_suffix(".tmp")
+            self.monitor.say(f"[dataflow] checkpoint of step {step} not committed: {', '.join(ending)} failed or "
+                             f"died while it was being taken ({tmp.name} is left unread)")
+        return ending
 
     async def wait(self) -> None:
         """Until the checkpoint being written in the background (if any) has committed or failed."""

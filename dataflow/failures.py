@@ -33,6 +33,31 @@ async def wait_within(aw, timeout_s: float):
         return await aw
 
 
+async def unless_the_run_ends(aw, running: dict, ends_run) -> tuple[Any, dict]:
+    """`await aw` (a checkpoint save, a restart: seconds under load, while the driver would not
+    see a node die), raced against the run() calls in `running` (future -> replica). Returns
+    (its result, {}); or, as soon as a run() ends the run (`ends_run(replica, result)`), (None,
+    {replica: result}) with those taken out of `running`, and `aw` cancelled. A run() that ends
+    without ending the run (a process Ray restarts) stays in `running`: the driver's next wait
+    finds it done."""
+    task = asyncio.ensure_future(aw)
+    watched = {fut: name for fut, name in running.items() if not fut.done()}
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait([task, *watched], return_when=asyncio.FIRST_COMPLETED)
+            ended = {watched.pop(fut): result_of(fut) for fut in done if fut in watched}
+            ending = {name: r for name, r in ended.items() if ends_run(name, r)}
+            if ending and not task.done():
+                for fut in [fut for fut, name in running.items() if name in ending]:
+                    del running[fut]
+                return None, ending
+        return task.result(), {}
+    finally:
+        if not task.done():  # the run ends (or the driver was cancelled: Ctrl-C)
+            task.cancel()
+            await asyncio.wait([task])
+
+
 async def gather_named(refs: dict) -> dict:
     names = list(refs)
     results = await asyncio.gather(*(awaitable(refs[n]) for n in names), return_exceptions=True)

@@ -133,14 +133,15 @@ class Monitor:
         if not self.options.quiet:
             print(text, flush=True)
 
-    async def poll(self, hosts: dict) -> None:
+    async def poll(self, hosts: dict, timeout_s: float = POLL_TIMEOUT_S) -> None:
         """Handle every host's events since the last poll. One poll per host is in flight at a
         time: a host whose event loop is blocked (a node that never awaits) does not hold up the
-        others, the progress lines or the stall check (dataflow/stall.py); its events come later."""
+        others, the progress lines or the stall check (dataflow/stall.py); its events come later.
+        Waits at most `timeout_s` for them."""
         for name, host in hosts.items():
             if name not in self._polls:
                 self._polls[name] = asyncio.ensure_future(awaitable(host.poll.remote(self.acked.get(name))))
-        await asyncio.wait(self._polls.values(), timeout=POLL_TIMEOUT_S)
+        await asyncio.wait(self._polls.values(), timeout=timeout_s)
         replies = {n: result_of(f) for n, f in self._polls.items() if f.done()}
         for name in replies:
             del self._polls[name]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from dataflow import checkpoint, snapshots
 from dataflow.errors import NodeFailed
-from dataflow.failures import awaitable, death_summary, gather_named, raise_if_failed, wait_within
+from dataflow.failures import awaitable, death_summary, failed, gather_named, raise_if_failed, wait_within
 from dataflow.graph import Graph
 from dataflow.launch import clock_offset, wiring
 
@@ -29,6 +29,11 @@ def restartable(graph: Graph, name: str, result: Any, monitor: Monitor) -> bool:
 
     return (isinstance(result, RayActorError) and graph.nodes[name.split("[")[0]].restartable
             and monitor.restarts.get(name, 0) < graph.max_restarts)
+
+
+def ends_the_run(graph: Graph, name: str, result: Any, monitor: Monitor) -> bool:
+    """A run() result the run cannot go on after: a failure, but a process that is restarted."""
+    return failed(result) and not restartable(graph, name, result, monitor)
 
 
 async def restart(graph: Graph, hosts: dict, name: str, monitor: Monitor) -> asyncio.Future:

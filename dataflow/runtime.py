@@ -6,7 +6,8 @@
 
 The driver never touches items: channels pull directly between node actors. It only polls each
 host for events (progress, logs, trace data) and waits on the hosts' run() calls, so a node that
-raises or dies is reported by name within a poll interval.
+raises or dies is reported by name as soon as Ray tells of it, also while a poll, a restart or a
+checkpoint save is in progress (failures.unless_the_run_ends).
 
 Its parts: dataflow/loading.py (graph files, --describe), dataflow/launch.py (Ray, wiring, clocks,
 shutdown), dataflow/monitor.py (events -> progress lines, metrics.jsonl, trace, summary),
@@ -19,6 +20,7 @@ dataflow/checkpointer.py (saving them; in the background with async_checkpoint).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,19 +30,21 @@ from dataflow import checkpoint, placement, snapshots
 from dataflow.checkpointer import Checkpointer
 from dataflow.errors import NodeFailed, UserError
 from dataflow.failures import (awaitable, death_summary, discard, failed, gather_named, gather_setups,
-                               raise_first_failure, raise_if_failed, result_of, wait_for_root_cause)
+                               raise_first_failure, raise_if_failed, result_of, unless_the_run_ends,
+                               wait_for_root_cause)
 from dataflow.graph import Graph
 from dataflow.host import HostSpec, NodeHost
 from dataflow.launch import clock_offset, shutdown, start_ray, stop_all, wiring
 from dataflow.loading import describe, load_graph
 from dataflow.monitor import Monitor, RunSummary
-from dataflow.restarts import restart, restartable
+from dataflow.restarts import ends_the_run, restart, restartable
 from dataflow.resume import checkpoint_to_resume
 from dataflow.stall import StallWatch
 
 __all__ = ["RunOptions", "RunSummary", "describe", "load_graph", "run_graph"]
 
 POLL_INTERVAL_S = 0.5
+LAST_LOGS_S = 1.0  # how long a failure's report waits for the hosts' last events
 
 
 @dataclass
@@ -122,21 +126,35 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
         #    stalls (no step for too long: RunStalled names the node at the root of the wait).
         running.update({asyncio.ensure_future(awaitable(h.run.remote())): n for n, h in hosts.items()})
         status, ended = "done", {}  # replica -> why it ended, if it said (a source whose data ran out)
+        ends = functools.partial(ends_the_run, graph, monitor=monitor)  # (replica, its run() result) -> bool
         while running:
-            done, _ = await asyncio.wait(running, timeout=POLL_INTERVAL_S)
-            await monitor.poll(hosts)
-            results = {running.pop(fut): result_of(fut) for fut in done}
+            # The first run() to end (a node that died, failed or returned) is handled at once;
+            # otherwise the loop wakes every POLL_INTERVAL_S to poll the hosts' events.
+            done, _ = await asyncio.wait(running, timeout=POLL_INTERVAL_S, return_when=asyncio.FIRST_COMPLETED)
+            # A poll waits for every host's answer, under load for seconds: raced like a save, below.
+            _, ending = await unless_the_run_ends(monitor.poll(hosts), running, ends)
+            results = {running.pop(fut): result_of(fut) for fut in done} | ending
             ended.update({n: r["reason"] for n, r in results.items() if isinstance(r, dict) and r.get("reason")})
+            # A restart, or a save (a node asked for a checkpoint: ctx.checkpoint), takes seconds
+            # under load; each is raced against the run() calls, so that a node that ends the run
+            # meanwhile is reported now, not after it (a save so cut short is not committed).
             for name in [n for n, r in results.items() if restartable(graph, n, r, monitor)]:
                 del results[name]
-                running[await restart(graph, hosts, name, monitor)] = name
-            while monitor.checkpoint_requests:  # a node asked for a checkpoint (ctx.checkpoint)
+                if any(failed(r) for r in results.values()):
+                    continue  # the run ends: no restart
+                run, ending = await unless_the_run_ends(restart(graph, hosts, name, monitor), running, ends)
+                results.update(ending)
+                if not ending:
+                    running[run] = name
+            while monitor.checkpoint_requests and not any(failed(r) for r in results.values()):
                 requester, step = monitor.checkpoint_requests.pop(0)
-                await checkpoints.save(step, "interval", requester)
+                results.update(await checkpoints.save_unless_the_run_ends(step, requester, running, ends))
             checkpoints.raise_if_failed()  # an async_checkpoint write that failed
             if any(failed(r) for r in results.values()):
                 await wait_for_root_cause(results, running)
-                await monitor.poll(hosts)  # the failed node's last logs
+                # The failed node's last logs, from the hosts that answer soon: one whose process is
+                # being restarted answers only once it is up (5 s under load, POLL_TIMEOUT_S, measured).
+                await monitor.poll(hosts, timeout_s=LAST_LOGS_S)
                 raise_first_failure(results)
             if any(graph.nodes[name.split("[")[0]].ends_run for name in results):
                 status = "max steps reached" if max_steps and monitor.step >= max_steps else "done"

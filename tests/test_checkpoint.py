@@ -362,3 +362,23 @@ def test_a_failed_write_stops_the_run_and_leaves_the_previous_checkpoint(ray_ins
     assert checkpoint.latest(tmp_path) == tmp_path / "checkpoints" / "step_2"
     assert (tmp_path / "checkpoints" / "step_3.tmp").is_dir()
     assert e.value.last_checkpoint == str(tmp_path / "checkpoints" / "step_2")
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_node_killed_during_a_save_stops_the_run_at_once_and_the_save_is_not_committed(
+        ray_instance, tmp_path, mode):
+    """kill -9 of the probe (the run-ending node) while the checkpoint of step 2 is being taken
+    (its state is, the counter's capture takes 30 s): the driver reports the probe's dead process
+    at once, not once the save is over, and abandons the save: step_2.tmp is left unread and
+    step_1 is the checkpoint to resume from."""
+    from tests.conftest import kill_stops_the_run, run_in_thread, wait_until
+
+    graph, config = load_graph(str(ROOT / "tests/graphs/checkpoint_probe.py"), [
+        f"async_checkpoint={mode == 'async'}", "counter.slow_save_at=2"])
+    thread, outcome = run_in_thread(graph, config, RunOptions(out_dir=str(tmp_path), quiet=True))
+    wait_until(lambda: (tmp_path / "counter_saving").exists(), 120, "the save of step 2", thread, outcome)
+    pid = json.loads((tmp_path / "processes.json").read_text())["probe"]
+    error = kill_stops_the_run(pid, "probe", thread, outcome, within_s=10)
+    assert not (tmp_path / "checkpoints" / "step_2").exists()
+    assert (tmp_path / "checkpoints" / "step_2.tmp").is_dir()
+    assert error.last_checkpoint == str(tmp_path / "checkpoints" / "step_1") == str(checkpoint.latest(tmp_path))

@@ -1,11 +1,14 @@
 """counter -> probe, checkpointing every step: what an async_checkpoint write must not see is the
-training that goes on while it writes (tests/test_checkpoint.py).
+training that goes on while it writes (tests/test_checkpoint.py); and a save that takes long
+(counter.slow_save_at), for a node to die during.
 
 The probe keeps a 16 MB tensor `w` that it updates in place every step, as an optimizer does, so
 a background write that read the live tensor instead of its captured copy would write a later
 step's values; its writes take milliseconds, the next update microseconds."""
 
+import asyncio
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -55,8 +58,27 @@ class Probe(Node):
 
 
 @dataclass(kw_only=True)
+class SourceConfig(CounterConfig):
+    slow_save_at: int = 0
+    """The checkpoint of this step waits 30 s in the counter's capture (prepare_checkpoint, under
+    its state lock), once it has touched <run_dir>/counter_saving (0 = never)."""
+
+
+class Source(Counter):
+    """Counter whose capture can be made slow: the probe (saved first) has its state taken, the
+    checkpoint is not committed yet."""
+
+    Config = SourceConfig
+
+    async def prepare_checkpoint(self):
+        if self.ctx.checkpoint_step == self.config.slow_save_at:
+            (Path(self.ctx.run_dir) / "counter_saving").touch()
+            await asyncio.sleep(30)
+
+
+@dataclass(kw_only=True)
 class Config:
-    counter: CounterConfig = field(default_factory=lambda: CounterConfig(count=1000))
+    counter: SourceConfig = field(default_factory=lambda: SourceConfig(count=1000))
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     max_steps: int = 6
     save_interval: int = 1
@@ -69,7 +91,7 @@ config = Config()
 
 def build(config: Config) -> Graph:
     g = Graph("checkpoint_probe", config=config)
-    g.node("counter", Counter, config.counter, cpus=0.5)
+    g.node("counter", Source, config.counter, cpus=0.5)
     g.node("probe", Probe, config.probe, cpus=0.5, ends_run=True)
     g.channel("counter.numbers", "probe.numbers", capacity=4, name="numbers")
     return g
