@@ -138,10 +138,12 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
             # A restart, or a save (a node asked for a checkpoint: ctx.checkpoint), takes seconds
             # under load; each is raced against the run() calls, so that a node that ends the run
             # meanwhile is reported now, not after it (a save so cut short is not committed).
-            for name in [n for n, r in results.items() if restartable(graph, n, r, monitor)]:
+            to_restart = [n for n, r in results.items() if restartable(graph, n, r, monitor)]
+            for name in to_restart:
                 del results[name]
+            for name in to_restart:
                 if any(failed(r) for r in results.values()):
-                    continue  # the run ends: no restart
+                    break  # the run ends (a failure that is not restarted): no more restarts
                 run, ending = await unless_the_run_ends(restart(graph, hosts, name, monitor), running, ends)
                 results.update(ending)
                 if not ending:
