@@ -71,8 +71,10 @@ async def restart(graph: Graph, hosts: dict, name: str, monitor: Monitor) -> asy
                         for ch in graph.channels.values() if any(n == node for n, _ in ch.dst)
                         for p in graph.producers(ch.name)})
     run = asyncio.ensure_future(awaitable(host.run.remote()))
-    await gather_named({other: h.peer_restarted.remote(name) for other, h in hosts.items() if other != name})
+    # Recorded once it runs, before the peers hear of it: the driver cancels a restart when another
+    # node ends the run meanwhile (failures.unless_the_run_ends), and this one is running by then.
     monitor.restarted(name, reply, state_dir)
+    await gather_named({other: h.peer_restarted.remote(name) for other, h in hosts.items() if other != name})
     return run
 
 
