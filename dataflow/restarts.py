@@ -32,7 +32,7 @@ def restartable(graph: Graph, name: str, result: Any, monitor: Monitor) -> bool:
 
 
 def ends_the_run(graph: Graph, name: str, result: Any, monitor: Monitor) -> bool:
-    """A run() result the run cannot go on after: a failure, but a process that is restarted."""
+    """A run() result the run cannot go on after: a failure, unless it is a death that is restarted."""
     return failed(result) and not restartable(graph, name, result, monitor)
 
 

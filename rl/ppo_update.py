@@ -188,7 +188,8 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
     optimizer step. Returns the mean stats of the optimizer steps (and the advantages' stats).
 
     Each sample needs "prompt_ids", "response_ids", "logprobs" (behaviour), "ref_logprobs" (with
-    a KL coefficient > 0; see with_reference), "score", "failed", "finished", and "advantages" (gae) or "token_rewards" (reinforce_pp).
+    a KL coefficient > 0; see with_reference), "score", "failed", "finished", and "advantages"
+    (gae) or "token_rewards" (reinforce_pp).
     Failed samples are masked out of every loss term; with c.mask_truncated, so are responses
     that hit the length cap ("finished" False; DAPO's overlong filtering); they stay in the
     group baselines. An optimizer step whose loss or gradient norm is not finite is skipped (the
