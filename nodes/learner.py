@@ -35,6 +35,7 @@ from dataflow.errors import UserError
 from dataflow.weights.multirank import RANKS_EDGE, RankCommands
 from dataflow.weights.sync import SYNC_EDGE, LearnerWeightSync, WeightSyncConfig
 from rl import policy
+from rl.compile_warm_up import start_warm_up
 from rl.kl import AdaptiveKLController, FixedKLController, KLConfig
 from rl.losses import PolicyLoss
 from rl.microbatch import enable_gradient_checkpointing
@@ -81,6 +82,9 @@ class LearnerConfig:
     compile: bool | None = None
     """torch.compile each decoder layer (None = on CUDA, one process, without gradient_checkpointing
     or packing; rl/precision.compile_setting says why, compile_layers how)."""
+    compile_warm_up: bool = True
+    """With compiled layers: compile them during start-up, on a made-up step of the update
+    (rl/compile_warm_up.py), instead of in the first training step."""
     weight_decay: Annotated[float, NonNegative] = 0.01
     """AdamW's decoupled weight decay."""
     betas: Annotated[list[float], Each(Range(0, 1, high_open=True), count=2)] = field(default_factory=lambda: [0.9, 0.999])
@@ -173,6 +177,7 @@ class Learner(RankCommands, Node):
     async def setup(self):
         c = self.config
         self.ranks = None           # dataflow.weights.multirank.TrainRanks when dp x tp > 1
+        self._warm_up = None        # rl/compile_warm_up.start_warm_up's task (held: a task needs a reference)
         if c.num_ranks > 1:
             from dataflow.weights.layout import ParallelLayout
             from dataflow.weights.multirank import join
@@ -198,7 +203,10 @@ class Learner(RankCommands, Node):
             except ValueError as e:
                 raise UserError(f"learner.dp={c.dp} learner.tp={c.tp}: {e}") from None
         else:  # sharded ranks stay eager (compiling FSDP2/TP layers is untried here)
-            compile_layers(self.model, compile_setting(c.compile, c.packing, c.gradient_checkpointing), self.ctx.device)
+            compiled = compile_layers(self.model, compile_setting(c.compile, c.packing, c.gradient_checkpointing),
+                                      self.ctx.device)
+            if compiled and c.compile_warm_up:   # the layers compile while the other nodes start
+                self._warm_up = start_warm_up(self.ctx, self.model, c, self.tokenizer.pad_token_id)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=tuple(c.betas),
                                            weight_decay=c.weight_decay)
         self.kl_ctl = (AdaptiveKLController(c.kl.coef, c.kl.target, c.kl.horizon) if c.kl.kind == "adaptive"

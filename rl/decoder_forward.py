@@ -131,7 +131,10 @@ def decode_logits(dec, B: int, L: int | None = None) -> torch.Tensor:
     pos = dec.lengths[:B]
     h = inner.embed_tokens(dec.last[:B, None])   # [B, 1, hidden], not a view (as compiled)
     cos, sin = inner.rotary_emb(h, pos[:, None])
-    mask = (dec.positions[None, :L] <= pos[:, None])[:, None, None, :]   # [B, 1, 1, L]
+    # An additive mask [B, 1, 1, L] in the model's dtype, made once per step: sdpa turns a boolean
+    # mask into this form itself, in every one of the layers' calls (two more kernels per layer).
+    allowed = (dec.positions[None, :L] <= pos[:, None])[:, None, None, :]
+    mask = torch.zeros(allowed.shape, device=h.device, dtype=h.dtype).masked_fill_(~allowed, float("-inf"))
     rows, g = dec.slot_ids[:B], dec.n_head // dec.n_kv
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn

@@ -331,6 +331,67 @@ def test_compiled_layers_make_the_same_update_as_eager(setup, capsys):
         assert compiled_stats[k] == pytest.approx(eager_stats[k], rel=1e-4, abs=1e-6), k
 
 
+def test_the_compile_warm_up_compiles_what_the_first_update_runs_and_changes_nothing(setup, capsys):
+    # rl/compile_warm_up: the learner's update on made-up samples, with an optimizer that never
+    # steps, compiles the layers' graphs a real update then reuses; weights, optimizer state and
+    # gradients are as before it.
+    from torch._dynamo.utils import counters
+    from rl.compile_warm_up import made_up_samples, warm_up_update
+    from rl.precision import compile_layers
+
+    tok, model, samples = setup
+    cfg = LearnerConfig(algorithm="grpo", group_size=2, prompts_per_step=len(samples) // 2, minibatch_size=8,
+                        ppo_epochs=1, micro_batch_size=4, max_response_tokens=8)
+    cfg.kl.coef = 0.0                     # no reference: the samples carry no ref_logprobs
+    samples = [{k: v for k, v in s.items() if k != "ref_logprobs"} for s in samples]
+    made_up = made_up_samples(cfg, model.config.vocab_size)
+    assert len(made_up) == len(samples) and max(len(s["response_ids"]) for s in made_up) <= 8
+    assert "ref_logprobs" not in made_up[0]
+    m = fresh(model).eval()
+    torch._dynamo.reset()
+    assert compile_layers(m, True, "cpu")
+    optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    graphs_at_setup = counters["stats"]["unique_graphs"]
+    assert warm_up_update(m, cfg, tok.pad_token_id) > 0
+    graphs_warm = counters["stats"]["unique_graphs"]
+    assert graphs_warm > graphs_at_setup
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    assert all(p.grad is None for p in m.parameters()) and not optimizer.state and not m.training
+    ppo_update(m, optimizer, samples, 0.0, tok.pad_token_id, cfg, random.Random(0), stale=True)
+    assert counters["stats"]["unique_graphs"] == graphs_warm
+    assert "torch.compile does not work" not in capsys.readouterr().out
+    # the fields each advantage and a KL coefficient > 0 need
+    cfg.kl.coef, cfg.advantage = 0.1, "gae"
+    assert {"ref_logprobs", "advantages"} <= set(made_up_samples(cfg, 50)[0])
+
+
+def test_the_warm_up_task_holds_the_state_lock_and_logs_a_failure(setup):
+    # rl/compile_warm_up.start_warm_up runs under the node's state lock (a resumed run's weights
+    # load after it; the first step waits for it); a failing warm-up is logged and the run goes on.
+    import asyncio
+    import contextlib
+    from types import SimpleNamespace
+    from rl.compile_warm_up import start_warm_up
+
+    tok, model, _ = setup
+    cfg = LearnerConfig(algorithm="grpo", group_size=2, prompts_per_step=2, minibatch_size=4, max_response_tokens=4)
+    lines = []
+
+    async def main(pad_id):
+        ctx = SimpleNamespace(state_lock=asyncio.Lock(), log=lines.append, span=lambda name: contextlib.nullcontext())
+        task = start_warm_up(ctx, fresh(model), cfg, pad_id)
+        await asyncio.sleep(0)                    # the task takes the lock first, as in setup
+        async with ctx.state_lock:
+            assert task.done()                    # load_state / the first step came after it
+        await task
+
+    asyncio.run(main(tok.pad_token_id))
+    assert len(lines) == 1 and lines[0].startswith("compile warm-up: ")
+    asyncio.run(main(10**9))                      # a pad id outside the vocabulary: the passes fail
+    assert lines[1].startswith("compile warm-up failed (") and lines[1].endswith("the layers compile in the first step")
+
+
 # --- issue 17's four bugs: each test fails on the learner before the fix -------------------------
 
 def _crafted(tok, model, lengths, scores, failed=()):
