@@ -21,12 +21,17 @@ batch k+2 and the slots drain before the switch. On: it switches between two dec
 responses go on under the new weights (KV cache kept, each token tagged with its version) and batch
 k+2 starts at once in the free slots.
 
+--variants base,packed is issue 21 item 6's before/after on W1-long, in one call: base = today's
+defaults (on-policy, 16-row padded micro-batches, waiting for the tail), packed = max_staleness 1,
+packed token-budget passes and partial rollouts (VARIANTS). With --tiny the micro-batching is the
+CPU default in every variant (a smoke of the flow, not of packing).
+
 Reported per variant, over the steps after --warmup: s/step (wall time between the learner's step
 records) and response tokens/s; the generator's busy % and waiting-for-prompts % (the trace's node
 states, whole run); drain s/step (generator/drain_s summed over the steady window per step: time the
 old weights kept serving with admission stopped) and the mean fraction of decoder slots idle during
 those drains; responses with two versions per step and the mean per-token staleness (learner);
-on a GPU, its idle % over the steady window (trace). Writes OUT/results.json and OUT/<variant>/.
+the learner's padding; on a GPU, its idle % over the steady window (trace). Writes OUT/results.json and OUT/<variant>/.
 """
 
 from __future__ import annotations
@@ -61,23 +66,39 @@ def long_tailed_prompts(paths: dict, cap: int, seed: int = 0) -> str:
     return str(out)
 
 
-def variant(args, shape: dict, long: dict, paths: dict, prompts: str, partial: bool, out: Path, rep: int = 0) -> dict:
-    name = f"partial_{'on' if partial else 'off'}" + (f"_{rep + 1}" if args.repeats > 1 else "")
+# --variants: name -> (generator.partial_rollout, max_staleness, micro-batching of the learner and
+# reference: "rows" = 16-row padded micro-batches, "budget" = token-budget ones (long["budget"]),
+# "packed" = token-budget packed passes). off / on are item 4's pair; base / packed are item 6's
+# before and after for W1-long: today's defaults (on-policy, row micro-batches, waiting for the
+# tail) against async + packing + partial rollouts.
+VARIANTS = {"off": (False, 1, "budget"), "on": (True, 1, "budget"),
+            "base": (False, 0, "rows"), "packed": (True, 1, "packed")}
+
+
+def micro_batching(kind: str, budget: int) -> list[str]:
+    if kind == "rows":
+        return ["learner.micro_batch_size=16", "reference.micro_batch_size=16"]
+    sets = [f"learner.max_tokens_per_micro_batch={budget}", f"reference.max_tokens_per_micro_batch={budget}"]
+    return sets + (["learner.packing=true", "reference.packing=true"] if kind == "packed" else [])
+
+
+def variant(args, shape: dict, long: dict, paths: dict, prompts: str, vname: str, out: Path, rep: int = 0) -> dict:
+    partial, staleness, batching = VARIANTS[vname]
+    name = f"partial_{vname}" + (f"_{rep + 1}" if args.repeats > 1 else "")
     vdir = out / name
     vdir.mkdir(parents=True, exist_ok=True)
     pps, group, cap = long["prompts_per_step"], long["group"], long["cap"]
     sets = [f"policy.path={paths['model']}", f"prompts.path={prompts}", f"reward.path={paths['reward']}",
             f"max_new_tokens={cap}", f"generator.min_new_tokens={cap}", "generator.max_new_tokens_key=max_new_tokens",
             f"generator.max_prompt_tokens={shape['prompt_len']}", f"generator.prompts_per_call={pps}",
-            f"generator.partial_rollout={str(partial).lower()}", "max_staleness=1",
+            f"generator.partial_rollout={str(partial).lower()}", f"max_staleness={staleness}",
             f"prompts_per_step={pps}", f"group_size={group}", f"learner.minibatch_size={pps * group}",
             "learner.ppo_epochs=1", "learner.lr=1e-6", "learner.kl.coef=0.01", "learner.save_final=false"]
     if args.tiny:
         sets += ["placement=cpu"]
     else:
         sets += ["placement=colocated", "num_gpus=1", 'gpu_shares={"learner":0.5}',
-                 f"learner.max_tokens_per_micro_batch={long['budget']}",
-                 f"reference.max_tokens_per_micro_batch={long['budget']}"]
+                 *micro_batching(batching, long["budget"])]
     trace = vdir / "trace.json.gz"
     cmd = [sys.executable, "-m", "dataflow.run", str(ROOT / "graphs/grpo.py"), "--max-steps", str(args.steps),
            "--trace", str(trace), "--out", str(vdir / "run")]
@@ -100,6 +121,7 @@ def variant(args, shape: dict, long: dict, paths: dict, prompts: str, partial: b
                                    if total else 0.0)
         row["mixed_per_step"] = statistics.mean(r.get("samples/mixed_versions", 0) for r in steady)
         row["token_staleness"] = statistics.mean(r.get("staleness/token_mean", r["staleness/mean"]) for r in steady)
+        row["learner_padding"] = statistics.mean(r.get("learner/padding_frac", 0.0) for r in steady)
     if trace.exists():
         try:
             from dataflow.trace.chrome import load_trace
@@ -123,13 +145,14 @@ def table(rows: list[dict]) -> str:
         return format(v, fmt) if isinstance(v, (int, float)) else "-"
 
     lines = [f"{'variant':<14} {'s/step':>7} {'tok/s':>8} {'gen busy':>8} {'gen wait':>8} {'drain s/step':>12} "
-             f"{'idle slots':>10} {'mixed/step':>10} {'tok stale':>9} {'GPU idle':>8}"]
+             f"{'idle slots':>10} {'mixed/step':>10} {'tok stale':>9} {'padding':>8} {'GPU idle':>8}"]
     for r in rows:
         gpu = r.get("idle_steady") or r.get("idle") or {}
         lines.append(f"{r['variant']:<14} {f(r.get('s_per_step'), '7.3f')} {f(r.get('response_tokens_per_s'), '8.0f')} "
                      f"{f(r.get('generator_busy'), '8.1%')} {f(r.get('generator_wait_prompts'), '8.1%')} "
                      f"{f(r.get('drain_s_per_step'), '12.3f')} {f(r.get('drain_free_slots'), '10.1%')} "
                      f"{f(r.get('mixed_per_step'), '10.1f')} {f(r.get('token_staleness'), '9.3f')} "
+                     f"{f(r.get('learner_padding'), '8.1%')} "
                      f"{f(max(gpu.values()) if gpu else None, '8.1%')}")
     return "\n".join(lines)
 
@@ -141,13 +164,16 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=0, help="learner steps per variant (default 10 GPU, 12 tiny)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=0, help="per variant, s (default 270 GPU, 400 tiny)")
-    ap.add_argument("--variants", default="off,on")
+    ap.add_argument("--variants", default="off,on", help=f"of {','.join(VARIANTS)} (VARIANTS says what each is)")
     ap.add_argument("--repeats", type=int, default=1, help="run the variants this many times, interleaved")
     ap.add_argument("--cap", type=int, default=0, help="longest response (default 512 GPU, 256 tiny)")
     ap.add_argument("--prompts-per-step", type=int, default=0, help="default 32 GPU, 16 tiny")
     ap.add_argument("--group", type=int, default=0, help="default 8 GPU, 4 tiny")
     ap.add_argument("--set", action="append", default=[], help="extra --set for both variants")
     args = ap.parse_args()
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; choose from {','.join(VARIANTS)}")
     args.steps = args.steps or (12 if args.tiny else 10)
     args.timeout = args.timeout or (400 if args.tiny else 270)
     kind = "tiny" if args.tiny else "w1"
@@ -161,7 +187,7 @@ def main() -> int:
     rows = []
     for rep in range(args.repeats):
         for v in args.variants.split(","):
-            rows.append(variant(args, shape, long, paths, prompts, v == "on", out, rep))
+            rows.append(variant(args, shape, long, paths, prompts, v, out, rep))
             (out / "results.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "command": sys.argv,
                                                           "workload": {**shape, **long}, "rows": rows}, indent=1))
     print(table(rows), flush=True)
