@@ -85,7 +85,6 @@ def main() -> None:
     dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     B, kv, g, d = a.slots, a.kv_heads, a.heads // a.kv_heads, a.hidden // a.heads
     torch.manual_seed(0)
-    rows = []
 
     def group(name, variants):
         base = None
@@ -95,7 +94,6 @@ def main() -> None:
             base = out if base is None else base
             err = (out.float() - base.float()).abs().max().item()
             us = timed_us(fn) if cuda else float("nan")
-            rows.append((name, label, us, err))
             print(f"{name:34s} {label:34s} {us:8.1f} us   max|diff| {err:.2e}", flush=True)
 
     for L in [int(x) for x in a.lengths.split(",")]:
