@@ -4,6 +4,7 @@
       .save(step, reason, requester)   every replica saves; the requester (ctx.checkpoint) is answered
       .wait()                          until the checkpoint written in the background has committed
       .raise_if_failed()               a failed background write stops the run (NodeFailed)
+      .watch_requests(replicas)        calls that return when a replica asks: the driver's loop waits on them
 
 A save has two phases. Capture: each replica, holding its state lock, takes node.state_dict()
 (after prepare_checkpoint) and its RNG states. Write + commit: the replicas write their files into
@@ -37,7 +38,7 @@ from typing import Any
 
 from dataflow.checkpoint import begin, checkpoints_dir, commit, prune, read_manifest, replica_state_dir, step_dir
 from dataflow.errors import NodeFailed
-from dataflow.failures import unless_the_run_ends, wait_within
+from dataflow.failures import awaitable, result_of, unless_the_run_ends, wait_within
 
 
 class Checkpointer:
@@ -47,6 +48,33 @@ class Checkpointer:
         self.graph, self.hosts, self.monitor = graph, hosts, monitor
         self._writing: asyncio.Future | None = None  # the background write + commit of the last save
         self._failure: NodeFailed | None = None
+        self._asked: dict[str, asyncio.Future | None] = {}  # replica -> its checkpoint_asked() call
+
+    def watch_requests(self, replicas) -> set[asyncio.Future]:
+        """One checkpoint_asked() call out per replica in `replicas` (those running): the driver's
+        loop waits on them beside the run() calls, so a node's ctx.checkpoint is served at once
+        instead of at the next poll. A replica whose call failed (its process died) is not
+        watched again: its requests, after a restart, wait for the polls as before."""
+        for name in [n for n in self._asked if n not in replicas]:
+            self._stop_watching(name)
+        for name in replicas:
+            fut = self._asked.get(name)
+            if fut is not None and fut.done():
+                self._asked[name] = fut = None if isinstance(result_of(fut), BaseException) else \
+                    asyncio.ensure_future(awaitable(self.hosts[name].checkpoint_asked.remote()))
+            elif name not in self._asked:
+                self._asked[name] = fut = asyncio.ensure_future(awaitable(self.hosts[name].checkpoint_asked.remote()))
+        return {f for f in self._asked.values() if f is not None}
+
+    def stop_watching(self) -> None:
+        for name in list(self._asked):
+            self._stop_watching(name)
+
+    def _stop_watching(self, name: str) -> None:
+        fut = self._asked.pop(name)
+        if fut is not None:
+            fut.cancel()
+            fut.add_done_callback(result_of)  # (its error, if it had one, is not news)
 
     async def save(self, step: int | None, reason: str, requester: str | None = None) -> None:
         """Every replica saves its state for `step` (None: the step the run-ending node is at);

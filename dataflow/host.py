@@ -102,7 +102,9 @@ class NodeHost(CheckpointCalls):
         self.state_lock = asyncio.Lock()  # held while saving / loading the node's state
         self.bad_items: dict[str, int] = {}  # channel -> items dropped because they failed to decode
         self._checkpoint_reply: asyncio.Future | None = None
+        self._asked = asyncio.Event()  # set when the node asks for a checkpoint (checkpoint_asked)
         self._write: tuple[str, asyncio.Future] | None = None  # background checkpoint write: (path, its task)
+        self._staging: dict = {}  # the CPU (pinned) buffers captures copy into, reused (checkpoint.pack)
         self._background: set[asyncio.Task] = set()
         # What the node waits for outside channels, for wait_state(): version waits in progress
         # (edge, min version, why, since us) and the publish waiting for a subscriber's ack.

@@ -2,6 +2,7 @@
 checkpoints: dataflow/checkpoint.py has the files, dataflow/checkpointer.py the driver's side).
 
     checkpoint(step)                 the node asks (ctx.checkpoint); the driver answers checkpoint_done
+    checkpoint_asked()               returns when the node asks: the driver's loop wakes on it
     save_state(path, step, background)   under state_lock: take the state; write it now, or copy it
                                      and write it in a thread (async_checkpoint)
     write_done(path)                 that background write has finished (or raises its error)
@@ -18,7 +19,7 @@ from dataflow import checkpoint
 
 class CheckpointCalls:
     """Mixed into NodeHost, whose __init__ sets the attributes used here: node, ctx, state_lock,
-    tracer, steps, emit(), _checkpoint_reply and _write."""
+    tracer, steps, emit(), _checkpoint_reply, _asked, _write and _staging."""
 
     async def checkpoint(self, step: int) -> str:
         """The node asks for a checkpoint of `step`: the driver sees the request at its next poll,
@@ -27,9 +28,19 @@ class CheckpointCalls:
         t = time.perf_counter()
         self._checkpoint_reply = asyncio.get_running_loop().create_future()
         self.emit({"kind": "checkpoint", "step": step})
+        self._asked.set()  # wakes the driver (checkpoint_asked)
         path = await self._checkpoint_reply
         self.emit({"kind": "metrics", "values": {"timing/checkpoint_blocked_s": round(time.perf_counter() - t, 4)}})
         return path
+
+    async def checkpoint_asked(self) -> bool:
+        """Returns once this node has asked for a checkpoint since the last such return. The
+        driver keeps one of these calls out per replica (Checkpointer.watch_requests) and serves
+        the request as soon as it returns, not at its next poll: up to POLL_INTERVAL_S later, the
+        node waiting all along (0.25 s per checkpoint on average, measured on an H200)."""
+        await self._asked.wait()
+        self._asked.clear()
+        return True
 
     async def checkpoint_done(self, path: str | None, error: str | None = None) -> None:
         if self._checkpoint_reply is not None and not self._checkpoint_reply.done():
@@ -61,7 +72,7 @@ class CheckpointCalls:
                 # The copy is what makes this a consistent cut: training changes the live tensors
                 # in place as soon as the lock is released.
                 with self.tracer.span("checkpoint capture"):
-                    packed = await asyncio.to_thread(checkpoint.pack, state, True)
+                    packed = await asyncio.to_thread(checkpoint.pack, state, True, self._staging)
             else:
                 with self.tracer.span("checkpoint save"):
                     await asyncio.to_thread(checkpoint.write_state, path, state)

@@ -128,9 +128,13 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
         status, ended = "done", {}  # replica -> why it ended, if it said (a source whose data ran out)
         ends = functools.partial(ends_the_run, graph, monitor=monitor)  # (replica, its run() result) -> bool
         while running:
-            # The first run() to end (a node that died, failed or returned) is handled at once;
-            # otherwise the loop wakes every POLL_INTERVAL_S to poll the hosts' events.
-            done, _ = await asyncio.wait(running, timeout=POLL_INTERVAL_S, return_when=asyncio.FIRST_COMPLETED)
+            # The first run() to end (a node that died, failed or returned) and a node asking for a
+            # checkpoint are handled at once; otherwise the loop wakes every POLL_INTERVAL_S to
+            # poll the hosts' events.
+            asked = checkpoints.watch_requests(set(running.values()))
+            done, _ = await asyncio.wait([*running, *asked], timeout=POLL_INTERVAL_S,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            done = {fut for fut in done if fut in running}
             # A poll waits for every host's answer, under load for seconds: raced like a save, below.
             _, ending = await unless_the_run_ends(monitor.poll(hosts), running, ends)
             results = {running.pop(fut): result_of(fut) for fut in done} | ending
@@ -187,6 +191,7 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
         raise
     finally:
         discard(running)
+        checkpoints.stop_watching()
         monitor.close()
         await shutdown(hosts, pgs, started_ray, placement.remove_groups)
 

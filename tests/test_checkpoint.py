@@ -9,6 +9,7 @@ import json
 import math
 import os
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +89,30 @@ def test_a_captured_state_is_a_copy_that_training_does_not_change(tmp_path):
     assert all(torch.equal(a, back["optimizer"]["state"][i]["exp_avg"]) for i, a in enumerate(before["exp_avg"]))
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before["model"][k])]
     assert changed and not torch.equal(aliased[1][aliased[0]["model"][changed[0]]["__tensor__"]], before["model"][changed[0]])
+
+
+def test_captures_with_staging_reuse_their_buffers_and_hold_each_state(tmp_path):
+    """async_checkpoint captures copy into the buffers of the previous capture (pack's staging):
+    the second capture of the same layout allocates nothing, holds the state as it was at the
+    second capture, and a tensor whose shape changed gets a buffer of its own."""
+    model, opt = _trained_model_and_optimizer()
+    staging: dict = {}
+    first_tree, first = checkpoint.pack({"model": model.state_dict(), "optimizer": opt.state_dict()}, True, staging)
+    buffers = {name: t.data_ptr() for name, t in first.items()}
+    assert len(staging) == len(first) and all(staging[n] is t for n, t in first.items())
+    model(torch.tensor([[3, 2, 1]])).logits.sum().backward()
+    opt.step()
+    now = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+           "exp_avg": [opt.state[p]["exp_avg"].clone() for p in model.parameters()]}
+    tree, second = checkpoint.pack({"model": model.state_dict(), "optimizer": opt.state_dict()}, True, staging)
+    assert tree == first_tree and {n: t.data_ptr() for n, t in second.items()} == buffers
+    opt.step()  # training goes on while the write runs
+    checkpoint.write_packed(tmp_path / "node", tree, second)
+    back = checkpoint.read_state(tmp_path / "node")
+    assert all(torch.equal(back["model"][k], v) for k, v in now["model"].items())
+    assert all(torch.equal(a, back["optimizer"]["state"][i]["exp_avg"]) for i, a in enumerate(now["exp_avg"]))
+    grown = checkpoint.pack({"w": torch.ones(5)}, True, staging)[1]["t0"]
+    assert torch.equal(grown, torch.ones(5)) and grown.data_ptr() != buffers["t0"] and staging["t0"] is grown
 
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path):
@@ -347,6 +372,22 @@ def test_every_checkpoint_holds_its_step_and_both_modes_write_the_same_files(ray
             assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
             ja, jb = (json.loads((d / checkpoint.STATE_JSON).read_text()) for d in (a, b))
             assert (ja["node"], ja["steps"], ja["rng"].keys()) == (jb["node"], jb["steps"], jb["rng"].keys())
+
+
+def test_a_checkpoint_request_is_served_at_once_not_at_the_next_poll(ray_instance, tmp_path, monkeypatch):
+    """The driver's loop wakes when a node asks for a checkpoint (Checkpointer.watch_requests),
+    not only every POLL_INTERVAL_S: with the interval at 60 s, six checkpoints of the probe, one
+    per step, each wait far less than it (before, each waited for the next poll)."""
+    from dataflow import runtime
+
+    monkeypatch.setattr(runtime, "POLL_INTERVAL_S", 60.0)
+    t = time.perf_counter()
+    summary = run_probe(tmp_path, "async_checkpoint=true")
+    assert summary.steps == 6 and (tmp_path / "checkpoints" / "step_6").is_dir()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    blocked = [r["timing/checkpoint_blocked_s"] for r in records if "timing/checkpoint_blocked_s" in r]
+    assert len(blocked) == 6 and max(blocked) < 10, blocked
+    assert time.perf_counter() - t < 60
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
