@@ -54,7 +54,10 @@ class Checkpointer:
         """One checkpoint_asked() call out per replica in `replicas` (those running): the driver's
         loop waits on them beside the run() calls, so a node's ctx.checkpoint is served at once
         instead of at the next poll. A replica whose call failed (its process died) is not
-        watched again: its requests, after a restart, wait for the polls as before."""
+        watched again: its requests, after a restart, wait for the polls as before. Without a
+        save_interval nothing is watched (a node's own ctx.checkpoint then waits for a poll)."""
+        if not self.graph.save_interval:
+            return set()
         for name in [n for n in self._asked if n not in replicas]:
             self._stop_watching(name)
         for name in replicas:
