@@ -122,7 +122,9 @@ class FixedKLController:
         return {"value": self.value}
 
     def load_state_dict(self, state: dict) -> None:
-        self.value = float(state["value"])
+        """Nothing to restore: a fixed coefficient is a setting, not state, so a run resumed with
+        `--set learner.kl.coef=...` (0 -> 0.05 included, which also adds the reference node)
+        trains with the coefficient it names, not the checkpoint's."""
 
 
 class AdaptiveKLController:
@@ -154,6 +156,8 @@ class AdaptiveKLController:
         return {"value": self.value, "target": self.target, "horizon": self.horizon}
 
     def load_state_dict(self, state: dict) -> None:
-        self.value = float(state["value"])
-        self.target = float(state["target"])
-        self.horizon = float(state["horizon"])
+        """The coefficient it had steered to, if the checkpoint's controller was adaptive too (a
+        run that was fixed starts adapting from the configured coefficient). `target` and
+        `horizon` are settings: a resumed run takes them from its configuration."""
+        if "target" in state:
+            self.value = float(state["value"])

@@ -115,3 +115,23 @@ def test_resume_keeps_the_recorded_settings_and_refuses_changing_what_the_run_is
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert "its latest checkpoint step_8 is damaged (tally/tensors.safetensors is truncated (5 bytes: not even " \
            f"its header)); resume from the newest intact one instead: --resume {run / 'checkpoints' / 'step_6'}" in err
+
+
+def test_resume_with_kl_switched_on_then_off_trains_with_the_coefficient_it_names(capsys, ray_instance, tmp_path):
+    """GRPO without KL has no reference node. Resumed with --set learner.kl.coef=0.05 it gains one,
+    and its steps train with 0.05 (a fixed KL coefficient is a setting: the checkpoint's 0 must not
+    come back with the learner's state); resumed again with 0, the reference goes and so does KL."""
+    run = tmp_path / "run"
+    tiny = ["--set", "prompts_per_step=4", "--set", "group_size=4", "--set", "learner.minibatch_size=8",
+            "--set", "max_staleness=0", "--set", "save_interval=2"]
+    for coef, steps in (("0", 2), ("0.05", 4), ("0", 6)):
+        resume = ["--resume", run] if steps > 2 else [*tiny, "--out", run]
+        rc, out, err = main(capsys, "graphs/grpo.py", *resume, "--set", f"learner.kl.coef={coef}",
+                            "--max-steps", steps)
+        assert rc == 0, err
+        assert ("reference" in json.loads((run / "processes.json").read_text())) == (coef != "0")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    trained = {r["step"]: r for r in records if "kl_coef" in r}
+    assert sorted(trained) == [1, 2, 3, 4, 5, 6]
+    assert [trained[s]["kl_coef"] for s in range(1, 7)] == [0.0, 0.0, 0.05, 0.05, 0.0, 0.0]
+    assert [("kl" in trained[s]) for s in range(1, 7)] == [False, False, True, True, False, False]

@@ -335,15 +335,23 @@ def test_kl_controllers():
             value *= 1 + min(max(kl / 6.0 - 1, -0.2), 0.2) * 256 / 10000
         expected.append(value)
         assert ctl.value == pytest.approx(value, rel=1e-12)
-    restored = AdaptiveKLController(1.0, target=1.0, horizon=1.0)
+    # Resuming: the coefficient an adaptive controller steered to is state; target, horizon and a
+    # fixed coefficient are settings, which the resumed run's configuration gives.
+    restored = AdaptiveKLController(1.0, target=6.0, horizon=10000)
     restored.load_state_dict(ctl.state_dict())
-    assert restored.update(20.0, 100) == ctl.update(20.0, 100)
+    assert restored.value == ctl.value and restored.update(20.0, 100) == ctl.update(20.0, 100)
+    retargeted = AdaptiveKLController(1.0, target=3.0, horizon=500)
+    retargeted.load_state_dict(ctl.state_dict())
+    assert (retargeted.value, retargeted.target, retargeted.horizon) == (ctl.value, 3.0, 500)
 
     fixed = FixedKLController(0.05)
     assert fixed.update(100.0, 1000) == 0.05
-    other = FixedKLController(1.0)
-    other.load_state_dict(fixed.state_dict())
-    assert other.value == 0.05
+    changed = FixedKLController(0.0)  # resumed with --set learner.kl.coef=0 (or any other value)
+    changed.load_state_dict(fixed.state_dict())
+    assert changed.value == 0.0
+    now_adaptive = AdaptiveKLController(0.3, target=6.0, horizon=10000)  # resumed with kl.kind=adaptive
+    now_adaptive.load_state_dict(fixed.state_dict())
+    assert now_adaptive.value == 0.3
 
 
 def test_token_logprobs_compiled_kernel_matches_the_eager_chunks():
