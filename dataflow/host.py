@@ -148,13 +148,17 @@ class NodeHost(CheckpointCalls):
             self._kernels = KernelRecorder(self.tracer.now_us)
         self._phase = "setup"
         t = time.perf_counter()
+        self.tracer.tally = {}  # the spans the node's setup opens (ctx.span): where its start-up went
         try:
             with self.tracer.span("setup"):
                 await self.node.setup()
         except Exception as e:
             return self._failure(e, phase="setup")
-        return {"status": "ready", "device": self.device, "pid": os.getpid(),
-                "stacks": self.stack_server.address, "setup_s": round(time.perf_counter() - t, 3)}
+        finally:
+            parts, self.tracer.tally = self.tracer.tally, None
+        parts = {name: round(us / 1e6, 3) for name, us in parts.items() if name != "setup"}
+        return {"status": "ready", "device": self.device, "pid": os.getpid(), "stacks": self.stack_server.address,
+                "setup_s": round(time.perf_counter() - t, 3), "setup_parts": parts}
 
     # ---- running ----------------------------------------------------------------------------
     async def run(self) -> dict:

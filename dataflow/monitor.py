@@ -73,6 +73,7 @@ class Monitor:
         self.ray_s = 0.0                             # ray.init (or connecting), before t_start
         self.phases: dict[str, float] = {}           # start-up phase -> its end, s after t_start
         self.setup_s: dict[str, float] = {}          # replica -> its node's setup seconds
+        self.setup_parts: dict[str, dict[str, float]] = {}  # replica -> {span its setup opened: seconds}
         self.startup: dict[str, float] = {}          # RunSummary.startup, set by started()
         self.step = resume_step
         self.depths: dict[str, int] = {}
@@ -106,12 +107,16 @@ class Monitor:
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
 
-    def mark(self, phase: str, setup_s: dict[str, float] | None = None) -> None:
+    def mark(self, phase: str, setup_s: dict[str, float] | None = None,
+             setup_parts: dict[str, dict[str, float]] | None = None) -> None:
         """The end of a start-up phase ("actors": every actor process answers; "setup": every node
-        set up, with each replica's own setup seconds), for the running line and RunSummary.startup."""
+        set up, with each replica's own setup seconds and the spans its setup opened), for the
+        running line and RunSummary.startup."""
         self.phases[phase] = time.time() - self.t_start
         if setup_s is not None:
             self.setup_s = setup_s
+        if setup_parts is not None:
+            self.setup_parts = setup_parts
 
     def started(self) -> None:
         """Say where the start-up went (also RunSummary.startup): it counts from Ray being up
@@ -127,7 +132,8 @@ class Monitor:
                  f"start-up {total:.1f} s ({parts}; Ray started {self.ray_s:.1f} s before); "
                  f"metrics -> {self.metrics_path}")
         self.startup = {"total": round(total, 3), "ray": round(self.ray_s, 3), "actors": round(actors, 3),
-                        "setup": round(setup, 3), **{f"setup/{n}": s for n, s in self.setup_s.items()}}
+                        "setup": round(setup, 3), **{f"setup/{n}": s for n, s in self.setup_s.items()},
+                        **{f"setup/{n}/{part}": s for n, parts in self.setup_parts.items() for part, s in parts.items()}}
 
     def say(self, text: str) -> None:
         if not self.options.quiet:

@@ -115,7 +115,8 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
         for name, result in setups.items():
             raise_if_failed(name, result)
         monitor.processes({n: r["pid"] for n, r in setups.items()}, {n: r["stacks"] for n, r in setups.items()})
-        monitor.mark("setup", {n: r.get("setup_s", 0.0) for n, r in setups.items()})
+        monitor.mark("setup", {n: r.get("setup_s", 0.0) for n, r in setups.items()},
+                     {n: r.get("setup_parts", {}) for n, r in setups.items()})
         if resume is not None:  # every replica's state, before any node runs
             await _load_states(hosts, resume, resume_step)
             monitor.say(f"[dataflow] resumed from {resume} at step {resume_step}")

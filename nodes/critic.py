@@ -219,9 +219,10 @@ class Critic(RankCommands, Node):
             check_micro_batch_settings("critic", c.micro_batch_size, c.max_tokens_per_micro_batch)
         except ValueError as e:
             raise UserError(str(e)) from None
-        base, self.tokenizer = policy.load(c.policy)
-        self.model = ValueModel.from_policy(base, gradient_checkpointing=c.gradient_checkpointing)
-        prepare_trained(self.model, self.ctx.device, c.precision)  # fp32 masters (rl/precision.py)
+        with self.ctx.span("load model"):   # a start-up part (setup/critic/load model)
+            base, self.tokenizer = policy.load(c.policy)
+            self.model = ValueModel.from_policy(base, gradient_checkpointing=c.gradient_checkpointing)
+            prepare_trained(self.model, self.ctx.device, c.precision)  # fp32 masters (rl/precision.py)
         self.model.eval()
         if c.packing:  # before TP / FSDP and compile, which wrap the layers
             self.ctx.log(f"packed passes, attention: {use_varlen_attention(self.model, self.ctx.device)}")

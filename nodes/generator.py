@@ -143,7 +143,8 @@ class Generator(Node):
     async def setup(self):
         c = self.config
         self.prompts_per_call = prompts_per_call(c, self.ctx.device)  # the HF loop's; the decoder's below
-        self.model, self.tokenizer = policy.load(c.policy)
+        with self.ctx.span("load model"):   # spans in setup: the run's start-up parts (setup/generator/...)
+            self.model, self.tokenizer = policy.load(c.policy)
         self.stop_ids = policy.stop_token_ids(self.model, self.tokenizer, c.stop_token_ids)
         if self.stop_ids != [self.tokenizer.eos_token_id] or c.stop_strings:
             self.ctx.log(f"generator: responses stop at ids {self.stop_ids} "
@@ -160,7 +161,8 @@ class Generator(Node):
         self.model.to(held, dtype=resolve_dtype(c.dtype, self.ctx.device)).eval()
         self.version = 0
         self.weight_sync = GeneratorWeightSync(self.ctx, c.weight_sync)
-        await self.weight_sync.setup(self.model)
+        with self.ctx.span("weight sync setup"):
+            await self.weight_sync.setup(self.model)
         self.decoder = None
         if backend == "hf":
             return
@@ -186,11 +188,12 @@ class Generator(Node):
                              f"{wanted * c.group_size}: a slot's KV cache is {slot / 2**20:.0f} MiB and this "
                              f"replica has {room / 2**30:.1f} GiB to use; set generator.prompts_per_call "
                              "(and generator.max_prompt_tokens) to choose")
-        self.decoder = StaticDecoder(
-            self.model, self.prompts_per_call * c.group_size, self.max_prompt + c.max_new_tokens,
-            eos_id=self.stop_ids, max_new_tokens=c.max_new_tokens,
-            min_new_tokens=c.min_new_tokens, temperature=c.temperature, top_k=c.top_k,
-            seed=c.seed, cuda_graphs=c.cuda_graphs, compile_layers=c.compile)
+        with self.ctx.span("build decoder"):
+            self.decoder = StaticDecoder(
+                self.model, self.prompts_per_call * c.group_size, self.max_prompt + c.max_new_tokens,
+                eos_id=self.stop_ids, max_new_tokens=c.max_new_tokens,
+                min_new_tokens=c.min_new_tokens, temperature=c.temperature, top_k=c.top_k,
+                seed=c.seed, cuda_graphs=c.cuda_graphs, compile_layers=c.compile)
 
     async def run(self):
         if self.decoder is None:

@@ -188,9 +188,10 @@ class Learner(RankCommands, Node):
                             f"learner.tp = 1; declare it with replicas=dp*tp")
         self._pending_state = None  # dp x tp: a loaded (model, optimizer) state, spread in run()
         self._saved = None          # dp x tp: (model, optimizer) gathered for state_dict()
-        self.model, self.tokenizer = policy.load(c.policy)
-        # fp32 master weights even from a bf16 checkpoint (precision.prepare_trained).
-        prepare_trained(self.model, self.ctx.device, c.precision).eval()
+        with self.ctx.span("load model"):   # spans in setup: the run's start-up parts (setup/learner/...)
+            self.model, self.tokenizer = policy.load(c.policy)
+            # fp32 master weights even from a bf16 checkpoint (precision.prepare_trained).
+            prepare_trained(self.model, self.ctx.device, c.precision).eval()
         check_config(c, self.ctx.max_steps)
         # Before TP / FSDP and compile, which wrap the layers these switch.
         if c.gradient_checkpointing:
@@ -217,7 +218,8 @@ class Learner(RankCommands, Node):
         self.duplicates = 0
         self.bad_updates = 0  # optimizer steps skipped in a row (non-finite loss or gradient)
         self.weight_sync = LearnerWeightSync(self.ctx, c.weight_sync)
-        await self.weight_sync.setup(self.model, self.ranks)
+        with self.ctx.span("weight sync setup"):
+            await self.weight_sync.setup(self.model, self.ranks)
 
     def state_dict(self) -> dict:
         if self.ranks is None:

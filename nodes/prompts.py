@@ -112,10 +112,12 @@ class PromptSource(Node):
     async def setup(self):
         c = self.config
         self.data = self.val = None
-        tokenizer = policy.load_tokenizer(c.policy) if c.policy.path and (c.path or c.val.path) else None
+        with self.ctx.span("load tokenizer"):   # spans in setup: the run's start-up parts (setup/prompts/...)
+            tokenizer = policy.load_tokenizer(c.policy) if c.policy.path and (c.path or c.val.path) else None
         if c.val.path:
             c.val.check()
-            self.val = data.open_prompts(c.val.path, c, tokenizer, c.policy.path, setting="prompts")
+            with self.ctx.span("read validation prompts"):
+                self.val = data.open_prompts(c.val.path, c, tokenizer, c.policy.path, setting="prompts")
             self.val_rows = min(len(self.val), c.val.max_prompts or len(self.val))
             if self.val_rows == 0:
                 raise UserError(f"val.path={c.val.path}: no usable rows")
@@ -125,7 +127,8 @@ class PromptSource(Node):
         self.next_round = 0       # the next validation round (a policy version) to send
         self.sent_rounds: list[int] = []
         if c.path:
-            self.data = data.open_prompts(c.path, c, tokenizer, c.policy.path, setting="prompts")
+            with self.ctx.span("read prompts"):
+                self.data = data.open_prompts(c.path, c, tokenizer, c.policy.path, setting="prompts")
             if self.data.skipped:
                 self.ctx.log(f"skipped {self.data.skipped} bad rows of {c.path}")
             if self.data.truncated:

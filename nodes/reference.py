@@ -87,8 +87,9 @@ class Reference(Node):
             check_micro_batch_settings("reference", c.micro_batch_size, c.max_tokens_per_micro_batch)
         except ValueError as e:
             raise UserError(str(e)) from None
-        self.model, self.tokenizer = policy.load(c.policy)
-        prepare_frozen(self.model, self.ctx.device, c.precision)
+        with self.ctx.span("load model"):   # a start-up part (setup/reference/load model)
+            self.model, self.tokenizer = policy.load(c.policy)
+            prepare_frozen(self.model, self.ctx.device, c.precision)
         if c.packing:
             self.ctx.log(f"packed passes, attention: {use_varlen_attention(self.model, self.ctx.device)}")
         compile_layers(self.model, compile_setting(c.compile, c.packing), self.ctx.device)

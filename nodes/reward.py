@@ -79,8 +79,10 @@ class Reward(Node):
 
     async def setup(self):
         c = self.config
-        self.tokenizer = tasks.load_tokenizer(c.tokenizer_path) if c.tokenizer_path else tasks.build_tokenizer()
-        self.fn = load_reward_fn(c.path, c.function, c.weights) if c.path else None
+        with self.ctx.span("load tokenizer"):   # spans in setup: the run's start-up parts (setup/reward/...)
+            self.tokenizer = tasks.load_tokenizer(c.tokenizer_path) if c.tokenizer_path else tasks.build_tokenizer()
+        with self.ctx.span("load reward file"):
+            self.fn = load_reward_fn(c.path, c.function, c.weights) if c.path else None
         self.runner = RewardRunner(self.fn, c.timeout_s, c.max_concurrency) if self.fn else None
         self.failed_total = self.scored_total = self.timeouts_total = 0
         self.failing_prompts = 0                       # consecutive prompts with every response failed

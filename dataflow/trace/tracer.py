@@ -89,6 +89,7 @@ class Tracer:
         self._open = [0, 0, 0]        # open spans per kind
         self._open_channels = [None, {}, {}]  # per idle kind: channel -> open spans
         self._live: set = set()       # the spans open now (open_spans(): the driver's stall diagnosis)
+        self.tally: dict | None = None  # while a dict: busy span name -> us, never drained (the host's setup parts)
         self._util_bucket = None      # utilization counter: current bucket, since when, us per state
         self._util_from = 0
         self._util_acc = [0, 0, 0, 0]
@@ -241,6 +242,8 @@ class Tracer:
             del open_[channel]
 
     def _count_span(self, name: str, dur: int) -> None:
+        if self.tally is not None:
+            self.tally[name] = self.tally.get(name, 0) + dur
         s = self._spans.get(name)
         if s is None:
             self._spans[name] = [1, dur]
