@@ -213,7 +213,7 @@ def main() -> None:
             except Exception as e:   # version- and device-dependent; report, do not fail the benchmark
                 print(f"  {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
-    print(f"\n| method | seconds | response tokens/s | note |\n|---|---|---|---|")
+    print("\n| method | seconds | response tokens/s | note |\n|---|---|---|---|")
     for name, s, tps, note in rows:
         print(f"| {name} | {s:.2f} | {tps:,.0f} | {note} |")
     print(f"\ntotal {time.time() - t_start:.0f} s")

@@ -241,7 +241,7 @@ def main() -> None:
         ray.shutdown()
         return
     if args.compare == "modes":
-        runs = [(f"sync (max_staleness=0)", args.graph, ["max_staleness=0"]),
+        runs = [("sync (max_staleness=0)", args.graph, ["max_staleness=0"]),
                 (f"async (max_staleness={args.async_staleness})", args.graph, [f"max_staleness={args.async_staleness}"])]
     else:  # the same samples per step: 256 PPO samples = 32 prompts x 8 GRPO responses
         runs = [("ppo", str(ROOT / "graphs/ppo.py"), ["prompts_per_step=256"]),

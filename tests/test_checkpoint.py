@@ -18,7 +18,6 @@ import torch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import ray  # noqa: E402
 
 from dataflow import checkpoint, checkpointer, snapshots  # noqa: E402
 from dataflow.runtime import RunOptions, load_graph, run_graph  # noqa: E402

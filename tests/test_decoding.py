@@ -220,7 +220,6 @@ def test_unsupported_models_are_named(tok):
 
 
 def test_prompts_per_call_auto_fills_256_slots_on_cuda_and_32_prompts_on_cpu():
-    from dataflow.errors import UserError
     from nodes.generator import GeneratorConfig, prompts_per_call
 
     assert prompts_per_call(GeneratorConfig(group_size=8), "cuda") == 32      # GRPO: 32 x 8 slots

@@ -151,7 +151,7 @@ def test_unknown_pool_and_pool_declaration_mistakes():
     node_line = line_of('g.node("square", Square')
     assert f"{THIS}:{node_line}: node 'square': unknown pool 'trian' (pools: train)" in msg
     assert "declare it with g.pool('trian', gpus=N) or fix the name" in msg
-    assert f"pool 'train' has no nodes; give a node pool='train' or remove the pool" in msg
+    assert "pool 'train' has no nodes; give a node pool='train' or remove the pool" in msg
 
     g = toy(square={"pool": "p", "gpus": 0.5})
     g.pool("p", gpus=0.5)

@@ -14,7 +14,6 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import ray  # noqa: E402
 
 from dataflow.runtime import RunOptions, load_graph, run_graph  # noqa: E402
 

@@ -21,12 +21,11 @@ import torch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import ray  # noqa: E402
 
 from dataflow import Node, checkpoint  # noqa: E402
 from dataflow.codec import Message, encode  # noqa: E402
 from dataflow.host import HostSpec, NodeHost  # noqa: E402
-from dataflow.runtime import RunOptions, load_graph, run_graph  # noqa: E402
+from dataflow.runtime import RunOptions, load_graph  # noqa: E402
 from nodes.learner import Learner, LearnerConfig, ppo_update, step_advantages  # noqa: E402
 from rl.models import ModelConfig, build_policy, sample_responses  # noqa: E402
 from rl.policy import PolicySpec  # noqa: E402

@@ -117,7 +117,7 @@ def test_asynchronous_run_hf_loop_and_wandb_offline(tmp_path, monkeypatch):
     """max_staleness=1, the HF sampling loop (validation prompts in calls of their own), a round
     after every step, TensorBoard and (when installed) wandb in offline mode."""
     val_path = tmp_path / "val.jsonl"
-    rows = write_val_file(val_path)
+    write_val_file(val_path)
     use_wandb = importlib.util.find_spec("wandb") is not None
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -16,7 +16,6 @@ import torch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import ray  # noqa: E402
 
 from dataflow.errors import NodeFailed, UserError  # noqa: E402
 from dataflow.weights.hybrid_engine import WeightPushError  # noqa: E402

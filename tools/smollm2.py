@@ -32,7 +32,6 @@ import argparse
 import copy
 import importlib.metadata
 import importlib.util
-import json
 import os
 import shutil
 import sys
