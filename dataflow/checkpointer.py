@@ -63,10 +63,10 @@ class Checkpointer:
         for name in replicas:
             fut = self._asked.get(name)
             if fut is not None and fut.done():
-                self._asked[name] = fut = None if isinstance(result_of(fut), BaseException) else \
+                self._asked[name] = None if isinstance(result_of(fut), BaseException) else \
                     asyncio.ensure_future(awaitable(self.hosts[name].checkpoint_asked.remote()))
             elif name not in self._asked:
-                self._asked[name] = fut = asyncio.ensure_future(awaitable(self.hosts[name].checkpoint_asked.remote()))
+                self._asked[name] = asyncio.ensure_future(awaitable(self.hosts[name].checkpoint_asked.remote()))
         return {f for f in self._asked.values() if f is not None}
 
     def stop_watching(self) -> None:

@@ -22,9 +22,10 @@ class CheckpointCalls:
     tracer, steps, emit(), _checkpoint_reply, _asked, _write and _staging."""
 
     async def checkpoint(self, step: int) -> str:
-        """The node asks for a checkpoint of `step`: the driver sees the request at its next poll,
-        has every replica save (this one included, via save_state) and answers checkpoint_done.
-        The time the node waited is reported as `timing/checkpoint_blocked_s`."""
+        """The node asks for a checkpoint of `step`: the driver, woken by checkpoint_asked (or at
+        its next poll, if it is not watching this replica), has every replica save (this one
+        included, via save_state) and answers checkpoint_done. The time the node waited is
+        reported as `timing/checkpoint_blocked_s`."""
         t = time.perf_counter()
         self._checkpoint_reply = asyncio.get_running_loop().create_future()
         self.emit({"kind": "checkpoint", "step": step})
@@ -36,8 +37,8 @@ class CheckpointCalls:
     async def checkpoint_asked(self) -> bool:
         """Returns once this node has asked for a checkpoint since the last such return. The
         driver keeps one of these calls out per replica (Checkpointer.watch_requests) and serves
-        the request as soon as it returns, not at its next poll: up to POLL_INTERVAL_S later, the
-        node waiting all along (0.25 s per checkpoint on average, measured on an H200)."""
+        the request as soon as it returns, not at its next poll: up to POLL_INTERVAL_S (0.5 s)
+        later, with the node waiting all along."""
         await self._asked.wait()
         self._asked.clear()
         return True
