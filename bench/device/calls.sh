@@ -6,6 +6,7 @@
 #   source bench/device/setup.sh && source bench/device/calls.sh
 #   rl grpo_async 300 --steps 100 --eval-every 10 --lr 5e-6 --trace --set max_staleness=1
 #   variants var_dr 250 --steps 40 --val-every 20 --budget-s 225 --variants dr_grpo --seeds 1
+#   TORCHINDUCTOR_CACHE_DIR=/tmp/ic_w1 partial w1long 500 --steps 10 --timeout 230 --variants base,packed
 #
 # Model and data: /tmp/real/smollm2 and /tmp/real/arithmetic (setup.sh). Runs write under /tmp/runs
 # (their checkpoints stay there); $OUT/<name>.tgz comes back.
@@ -25,6 +26,24 @@ rl() {  # rl <name> <timeout s> <bench/real_rl.py args...>
   cp "$run"/curve.json "$run"/curve.md "$run"/curve.png "$run"/actor_logs.tgz "$dest"/ 2>/dev/null
   [ -f "$run/run/metrics.jsonl" ] && gzip -c "$run/run/metrics.jsonl" > "$dest/metrics.jsonl.gz"
   [ -f "$run/trace.json" ] && timeout 40 gzip -1 -c "$run/trace.json" > "$dest/trace.json.gz"
+  pack "$name"
+}
+
+partial() {  # partial <name> <timeout s> <bench/partial_rollout.py args...>: W1-long's variants
+  # The run directory holds the W1 workload's model (1 GB): only results, output, metrics and
+  # traces come back (2026-12-03: a tar of all of it was 784 MB and was left out).
+  local name=$1 limit=$2; shift 2
+  local run=/tmp/runs/$name dest=$OUT/$name
+  mkdir -p "$dest"
+  echo "== $name $(date +%T) (call at ${SECONDS}s)"
+  timeout "$limit" python3 bench/partial_rollout.py --out "$run" "$@" > "$dest/stdout.txt" 2>&1
+  echo "   rc=$? $(date +%T)"; tail -4 "$dest/stdout.txt" | cut -c1-200
+  cp "$run"/results.json "$dest"/ 2>/dev/null
+  for d in "$run"/*/; do
+    local b; b=$(basename "$d")
+    [ -f "$d/run/metrics.jsonl" ] && gzip -c "$d/run/metrics.jsonl" > "$dest/${b}_metrics.jsonl.gz"
+    [ -f "$d/trace.json.gz" ] && cp "$d/trace.json.gz" "$dest/${b}_trace.json.gz"
+  done
   pack "$name"
 }
 
