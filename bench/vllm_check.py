@@ -20,7 +20,8 @@ Parts (each writes into OUT/results.json as it finishes, so a cut-off call keeps
                flash_attn_with_kvcache call to vllm.vllm_flash_attn.flash_attn_varlen_func (0.26
                bundles no flash_attn_with_kvcache): W1 speed and teacher-forced logits vs sdpa.
   grpo         W1 GRPO (sync, one H200, colocated) for --grpo-steps through the graph
-               (bench/gpu_step.py's variant runner), generator.backend=static vs vllm.
+               (bench/gpu_step.py's variant runner), generator.backend=static vs vllm, and vllm with
+               sleep mode (the engine frees its KV cache while the learner trains): --grpo-variants.
 
 Expect ~6-8 min for correctness+speed+flash (two vLLM engine starts, ~1 min each cold) and ~5 min
 for grpo: run them as two calls (--parts correctness,speed,flash then --parts grpo) under a
@@ -298,11 +299,13 @@ def grpo_part(args, out: Path) -> list[dict]:
     shape = gpu_step.SHAPES["w1"]
     paths = gpu_step.build_workload(W1_DIR, shape, num_prompts=1024)
     rows = []
-    for backend in ("static", "vllm"):
+    for variant in args.grpo_variants.split(","):
+        backend, _, sleep = variant.partition("-sleep")
+        sets = [f"generator.backend={backend}"] + ([f"generator.vllm.sleep_level={sleep}"] if sleep else [])
         a = argparse.Namespace(gpus=1, micro_batch=0, ref_micro_batch=0, tiny=False, steps=args.grpo_steps,
-                               warmup=2, trace_kernels=[], set=[f"generator.backend={backend}"])
-        row = gpu_step.dataflow_variant(a, shape, paths, "grpo", "sync", out / f"grpo-{backend}", args.grpo_timeout)
-        row["backend"] = backend
+                               warmup=2, trace_kernels=[], set=sets)
+        row = gpu_step.dataflow_variant(a, shape, paths, "grpo", "sync", out / f"grpo-{variant}", args.grpo_timeout)
+        row["backend"] = variant
         rows.append(row)
         RESULTS["grpo"] = rows
         save(out)
@@ -332,7 +335,7 @@ def table() -> str:
         add("flash", "W1", "static decoder flash path", f.get("error", "?")[:80])
     for r in RESULTS.get("grpo", []):
         add("grpo", "W1", "backend=%s (sync, 1 GPU)" % r["backend"],
-            "%.2f s/step" % r["s_per_step"] if r.get("s_per_step") else r["status"])
+            "%.2f s/step, peak %s GB" % (r["s_per_step"], r.get("peak_mem_gb")) if r.get("s_per_step") else r["status"])
     return "\n".join(lines)
 
 
@@ -343,6 +346,8 @@ def main() -> int:
     p.add_argument("--parts", default="correctness,speed,flash,grpo")
     p.add_argument("--grpo-steps", type=int, default=8)
     p.add_argument("--grpo-timeout", type=float, default=300.0)
+    p.add_argument("--grpo-variants", default="static,vllm,vllm-sleep1",
+                   help="generator backends for the grpo part; vllm-sleepN: generator.vllm.sleep_level=N")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("bench/vllm_check.py needs a CUDA GPU (vLLM's engine); the CPU parts are tests/test_vllm_backend.py")

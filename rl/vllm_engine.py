@@ -34,6 +34,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -268,6 +269,7 @@ class VllmDecoder:
         self._lock = threading.RLock()
         self._timer: threading.Timer | None = None
         self.asleep = False
+        self.sleeps = 0
         self.weight_loads = 0
 
     # ----- the StaticDecoder interface --------------------------------------------------------
@@ -337,8 +339,10 @@ class VllmDecoder:
             self._timer.cancel()
             self._timer = None
         if self.asleep:
+            t = time.perf_counter()
             self.llm.wake_up()
             self.asleep = False
+            self._note(f"awake in {time.perf_counter() - t:.2f} s")
         version = self.version()
         if version != self.loaded:
             self.load_weights()
@@ -369,10 +373,21 @@ class VllmDecoder:
             self._timer = None
             if self.requests or self.asleep:
                 return
+            import torch
+
+            free, t = torch.cuda.mem_get_info()[0], time.perf_counter()
             self.llm.sleep(level=self.config.sleep_level)
             self.asleep = True
+            self.sleeps += 1
+            self._note(f"asleep (level {self.config.sleep_level}) in {time.perf_counter() - t:.2f} s, "
+                       f"{(torch.cuda.mem_get_info()[0] - free) / 2**30:.1f} GiB of the GPU freed")
             if self.config.sleep_level == 2:
                 self.loaded = None          # weights freed: reload on waking
+
+    def _note(self, text: str) -> None:
+        # the first sleeps and wake-ups, with their cost: what sleep mode buys and takes per step
+        if self.sleeps <= 3:
+            self.log(f"generator: vLLM {text}")
 
     def close(self) -> None:
         with self._lock:

@@ -1,7 +1,7 @@
 # Sourced on the device machine (bash), after the calls of bench/device/payload.sh: reassemble and
 # check the parts sent to /tmp, install them into /tmp/site (once per lease), convert SmolLM2 and
 # write the arithmetic task (once), and export PYTHONPATH and the environment the benches expect.
-R=$PWD; K=/tmp/vllmkit; X=/tmp/xkit
+R=$PWD; K=/tmp/vllmkit; X=/tmp/xkit; t0=$SECONDS
 if [ ! -f /tmp/site/.done ]; then
   want=$(wc -l < .gpu/XPARTS); have=$(ls $X/xpart* 2>/dev/null | wc -l)
   [ "$want" = "$have" ] || { echo "setup: $have of $want .gpu parts in $X: the machine went back; send them again"; return 3; }
@@ -18,7 +18,8 @@ if [ ! -f /tmp/site/.done ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${wheels[@]}" || return 5
   [ -d $K/x/shadow ] && python3 .vllm-kit/install_shadows.py $K/x/shadow /tmp/site
   touch /tmp/site/.done
+  echo "setup: parts checked and installed in $((SECONDS - t0)) s"
 fi
 export PYTHONPATH=/tmp/site:$R VLLM_USE_FLASHINFER_SAMPLER=0 RAY_DEDUP_LOGS=0 PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
-[ -f /tmp/real/smollm2/config.json ] || python3 tools/smollm2.py /tmp/real/smollm2 2>&1 | tail -2
+[ -f /tmp/real/smollm2/config.json ] || { python3 tools/smollm2.py /tmp/real/smollm2 2>&1 | tail -2; echo "setup: SmolLM2 converted at $((SECONDS - t0)) s"; }
 [ -d /tmp/real/arithmetic ] || python3 tools/make_arithmetic.py /tmp/real/arithmetic --seed 0 2>&1 | tail -1
