@@ -344,6 +344,8 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--model-dir", default="", help="SmolLM2-135M-Instruct directory (tools/smollm2.py)")
     p.add_argument("--parts", default="correctness,speed,flash,grpo")
+    p.add_argument("--workloads", default="W1,SmolLM2",
+                   help="which workloads the correctness and speed parts run (SmolLM2 needs --model-dir)")
     p.add_argument("--grpo-steps", type=int, default=8)
     p.add_argument("--grpo-timeout", type=float, default=300.0)
     p.add_argument("--grpo-variants", default="static,vllm,vllm-sleep1",
@@ -354,7 +356,7 @@ def main() -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    parts = set(args.parts.split(","))
+    parts, workloads = set(args.parts.split(",")), set(args.workloads.split(","))
     RESULTS.update(machine=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), parts=sorted(parts))
     try:
         if parts & {"correctness", "speed", "flash"}:
@@ -367,10 +369,10 @@ def main() -> int:
                     RESULTS["flash"] = {"error": f"{type(e).__name__}: {e}"}
                     log(f"flash failed: {RESULTS['flash']['error']}")
                 save(out)
-            if "speed" in parts:   # static first: torch.compile before vLLM's engine is in the process
+            if "speed" in parts and "W1" in workloads:   # static first: torch.compile before vLLM's engine is in the process
                 RESULTS.setdefault("speed", []).append(static_speed("W1", model, prompts, stop, new, new, 1))
                 save(out)
-            if parts & {"correctness", "speed"}:
+            if parts & {"correctness", "speed"} and "W1" in workloads:
                 version = [0]
                 dec = engine(paths["model"], model, 256, shape["prompt_len"] + new, stop, new, new,
                              lambda: version[0], 0.3)
@@ -384,7 +386,7 @@ def main() -> int:
                 del dec
             del model
             torch.cuda.empty_cache()
-            if args.model_dir and parts & {"correctness", "speed"}:
+            if args.model_dir and parts & {"correctness", "speed"} and "SmolLM2" in workloads:
                 model, tok = policy.load(policy.PolicySpec(path=args.model_dir))
                 model.to("cuda", dtype=torch.bfloat16).eval()
                 stop = policy.stop_token_ids(model, tok)

@@ -25,7 +25,7 @@ if [ "$VLLM" = 1 ] && [ ! -f .vllm-kit/chunks/SHA256SUMS ]; then
   rm -rf .vllm-kit && cp -r ../shared/device/vllm_kit .vllm-kit
   PY312=${PY312:-$(command -v python3.12 || echo /root/.pyenv/versions/3.12.1/bin/python3.12)}
   (cd .vllm-kit && PY312=$PY312 PYPI_TSV=${PYPI_TSV:-/work/.library/env/packages/pypi.tsv} python3 resolve.py >resolve.log \
-     && bash make_chunks.sh >chunks.log)
+     && CHUNK_MIB=50 bash make_chunks.sh >chunks.log)
 fi
 [ -d .whl ] || bash ../shared/device/wheels.sh
 rm -rf .gpu/stage .gpu/xpart* && mkdir -p .gpu/stage/wheels
