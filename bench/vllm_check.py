@@ -19,6 +19,10 @@ Parts (each writes into OUT/results.json as it finishes, so a cut-off call keeps
   flash        the static decoder with attention="flash" through an adapter from its
                flash_attn_with_kvcache call to vllm.vllm_flash_attn.flash_attn_varlen_func (0.26
                bundles no flash_attn_with_kvcache): W1 speed and teacher-forced logits vs sdpa.
+  sleep        W1 on an engine whose worker has a process of its own (executor "mp", the tensor
+               parallel path: weights go as CUDA IPC handles): behaviour vs recomputed log-probs after a
+               push, after sleep level 1 and after sleep level 2 (weights freed), each with a push
+               while asleep; sleep and wake times, GPU memory freed.
   grpo         W1 GRPO (sync, one H200, colocated) for --grpo-steps through the graph
                (bench/gpu_step.py's variant runner), generator.backend=static vs vllm, and vllm with
                sleep mode (the engine frees its KV cache while the learner trains): --grpo-variants.
@@ -185,11 +189,7 @@ def check_model(name: str, model, prompts, stop_ids, group: int, dec: VllmDecode
     own = drive(sd, batch, group)
     row["static_logprobs_vs_learner"] = diff(own, recompute(model, own))
     del sd
-    with torch.no_grad():    # the push: every weight moved by ~10% of its spread (a new version)
-        gen = torch.Generator(device="cuda").manual_seed(1)
-        for p in model.parameters():
-            noise = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
-            p.add_((noise * 0.1 * p.float().std()).to(p.dtype))
+    perturb(model, 1)       # the push: a new version
     version[0] = 1
     t = time.time()
     dec.refresh()
@@ -295,6 +295,60 @@ def _flash_rows(model, prompts, stop_ids, new: int) -> dict:
     return row
 
 
+def perturb(model, seed: int) -> None:
+    """A new weight version: every weight moved by ~10% of its spread."""
+    with torch.no_grad():
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
+            p.add_((noise * 0.1 * p.float().std()).to(p.dtype))
+
+
+def sleep_part(model_dir: str, model, prompts, stop_ids, new: int) -> dict:
+    """Sleep mode and the multi-process weight path, on one engine whose worker runs in a process of
+    its own (executor "mp", what tensor parallel uses: weights go as CUDA IPC handles). After each
+    event (a push; sleep level 1 with a push while asleep; sleep level 2, weights freed, with a push
+    while asleep) the behaviour log-probs are checked against the learner's recomputation on the
+    same weights: a stale or garbage weight would show as a gap far above the awake one."""
+    from rl.vllm_engine import VllmConfig
+
+    batch, group, version = prompts[:32], 8, [0]
+    t = time.time()
+    dec = VllmDecoder(model_dir, model, num_slots=256, max_len=len(batch[0]) + new, stop_ids=stop_ids,
+                      max_new_tokens=new, min_new_tokens=new, temperature=1.0, seed=0, gpu_memory_utilization=0.3,
+                      config=VllmConfig(sleep_level=1, sleep_idle_s=3600), executor="mp",
+                      version=lambda: version[0], loaded=0, log=log)
+    row: dict = {"engine_start_s": time.time() - t, "remote_workers": dec.remote_workers}
+
+    def check(name: str) -> None:
+        samples = drive(dec, batch, group)
+        row[name] = diff(samples, recompute(model, samples))
+        log(f"sleep part, {name}: {row[name]}")
+
+    check("awake")
+    perturb(model, 1)
+    version[0] = 1
+    t = time.time()
+    dec.refresh()                       # the push, through CUDA IPC handles to the worker process
+    row["push_ipc_s"] = time.time() - t
+    check("after_push_ipc")
+    for level in (1, 2):
+        dec.config.sleep_level = level
+        free = torch.cuda.mem_get_info()[0]
+        t = time.time()
+        dec._sleep()
+        row[f"sleep{level}_s"] = time.time() - t
+        row[f"sleep{level}_freed_gib"] = (torch.cuda.mem_get_info()[0] - free) / 2**30
+        perturb(model, 1 + level)       # the learner trains while the engine sleeps
+        version[0] += 1
+        t = time.time()
+        dec.refresh()                   # wake up, then load the new version
+        row[f"wake{level}_and_load_s"] = time.time() - t
+        check(f"after_sleep{level}_and_push")
+    dec.close()
+    return row
+
+
 def grpo_part(args, out: Path) -> list[dict]:
     shape = gpu_step.SHAPES["w1"]
     paths = gpu_step.build_workload(W1_DIR, shape, num_prompts=1024)
@@ -333,6 +387,14 @@ def table() -> str:
             "%.2f s vs %.2f s, logits diff %.3g" % (f["sdpa_s"], f["flash_s"], f["teacher_forced_logits_max_abs_diff"]))
     elif f:
         add("flash", "W1", "static decoder flash path", f.get("error", "?")[:80])
+    sl = RESULTS.get("sleep") or {}
+    for key in ("awake", "after_push_ipc", "after_sleep1_and_push", "after_sleep2_and_push"):
+        if key in sl:
+            add("sleep", "W1", "mp worker: " + key, "mean %.4f max %.3f" % (sl[key]["mean_abs"], sl[key]["max_abs"]))
+    for level in (1, 2):
+        if f"sleep{level}_s" in sl:
+            add("sleep", "W1", f"level {level}: sleep / wake+load s, GiB freed", "%.2f / %.2f, %.1f" % (
+                sl[f"sleep{level}_s"], sl[f"wake{level}_and_load_s"], sl[f"sleep{level}_freed_gib"]))
     for r in RESULTS.get("grpo", []):
         add("grpo", "W1", "backend=%s (sync, 1 GPU)" % r["backend"],
             "%.2f s/step, peak %s GB" % (r["s_per_step"], r.get("peak_mem_gb")) if r.get("s_per_step") else r["status"])
@@ -402,6 +464,12 @@ def main() -> int:
                 if "correctness" in parts:
                     RESULTS.setdefault("correctness", []).append(check_model("SmolLM2", model, prompts, stop, 8, dec, version))
                     save(out)
+        if "sleep" in parts:
+            shape, paths, model, tok, prompts = w1_setup()
+            RESULTS["sleep"] = sleep_part(paths["model"], model, prompts, [tok.eos_token_id], shape["response_len"])
+            save(out)
+            del model
+            torch.cuda.empty_cache()
         if "grpo" in parts:
             grpo_part(args, out)
     finally:

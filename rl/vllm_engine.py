@@ -244,7 +244,8 @@ class VllmDecoder:
                  top_k: int = 0, seed: int = 0, stop_strings: list[str] | tuple = (),
                  dtype: str = "bfloat16", gpu_memory_utilization: float = 0.5,
                  tensor_parallel_size: int = 1, config: VllmConfig | None = None,
-                 version=lambda: 0, loaded: int | None = 0, dummy_weights: bool = False, log=print):
+                 version=lambda: 0, loaded: int | None = 0, dummy_weights: bool = False,
+                 executor: str | None = None, log=print):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # the engine core in this process
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # not in the GPU machine's kit
         from vllm import LLM
@@ -253,13 +254,17 @@ class VllmDecoder:
         self.model, self.version, self.loaded, self.log = model, version, loaded, log
         self.num_slots, self.max_len, self.max_new_tokens = num_slots, max_len, max_new_tokens
         self.stop_ids = [int(i) for i in stop_ids]
-        self.temperature, self.seed, self.tp = temperature, seed, tensor_parallel_size
+        self.temperature, self.seed = temperature, seed
+        # vLLM's workers: in this process for one GPU; in processes of their own ("mp") for tensor
+        # parallel, or when asked (bench/vllm_check.py's sleep part runs that path on one GPU)
+        executor = executor or ("mp" if tensor_parallel_size > 1 else None)
+        self.remote_workers = executor == "mp"
         self._params = dict(top_k=top_k, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                             stop_ids=self.stop_ids, stop_strings=list(stop_strings))
         self.llm = LLM(
             model=model_dir, skip_tokenizer_init=not stop_strings, dtype=dtype, seed=seed,
             gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-            distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
+            distributed_executor_backend=executor,
             max_model_len=max_len, max_num_seqs=num_slots, enable_prefix_caching=True,
             logprobs_mode="processed_logprobs", enable_sleep_mode=self.config.sleep_level > 0,
             enforce_eager=self.config.enforce_eager, load_format="dummy" if dummy_weights else "auto")
@@ -353,7 +358,7 @@ class VllmDecoder:
         blocks: they hold K/V of the old weights."""
         weights = engine_weights(self.model)
         tensors = weights          # referenced until every worker loaded them (the handles point here)
-        if self.tp > 1 and weights and weights[0][1].is_cuda:   # workers in other processes: CUDA IPC
+        if self.remote_workers and weights and weights[0][1].is_cuda:   # workers in other processes: CUDA IPC
             from dataflow.weights.ipc import share
             weights = [(n, share(t)) for n, t in weights]      # (CPU tensors travel pickled)
         self.llm.collective_rpc(_worker_load, args=(weights,))
