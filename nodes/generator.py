@@ -171,10 +171,11 @@ class Generator(Node):
         if backend == "vllm":
             from rl.vllm_engine import build_decoder
             # a minute or so: in a thread, so the actor keeps answering (weight sync, channels)
-            self.decoder = await asyncio.to_thread(
-                build_decoder, c, self.model, self.stop_ids, self.prompts_per_call * c.group_size,
-                self.max_prompt + c.max_new_tokens, self.ctx.gpu_share, lambda: self.weight_sync.version,
-                self.ctx.log)
+            with self.ctx.span("build decoder"):
+                self.decoder = await asyncio.to_thread(
+                    build_decoder, c, self.model, self.stop_ids, self.prompts_per_call * c.group_size,
+                    self.max_prompt + c.max_new_tokens, self.ctx.gpu_share, lambda: self.weight_sync.version,
+                    self.ctx.log)
             return
         if c.prompts_per_call == 0:
             # A real model's slot is large (SmolLM2: 30 layers x 1,152 positions, 53 MiB in fp32 on a
