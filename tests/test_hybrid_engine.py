@@ -282,6 +282,36 @@ def test_colocated_push_writes_in_place_cast_once(form):
     assert learner.lm_head.weight is learner.model.embed_tokens.weight   # still tied
 
 
+def other_family(name: str) -> nn.Module:
+    """A tiny model of a family with no fused adapter (transformers' own class, from a config)."""
+    import transformers
+
+    extra = {"Qwen3": {"head_dim": 8}, "Gemma2": {"head_dim": 8}, "Mistral": {},
+             "Qwen3Moe": {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}}
+    cfg = getattr(transformers, f"{name}Config")(
+        vocab_size=24, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, max_position_embeddings=64, **extra[name])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return getattr(transformers, f"{name}ForCausalLM")(cfg)
+
+
+@pytest.mark.parametrize("name", ["Qwen3", "Gemma2", "Mistral", "Qwen3Moe"])
+def test_hf_form_push_carries_any_family(name):
+    """The generators' form is the model's own names, so families without a fused adapter
+    (Qwen3's q/k norms, Gemma2's four norms per layer, MoE experts) push as Llama does."""
+    learner, gen = other_family(name), other_family(name).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(torch.randn_like(p))      # the learner has moved away from the generator's copy
+    receiver = WeightReceiver(gen, version=0)
+    WeightPusher(local=receiver).push(learner, version=1)
+    assert receiver.version == 1
+    assert all(torch.equal(p, learner.get_parameter(n).detach().to(torch.bfloat16)) for n, p in gen.named_parameters())
+    with pytest.raises(ValueError, match="no fused form for family"):
+        WeightAdapter(learner.config.model_type, "fused")
+
+
 def read_response(model, steps=4):
     """A fake generation: read every weight a few times; return the distinct values seen."""
     seen = set()

@@ -337,3 +337,34 @@ def test_stalled_push_fails_the_learner_naming_both_ends(ray_instance, tmp_path)
     assert e.node == "learner", str(e)
     assert "WeightPushError" in e.summary and "stalled" in e.summary, e.summary
     assert "from learner to generator[0], generator[1]" in e.summary, e.summary
+
+
+def test_a_qwen3_model_dir_trains_and_its_weights_reach_the_generator_by_collective(ray_instance, tmp_path):
+    """A family with no fused adapter and no static decoder (Qwen3: q/k norms), as a user's model
+    dir: GRPO runs on it with the HF generation loop, and every version the collective push
+    delivers has the learner's checksum (the push carries the model's own names)."""
+    import transformers
+
+    from tests.chat_model import chat_tokenizer
+
+    tok = chat_tokenizer()
+    config = transformers.Qwen3Config(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                                      max_position_embeddings=128, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(tmp_path / "qwen3")
+    tok.save_pretrained(tmp_path / "qwen3")
+    rows = [{"prompt": [{"role": "user", "content": f"add {a} + {b} ="}], "answer": str(a + b)}
+            for a in range(4) for b in range(4)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records = run("graphs/grpo.py", tmp_path / "run", f"policy.path={tmp_path / 'qwen3'}",
+                  f"prompts.path={tmp_path / 'train.jsonl'}", f"reward.path={ROOT / 'bench/last_number_reward.py'}",
+                  "reward.function=last_number_reward", "max_new_tokens=8", "prompts_per_step=4", "group_size=2",
+                  "learner.minibatch_size=8", "max_staleness=0", "weight_transport=collective",
+                  "weight_checksums=true", max_steps=3)
+    sums: dict[str, dict[int, float]] = {}
+    for r in records:
+        if "weights/checksum" in r:
+            sums.setdefault(r["node"], {})[r["weights/version"]] = r["weights/checksum"]
+    assert sorted(sums["learner"]) == [0, 1, 2] and len(set(sums["learner"].values())) == 3
+    assert sums["generator"] == pytest.approx(sums["learner"], rel=1e-12, abs=0)

@@ -55,11 +55,13 @@ def family_of(model_or_config) -> str:
 class WeightAdapter:
     """Name mapping of one family to one engine form (see module docstring)."""
 
-    def __init__(self, family: str, form: str = "hf"):
-        if family not in FUSIONS:
-            raise ValueError(f"WeightAdapter: unknown family {family!r}; known: {sorted(FUSIONS)}")
+    def __init__(self, family: str | None, form: str = "hf"):
         if form not in FORMS:
             raise ValueError(f"WeightAdapter: unknown form {form!r}; use one of {FORMS}")
+        # "hf" is every model's own names (any family: Qwen3, Gemma, Mistral, MoE...); only the
+        # fused form needs to know which modules to concatenate
+        if form == "fused" and family not in FUSIONS:
+            raise ValueError(f"WeightAdapter: no fused form for family {family!r}; known: {sorted(FUSIONS)}")
         self.family, self.form = family, form
 
     def plan(self, hf_names: list[str]) -> list[EngineTensor]:

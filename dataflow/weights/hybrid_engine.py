@@ -114,7 +114,8 @@ class WeightPusher:
     def _setup(self, model: nn.Module) -> None:
         self.resharder = Resharder(model, self.layout, self.mesh, self.dtype,
                                    batch_bytes=self.bucket_bytes, counter=self.counter)
-        plan = WeightAdapter(family_of(model), self.form).plan(list(self.resharder.params))
+        family = family_of(model) if self.form == "fused" else None    # "hf": any model's own names
+        plan = WeightAdapter(family, self.form).plan(list(self.resharder.params))
         m = self.manifest = Manifest.build(plan, self.resharder.gen_shapes, self.dtype)
         self.offsets = {n: off for n, (off, _) in m.pieces().items()}
         self.order = [s for e in m.entries for s, _ in e.sources]

@@ -141,7 +141,6 @@ class LearnerWeightSync:
             self.dtype = getattr(torch, travel) if travel else None
             return
         from dataflow.weights.hybrid_engine import ParallelLayout, PushGroup, WeightPusher, WeightPushError
-        from dataflow.weights.adapters import family_of
 
         if not self.lead:      # rank 0 tells the dtype the generators hold (the gathers cast to it)
             self.dtype = getattr(torch, await asyncio.to_thread(ranks.broadcast))
@@ -149,10 +148,6 @@ class LearnerWeightSync:
                                        timeout_s=self.config.timeout_s)
             return
 
-        try:
-            family_of(model)
-        except ValueError as e:
-            raise UserError(f"weight_transport=collective: {e}; use weight_transport=object_store") from None
         import ray
 
         c, me = self.config, self.ctx.full_name
