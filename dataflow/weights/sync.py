@@ -80,7 +80,7 @@ from dataflow.failures import wait_within
 class WeightSyncConfig:
     transport: Literal["object_store", "collective", "cuda_ipc"] = "object_store"
     """object_store: state dict through Ray's object store. collective: HybridEngine push
-    (gloo/NCCL broadcast from the learner; llama / qwen2 models). cuda_ipc: learner and every
+    (gloo/NCCL broadcast from the learner; any model family: the model's own names). cuda_ipc: learner and every
     generator on one physical GPU share the weights through CUDA IPC buffers (no copy through the
     CPU; see the module docstring)."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
