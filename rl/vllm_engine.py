@@ -154,16 +154,12 @@ def to_sample(prompt_ids: list[int], completion, stop_ids) -> dict:
 
 def engine_weights(model) -> list[tuple[str, object]]:
     """(name, tensor) pairs for vLLM's load_weights: HF checkpoint names (vLLM fuses q/k/v and
-    gate/up itself), a tied lm_head left out (dataflow/weights/adapters.py's "hf" form for the
-    families it knows; other families by their own parameter names)."""
-    from dataflow.weights.adapters import WeightAdapter, family_of
+    gate/up itself), a tied lm_head left out: dataflow/weights/adapters.py's "hf" form, which is
+    every family's own names."""
+    from dataflow.weights.adapters import WeightAdapter
 
     params = {n: p.detach() for n, p in model.named_parameters()}
-    try:
-        family = family_of(model)
-    except ValueError:
-        return list(params.items())
-    return list(WeightAdapter(family, "hf").to_engine(params).items())
+    return list(WeightAdapter(None, "hf").to_engine(params).items())
 
 
 def _worker_load(worker, weights) -> int:
