@@ -12,7 +12,6 @@ import copy
 import logging
 import os
 import pickle
-import socket
 import threading
 import time
 
@@ -56,30 +55,56 @@ def train_one_step(model: nn.Module, vocab: int) -> None:
     torch.optim.SGD(model.parameters(), lr=0.1).step()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_processes(fn, nprocs: int, tmp_path) -> list[dict]:
-    ports = [free_port() for _ in range(6)]
-    mp.start_processes(_entry, args=(fn, nprocs, ports, str(tmp_path)), nprocs=nprocs,
-                       start_method="fork")
+    mp.start_processes(_entry, args=(fn, nprocs, str(tmp_path)), nprocs=nprocs, start_method="fork")
     return [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(nprocs)]
 
 
-def _entry(rank, fn, nprocs, ports, tmp):
+def _entry(rank, fn, nprocs, tmp):
     torch.set_num_threads(1)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)   # DTensor perf warnings
     record: dict = {}
-    fn(rank, nprocs, ports, tmp, record)
+    fn(rank, nprocs, tmp, record)
     with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(record, f)
 
 
-def _init(port, rank, size):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+# Every meeting point listens on a port the OS picks when it binds (port 0), told to the other
+# ranks through a file: a port picked ahead and bound later can be taken in between (gloo's own
+# sockets took one in CI).
+
+def _tell(tmp, key):
+    def tell(port: int):
+        path = os.path.join(tmp, f"port-{key}")
+        with open(path + ".part", "w") as f:
+            f.write(str(port))
+        os.replace(path + ".part", path)
+    return tell
+
+
+def _told(tmp, key, timeout_s: float = 60) -> int:
+    path, deadline = os.path.join(tmp, f"port-{key}"), time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"no port for {key} within {timeout_s} s"
+        time.sleep(0.01)
+    with open(path) as f:
+        return int(f.read())
+
+
+def _init(tmp, key, rank, size):
+    """Rank `rank` of a gloo world of `size` (the default process group)."""
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+        _tell(tmp, key)(store.port)
+    else:
+        store = dist.TCPStore("127.0.0.1", _told(tmp, key), None, False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+
+
+def push_group(tmp, key, rank, names, **kwargs) -> PushGroup:
+    if rank == 0:
+        return PushGroup(host="127.0.0.1", port=0, rank=0, names=names, on_listen=_tell(tmp, key), **kwargs)
+    return PushGroup(host="127.0.0.1", port=_told(tmp, key), rank=rank, names=names, **kwargs)
 
 
 class NaiveAllGatherBytes(torch.utils._python_dispatch.TorchDispatchMode):
@@ -356,14 +381,14 @@ def test_colocated_push_during_generation_never_mixes_versions():
 NAMES = ["learner rank 0", "generator-0"]
 
 
-def two_processes(rank, nprocs, ports, tmp, record):
-    _init(ports[0], rank, 2)
+def two_processes(rank, nprocs, tmp, record):
+    _init(tmp, "world", rank, 2)
     check_reshard(rank, lambda: policy("qwen2"), ParallelLayout(tp=2), 22, record, "tp2", colocated=True)
     check_reshard(rank, lambda: policy("qwen2"), ParallelLayout(tp=2, tp_gen=2), 22, record, "tp2_gen2")
     check_reshard(rank, lambda: policy("llama"), ParallelLayout(dp=2), 22, record, "dp2", colocated=True)
     dist.destroy_process_group()
     # Versions pushed while the generator generates; buckets of 1 KiB split tensors.
-    group = PushGroup(host="127.0.0.1", port=ports[1], rank=rank, names=NAMES, timeout_s=20)
+    group = push_group(tmp, "versions", rank, NAMES, timeout_s=20)
     if rank == 0:
         learner = tiny("qwen2")
         pusher = WeightPusher(group=group, bucket_bytes=1024, timeout_s=20)
@@ -396,7 +421,7 @@ def two_processes(rank, nprocs, ports, tmp, record):
         record["responses"] = responses
         record["final_wrong"] = [n for n, p in gen.named_parameters() if not torch.equal(p, final[n])]
     # A generator whose parameters do not match what is pushed (fp32, not bf16) refuses it.
-    group = PushGroup(host="127.0.0.1", port=ports[2], rank=rank, names=NAMES, timeout_s=20)
+    group = push_group(tmp, "refused", rank, NAMES, timeout_s=20)
     if rank == 0:
         with pytest.raises(WeightPushError) as refused:
             WeightPusher(group=group, timeout_s=20).push(tiny("qwen2"), 1)
@@ -409,7 +434,7 @@ def two_processes(rank, nprocs, ports, tmp, record):
             receiver.poll()
         record["refused"] = str(refused.value)
     # A generator that stops answering: the push times out naming both ends.
-    group = PushGroup(host="127.0.0.1", port=ports[3], rank=rank, names=NAMES, timeout_s=20)
+    group = push_group(tmp, "stalled", rank, NAMES, timeout_s=20)
     if rank == 0:
         t0 = time.monotonic()
         with pytest.raises(WeightPushError) as stalled:
@@ -486,8 +511,8 @@ def test_refused_and_stalled_pushes_name_both_ends(two):
 # 4 processes: FSDP x TP layouts; then 2 learners -> one TP-2 generator (disaggregated)
 # ---------------------------------------------------------------------------------------------
 
-def four_processes(rank, nprocs, ports, tmp, record):
-    _init(ports[0], rank, 4)
+def four_processes(rank, nprocs, tmp, record):
+    _init(tmp, "world", rank, 4)
     check_reshard(rank, lambda: tiny("qwen2"), ParallelLayout(dp=2, tp=2), 24, record, "dp2tp2", colocated=True)
     check_reshard(rank, lambda: tiny("llama"), ParallelLayout(dp=2, tp=2, tp_gen=2), 24, record, "dp2tp2_gen2")
     check_reshard(rank, lambda: tiny("qwen2", kv_heads=4), ParallelLayout(tp=4, tp_gen=2), 24, record, "tp4_gen2")
@@ -497,7 +522,7 @@ def four_processes(rank, nprocs, ports, tmp, record):
     assert plan_senders(layout, 1)[j] == [(0, j)]
     names = [f"learner rank {j}", f"generator-0/tp{j}"]
     if rank < 2:
-        _init(ports[1], j, 2)                                   # the learners' own world
+        _init(tmp, "learners", j, 2)                            # the learners' own world
         learner = tiny("qwen2")
         mesh = build_mesh(layout)
         apply_training_layout(learner, mesh, layout)
@@ -506,16 +531,16 @@ def four_processes(rank, nprocs, ports, tmp, record):
         if j == 0:
             torch.save(full, os.path.join(tmp, "disaggregated.pt"))
         dist.barrier()
-        group = PushGroup(host="127.0.0.1", port=ports[2 + j], rank=0, names=names)
+        group = push_group(tmp, f"push{j}", 0, names)
         pusher = WeightPusher(layout, mesh, group=group, bucket_bytes=2048)
         record["stats"] = pusher.push(learner, 1)
         pusher.close()
     else:
-        _init(ports[4], j, 2)                                   # the generator's TP world
+        _init(tmp, "generator", j, 2)                           # the generator's TP world
         gen = tiny("qwen2").to(torch.bfloat16)
         from torch.distributed.device_mesh import init_device_mesh
         apply_tensor_parallel(gen, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
-        group = PushGroup(host="127.0.0.1", port=ports[2 + j], rank=1, names=names)
+        group = push_group(tmp, f"push{j}", 1, names)
         receiver = WeightReceiver(gen, group=group)
         deadline = time.monotonic() + 30
         while receiver.poll() is None and time.monotonic() < deadline:

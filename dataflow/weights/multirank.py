@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from dataflow.errors import UserError
 from dataflow.weights.layout import ParallelLayout, apply_training_layout, build_mesh
-from dataflow.weights.rendezvous import device_info, free_port, tcp_store
+from dataflow.weights.rendezvous import device_info, tcp_store
 from dataflow.failures import wait_within
 
 RANKS_EDGE = "ranks"
@@ -61,8 +61,9 @@ async def join(ctx, layout: ParallelLayout, timeout_s: float = 600.0,
                         f"the graph declares {ctx.num_replicas} replica(s); declare it with replicas={world}")
     timeout = timedelta(seconds=timeout_s)
     if rank == 0:
-        host, port = ray.util.get_node_ip_address(), free_port()
-        store = await asyncio.to_thread(tcp_store, host, port, True, timeout)
+        host = ray.util.get_node_ip_address()
+        store = await asyncio.to_thread(tcp_store, host, 0, True, timeout)
+        port = store.port
         await ctx.publish(edge, {"host": host, "port": port}, version=0)
     else:
         try:

@@ -1,20 +1,12 @@
-"""Meeting points of a process group between node actors: a free port, a TCPStore, and what each end
+"""Meeting points of a process group between node actors: a TCPStore, and what each end
 tells the others about its device (the weight push's group: sync.py; a multi-rank node's: multirank.py).
 """
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 import torch
-
-
-def free_port() -> int:
-    """A TCP port free on this host now (for a store or a group to listen on)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def device_info(device: str, model: torch.nn.Module | None = None) -> dict:
@@ -29,7 +21,9 @@ def device_info(device: str, model: torch.nn.Module | None = None) -> dict:
 
 
 def tcp_store(host: str, port: int, is_master: bool, timeout: timedelta):
-    """The rendezvous TCPStore at host:port (is_master: hosted here); does not wait for the others."""
+    """The rendezvous TCPStore at host:port (is_master: hosted here); does not wait for the others.
+    A host passes port 0 and publishes `store.port`: the OS picks a port as it binds, where a port
+    picked ahead of time could be taken before it is bound."""
     import torch.distributed as dist
 
     return dist.TCPStore(host, port, None, is_master, timeout, wait_for_workers=False)

@@ -72,7 +72,7 @@ from dataflow.checks import Positive
 from dataflow.errors import UserError
 from dataflow.weights import ipc as cuda_ipc
 from dataflow.weights.edges import SYNC_EDGE
-from dataflow.weights.rendezvous import device_info, free_port, tcp_store
+from dataflow.weights.rendezvous import device_info, tcp_store
 from dataflow.failures import wait_within
 
 
@@ -155,9 +155,9 @@ class LearnerWeightSync:
         if len(names) < 2:
             raise UserError(f"weight_transport=collective: no generator subscribes to '{SYNC_EDGE}' "
                             f"(declare g.versioned('{SYNC_EDGE}', src='{self.ctx.name}', dst=[...]))")
-        host, port = ray.util.get_node_ip_address(), free_port()
-        timeout = timedelta(seconds=c.rendezvous_timeout_s)
-        self._store = await asyncio.to_thread(tcp_store, host, port, True, timeout)
+        host, timeout = ray.util.get_node_ip_address(), timedelta(seconds=c.rendezvous_timeout_s)
+        self._store = await asyncio.to_thread(tcp_store, host, 0, True, timeout)
+        port = self._store.port
         await self.ctx.publish(SYNC_EDGE, {"host": host, "port": port, "names": names}, version=0)
         keys = [f"end/{i}" for i in range(1, len(names))]
         try:
@@ -174,11 +174,11 @@ class LearnerWeightSync:
         self.dtype = getattr(torch, dtypes.pop())
         own_gpus = all(e["device"] == "cuda" for e in ends) and len({e["uuid"] for e in ends}) == len(ends)
         backend = "nccl" if own_gpus and c.backend == "auto" else "gloo"
-        push_port = free_port()
-        self._store.set("plan", json.dumps({"backend": backend, "port": push_port}))
         group = await asyncio.to_thread(lambda: PushGroup(
-            host=host, port=push_port, rank=0, names=names, device=_group_device(backend),
-            timeout_s=c.rendezvous_timeout_s))
+            host=host, port=0, rank=0, names=names, device=_group_device(backend),
+            timeout_s=c.rendezvous_timeout_s,
+            on_listen=lambda push_port: self._store.set("plan", json.dumps({"backend": backend,
+                                                                            "port": push_port}))))
         if ranks is not None:
             await asyncio.to_thread(ranks.broadcast, str(self.dtype).removeprefix("torch."))
         # dp x tp: the training layout, generation tp 1 (a generator holds the whole model), so each

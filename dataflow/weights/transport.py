@@ -34,16 +34,31 @@ class PushGroup:
     """
 
     def __init__(self, *, host: str, port: int, rank: int, names: list[str],
-                 device: str | torch.device = "cpu", timeout_s: float = 60.0):
+                 device: str | torch.device = "cpu", timeout_s: float = 60.0, on_listen=None):
+        """Rank 0 hosts the store on `port`; port 0 lets the OS pick a free one, and `on_listen(port)`
+        (called on rank 0 once it listens) tells the others. A port picked ahead of time and bound
+        later is a race: any socket on the host (gloo opens many) can take it in between."""
         self.rank, self.names, self.size = rank, list(names), len(names)
         self.device, self.timeout_s = torch.device(device), timeout_s
+        def where(p):
+            return f"push group {host}:{p} of {self.names[0]} -> {self.names[1:]}: {self.names[rank]}"
         try:
-            store = dist.TCPStore(host, port, self.size, rank == 0,
-                                  timeout=timedelta(seconds=timeout_s))
+            store = dist.TCPStore(host, port, None, rank == 0, timeout=timedelta(seconds=timeout_s),
+                                  wait_for_workers=False)
         except Exception as e:
-            raise WeightPushError(f"push group {host}:{port} of {self.names[0]} -> "
-                                  f"{self.names[1:]}: {self.names[rank]} could not meet the "
-                                  f"others within {timeout_s:.0f} s ({e})") from e
+            raise WeightPushError(f"{where(port)} could not meet the others within {timeout_s:.0f} s "
+                                  f"({e})") from e
+        self.port = store.port
+        if rank == 0 and on_listen is not None:
+            on_listen(self.port)
+        store.set(f"joined/{rank}", "1")
+        keys = [f"joined/{r}" for r in range(self.size)]
+        try:
+            store.wait(keys, timedelta(seconds=timeout_s))
+        except Exception:
+            missing = [self.names[r] for r, k in enumerate(keys) if not store.check([k])]
+            raise WeightPushError(f"{where(self.port)} could not meet {', '.join(missing)} within "
+                                  f"{timeout_s:.0f} s") from None
         # Long group timeout: receivers wait for the next header for as long as training takes;
         # pushes enforce timeout_s themselves through Work.wait(timeout).
         idle = timedelta(days=1)
