@@ -30,6 +30,7 @@ from dataflow.weights.reshard import CommCounter, param_spec, reshard_for_genera
 from dataflow.weights.adapters import Manifest, WeightAdapter
 from rl.models import ModelConfig, build_policy
 from rl.tasks import build_tokenizer
+from tests.gloo import join_world, tell_port, told_port
 
 
 def tiny(family: str, vocab: int = 24, heads: int = 4, kv_heads: int = 2) -> nn.Module:
@@ -69,42 +70,11 @@ def _entry(rank, fn, nprocs, tmp):
         pickle.dump(record, f)
 
 
-# Every meeting point listens on a port the OS picks when it binds (port 0), told to the other
-# ranks through a file: a port picked ahead and bound later can be taken in between (gloo's own
-# sockets took one in CI).
-
-def _tell(tmp, key):
-    def tell(port: int):
-        path = os.path.join(tmp, f"port-{key}")
-        with open(path + ".part", "w") as f:
-            f.write(str(port))
-        os.replace(path + ".part", path)
-    return tell
-
-
-def _told(tmp, key, timeout_s: float = 60) -> int:
-    path, deadline = os.path.join(tmp, f"port-{key}"), time.monotonic() + timeout_s
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, f"no port for {key} within {timeout_s} s"
-        time.sleep(0.01)
-    with open(path) as f:
-        return int(f.read())
-
-
-def _init(tmp, key, rank, size):
-    """Rank `rank` of a gloo world of `size` (the default process group)."""
-    if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-        _tell(tmp, key)(store.port)
-    else:
-        store = dist.TCPStore("127.0.0.1", _told(tmp, key), None, False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
-
-
 def push_group(tmp, key, rank, names, **kwargs) -> PushGroup:
+    """The push group `key`, on a port its rank 0 got as it bound (tests/gloo.py)."""
     if rank == 0:
-        return PushGroup(host="127.0.0.1", port=0, rank=0, names=names, on_listen=_tell(tmp, key), **kwargs)
-    return PushGroup(host="127.0.0.1", port=_told(tmp, key), rank=rank, names=names, **kwargs)
+        return PushGroup(host="127.0.0.1", port=0, rank=0, names=names, on_listen=tell_port(tmp, key), **kwargs)
+    return PushGroup(host="127.0.0.1", port=told_port(tmp, key), rank=rank, names=names, **kwargs)
 
 
 class NaiveAllGatherBytes(torch.utils._python_dispatch.TorchDispatchMode):
@@ -382,7 +352,7 @@ NAMES = ["learner rank 0", "generator-0"]
 
 
 def two_processes(rank, nprocs, tmp, record):
-    _init(tmp, "world", rank, 2)
+    join_world(tmp, "world", rank, 2)
     check_reshard(rank, lambda: policy("qwen2"), ParallelLayout(tp=2), 22, record, "tp2", colocated=True)
     check_reshard(rank, lambda: policy("qwen2"), ParallelLayout(tp=2, tp_gen=2), 22, record, "tp2_gen2")
     check_reshard(rank, lambda: policy("llama"), ParallelLayout(dp=2), 22, record, "dp2", colocated=True)
@@ -512,7 +482,7 @@ def test_refused_and_stalled_pushes_name_both_ends(two):
 # ---------------------------------------------------------------------------------------------
 
 def four_processes(rank, nprocs, tmp, record):
-    _init(tmp, "world", rank, 4)
+    join_world(tmp, "world", rank, 4)
     check_reshard(rank, lambda: tiny("qwen2"), ParallelLayout(dp=2, tp=2), 24, record, "dp2tp2", colocated=True)
     check_reshard(rank, lambda: tiny("llama"), ParallelLayout(dp=2, tp=2, tp_gen=2), 24, record, "dp2tp2_gen2")
     check_reshard(rank, lambda: tiny("qwen2", kv_heads=4), ParallelLayout(tp=4, tp_gen=2), 24, record, "tp4_gen2")
@@ -522,7 +492,7 @@ def four_processes(rank, nprocs, tmp, record):
     assert plan_senders(layout, 1)[j] == [(0, j)]
     names = [f"learner rank {j}", f"generator-0/tp{j}"]
     if rank < 2:
-        _init(tmp, "learners", j, 2)                            # the learners' own world
+        join_world(tmp, "learners", j, 2)                            # the learners' own world
         learner = tiny("qwen2")
         mesh = build_mesh(layout)
         apply_training_layout(learner, mesh, layout)
@@ -536,7 +506,7 @@ def four_processes(rank, nprocs, tmp, record):
         record["stats"] = pusher.push(learner, 1)
         pusher.close()
     else:
-        _init(tmp, "generator", j, 2)                           # the generator's TP world
+        join_world(tmp, "generator", j, 2)                           # the generator's TP world
         gen = tiny("qwen2").to(torch.bfloat16)
         from torch.distributed.device_mesh import init_device_mesh
         apply_tensor_parallel(gen, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))

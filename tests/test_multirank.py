@@ -14,7 +14,6 @@ import logging
 import os
 import pickle
 import random
-import socket
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from nodes.learner import LearnerConfig, ppo_update, step_advantages
 from rl.models import ModelConfig, build_policy, sample_responses
 from nodes.reference import add_logprobs
 from rl.tasks import build_tokenizer, make_task, score
+from tests.gloo import join_world
 
 MODEL = ModelConfig(n_layer=2, n_embd=32, n_head=4, intermediate_size=64)   # every TP dim divides by 2
 
@@ -75,24 +75,17 @@ def reference():
     return tok, samples, {k: v.clone() for k, v in model.state_dict().items()}, stats
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _join_gloo(rank, layout, port) -> TrainRanks:
+def _join_gloo(rank, layout, tmp) -> TrainRanks:
     """This forked process as rank `rank` of a gloo group and the training mesh."""
     torch.set_num_threads(1)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=layout.world_size)
+    join_world(tmp, "world", rank, layout.world_size)
     ranks = TrainRanks(layout, build_mesh(layout), rank, "gloo", "cpu")
     return ranks
 
 
-def _worker(rank, layout, port, tmp, tok, samples):
-    ranks = _join_gloo(rank, layout, port)
+def _worker(rank, layout, tmp, tok, samples):
+    ranks = _join_gloo(rank, layout, tmp)
     model = ranks.shard(build_policy(MODEL, tok).double())
     opt, stats = _update(model, samples, tok.pad_token_id, ranks)
     weights, optim = ranks.full_state(model, opt)
@@ -123,7 +116,7 @@ def _nested_equal(a, b) -> bool:
 def test_multirank_update_equals_one_rank(reference, tmp_path, dp, tp):
     tok, samples, want, want_stats = reference
     layout = ParallelLayout(dp=dp, tp=tp)
-    mp.start_processes(_worker, args=(layout, _free_port(), str(tmp_path), tok, samples),
+    mp.start_processes(_worker, args=(layout, str(tmp_path), tok, samples),
                        nprocs=layout.world_size, start_method="fork")
     records = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(layout.world_size)]
     got = records[0]["weights"]
@@ -175,8 +168,8 @@ def _critic_run(tok, samples, ranks=None):
     return model, opt, [s["advantages"] for item in items for s in item["samples"]], stats
 
 
-def _critic_worker(rank, layout, port, tmp, tok, samples):
-    ranks = _join_gloo(rank, layout, port)
+def _critic_worker(rank, layout, tmp, tok, samples):
+    ranks = _join_gloo(rank, layout, tmp)
     model, opt, advantages, stats = _critic_run(tok, samples, ranks)
     weights, _ = ranks.full_state(model, opt)
     with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
@@ -190,7 +183,7 @@ def test_critic_as_2x2_ranks_equals_one_rank(reference, tmp_path):
     tok, samples, _, _ = reference
     want_model, _, want_adv, want_stats = _critic_run(tok, samples)
     layout = ParallelLayout(dp=2, tp=2)
-    mp.start_processes(_critic_worker, args=(layout, _free_port(), str(tmp_path), tok, samples),
+    mp.start_processes(_critic_worker, args=(layout, str(tmp_path), tok, samples),
                        nprocs=layout.world_size, start_method="fork")
     records = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(layout.world_size)]
     want = want_model.state_dict()

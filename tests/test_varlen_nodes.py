@@ -175,13 +175,13 @@ def _dp_update(model, samples, pad_id, ranks=None, **settings):
     return ppo_update(model, opt, samples, 0.1, pad_id, cfg, random.Random(0), stale=True, ranks=ranks)
 
 
-def _dp_worker(rank, layout, port, tmp, tok, samples, settings):
+def _dp_worker(rank, layout, tmp, tok, samples, settings):
     import torch.distributed as dist
 
     from tests.test_multirank import MODEL, _join_gloo
     from rl.models import build_policy
 
-    ranks = _join_gloo(rank, layout, port)
+    ranks = _join_gloo(rank, layout, tmp)
     model = ranks.shard(build_policy(MODEL, tok).double())
     stats = _dp_update(model, samples, tok.pad_token_id, ranks, **settings)
     weights, _ = ranks.full_state(model)
@@ -194,14 +194,14 @@ def _dp_worker(rank, layout, port, tmp, tok, samples, settings):
 def test_two_dp_ranks_with_a_token_budget_equal_one_rank(tmp_path, packing):
     from dataflow.weights.layout import ParallelLayout
     from rl.models import build_policy
-    from tests.test_multirank import MODEL, _free_port, _samples
+    from tests.test_multirank import MODEL, _samples
 
     tok, samples = _samples()           # 14 samples of uneven lengths, two failed; minibatches 6, 6, 2
     budget = 2 * max(p + r for p, r in sample_lengths(samples))
     want_model = build_policy(MODEL, tok).double()
     want = _dp_update(want_model, samples, tok.pad_token_id)
     settings = dict(max_tokens_per_micro_batch=budget, packing=packing)
-    mp.start_processes(_dp_worker, args=(ParallelLayout(dp=2), _free_port(), str(tmp_path), tok, samples, settings),
+    mp.start_processes(_dp_worker, args=(ParallelLayout(dp=2), str(tmp_path), tok, samples, settings),
                        nprocs=2, start_method="fork")
     records = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
     for k, v in want_model.state_dict().items():
@@ -263,12 +263,12 @@ def _dp_critic(tok, samples, ranks=None, **settings):
     return model, [s["values"] for item in items for s in item["samples"]], {**value_stats, **stats}
 
 
-def _dp_critic_worker(rank, layout, port, tmp, tok, samples, settings):
+def _dp_critic_worker(rank, layout, tmp, tok, samples, settings):
     import torch.distributed as dist
 
     from tests.test_multirank import _join_gloo
 
-    ranks = _join_gloo(rank, layout, port)
+    ranks = _join_gloo(rank, layout, tmp)
     model, values, stats = _dp_critic(tok, samples, ranks, **settings)
     weights, _ = ranks.full_state(model)
     with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
@@ -280,13 +280,13 @@ def test_critic_as_two_dp_ranks_with_a_token_budget_and_packing_equals_one_rank(
     # The value pass's rows balanced over the ranks by tokens (each rank runs as many passes, a
     # rank short of rows runs the pad row), summed over dp; training as the learner's.
     from dataflow.weights.layout import ParallelLayout
-    from tests.test_multirank import _free_port, _samples
+    from tests.test_multirank import _samples
 
     tok, samples = _samples()
     want_model, want_values, want_stats = _dp_critic(tok, samples)
     budget = 2 * max(p + r for p, r in sample_lengths(samples))
     settings = dict(max_tokens_per_micro_batch=budget, packing=True)
-    mp.start_processes(_dp_critic_worker, args=(ParallelLayout(dp=2), _free_port(), str(tmp_path), tok, samples,
+    mp.start_processes(_dp_critic_worker, args=(ParallelLayout(dp=2), str(tmp_path), tok, samples,
                                                 settings), nprocs=2, start_method="fork")
     records = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
     for k, v in want_model.state_dict().items():
