@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from dataflow import checkpoint, snapshots
 from dataflow.errors import NodeFailed
-from dataflow.failures import awaitable, death_summary, failed, gather_named, raise_if_failed, wait_within
+from dataflow.failures import awaitable, death_summary, discard, failed, gather_named, raise_if_failed, wait_within
 from dataflow.graph import Graph
 from dataflow.launch import clock_offset, wiring
 
@@ -74,7 +74,11 @@ async def restart(graph: Graph, hosts: dict, name: str, monitor: Monitor) -> asy
     # Recorded once it runs, before the peers hear of it: the driver cancels a restart when another
     # node ends the run meanwhile (failures.unless_the_run_ends), and this one is running by then.
     monitor.restarted(name, reply, state_dir)
-    await gather_named({other: h.peer_restarted.remote(name) for other, h in hosts.items() if other != name})
+    try:
+        await gather_named({other: h.peer_restarted.remote(name) for other, h in hosts.items() if other != name})
+    except BaseException:  # cancelled: the run ends, and the driver never sees this run() call
+        discard([run])
+        raise
     return run
 
 
