@@ -99,12 +99,13 @@ def failed(result: Any) -> bool:
 
 
 def is_echo(result: Any) -> bool:
-    """A node that failed only because a producer it reads from failed or died."""
-    return isinstance(result, dict) and result.get("status") == "failed" and result.get("channel_error", False)
+    """A node that failed only because a peer failed or died: a producer it reads from, or the
+    other end of a weight push (dataflow/host.py: the failure's "echo")."""
+    return isinstance(result, dict) and result.get("status") == "failed" and result.get("echo", False)
 
 
 async def wait_for_root_cause(results: dict, running: dict) -> None:
-    """When every failure so far is a consumer's channel error, wait briefly for the failure of
+    """When every failure so far is an echo (a consumer's channel error), wait briefly for the failure of
     the node it names (a killed actor is noticed by its consumers and the driver at about the
     same time), so that node is reported instead of its echo downstream."""
     deadline = time.monotonic() + ROOT_CAUSE_GRACE_S
@@ -116,18 +117,19 @@ async def wait_for_root_cause(results: dict, running: dict) -> None:
         results.update({running.pop(fut): result_of(fut) for fut in done})
 
 
-def raise_first_failure(results: dict) -> None:
-    """Raise for the root cause: a dead actor, else a node's own error, else a channel error."""
+def raise_first_failure(results: dict, not_restarted: dict | None = None) -> None:
+    """Raise for the root cause: a dead actor, else a node's own error, else a channel error.
+    `not_restarted`: replica -> why its dead process was not restarted (added to its report)."""
     failures = [(name, r) for name, r in results.items() if failed(r)]
     failures.sort(key=lambda f: 0 if isinstance(f[1], BaseException) else 2 if is_echo(f[1]) else 1)
     for name, result in failures:
-        raise_if_failed(name, result)
+        raise_if_failed(name, result, (not_restarted or {}).get(name, ""))
 
 
-def raise_if_failed(name: str, result: Any) -> None:
+def raise_if_failed(name: str, result: Any, not_restarted: str = "") -> None:
     if isinstance(result, BaseException):
         summary = death_summary(result)
-        raise NodeFailed(name, summary)
+        raise NodeFailed(name, summary + (f"; not restarted: {not_restarted}" if not_restarted else ""))
     if isinstance(result, dict) and result.get("status") == "failed":
         if result.get("user_error"):  # a mistake the user can fix (missing file, bad setting)
             raise UserError(f"node '{name}' ({result['phase']}): {result['message']}")

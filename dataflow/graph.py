@@ -66,10 +66,16 @@ class NodeSpec:
     @property
     def restartable(self) -> bool:
         """Whether a replica whose process died may be restarted alone: not the run-ending node,
-        and not a rank of a multi-rank job (inputs_on_replica_0 with several replicas), which
-        cannot rejoin its running process group."""
+        not a rank of a multi-rank job (inputs_on_replica_0 with several replicas), which cannot
+        rejoin its running process group, and not a kind that says it cannot be (restart_refusal)."""
         ranks_of_one_job = self.replicas > 1 and getattr(self.kind, "inputs_on_replica_0", False)
-        return not self.ends_run and not ranks_of_one_job
+        return not self.ends_run and not ranks_of_one_job and not self.restart_refusal
+
+    @property
+    def restart_refusal(self) -> str:
+        """The node kind's reason it cannot be restarted with this config ("" if none)."""
+        refusal = getattr(self.kind, "restart_refusal", None)
+        return refusal(self.config) if refusal is not None else ""
 
     def replica_names(self) -> list[str]:
         if self.replicas == 1:

@@ -205,7 +205,9 @@ class NodeHost(CheckpointCalls):
             item = f"last item received on input '{port}': {shown}"
         return {"status": "failed", "phase": phase, "error": f"{type(e).__name__}: {e}", "message": str(e),
                 "user_error": isinstance(e, UserError),
-                "channel_error": isinstance(e, channels.ChannelError) and not isinstance(e, channels.BadItem),
+                # an echo: it failed because a peer did (a producer's channel, the other end of a push)
+                "echo": ((isinstance(e, channels.ChannelError) and not isinstance(e, channels.BadItem))
+                         or getattr(e, "peer_gone", False)),
                 "traceback": traceback.format_exc(), "item": item}
 
     # ---- --trace-kernels ---------------------------------------------------------------------

@@ -31,6 +31,12 @@ class Node:
     replicas are the ranks of one job (dataflow/weights/multirank.py), rank 0 handing out the work.
     A channel with several consumer replicas gives each item to one of them."""
 
+    @classmethod
+    def restart_refusal(cls, config: Any) -> str:
+        """Why a replica of this kind with `config` cannot be restarted after its process died
+        ("" if it can): its death then ends the run, with this reason in the report."""
+        return ""
+
     def __init__(self, config: Any, ctx: "NodeContext"):
         self.config = config
         self.ctx = ctx

@@ -31,6 +31,16 @@ def restartable(graph: Graph, name: str, result: Any, monitor: Monitor) -> bool:
             and monitor.restarts.get(name, 0) < graph.max_restarts)
 
 
+def refusals(graph: Graph, results: dict) -> dict:
+    """Replica -> why its dead process is not restarted though the graph restarts nodes (its kind
+    said why: Node.restart_refusal), for the run's failure report."""
+    from ray.exceptions import RayActorError
+
+    specs = {name: graph.nodes[name.split("[")[0]] for name in results}
+    return {name: specs[name].restart_refusal for name, r in results.items()
+            if isinstance(r, RayActorError) and graph.max_restarts > 0 and specs[name].restart_refusal}
+
+
 def ends_the_run(graph: Graph, name: str, result: Any, monitor: Monitor) -> bool:
     """A run() result the run cannot go on after: a failure, unless it is a death that is restarted."""
     return failed(result) and not restartable(graph, name, result, monitor)

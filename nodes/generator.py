@@ -140,6 +140,13 @@ class Generator(Node):
     outputs = ("samples",)
     subscribes = ("policy", SYNC_EDGE)
 
+    @classmethod
+    def restart_refusal(cls, config: GeneratorConfig) -> str:
+        if config.weight_sync.transport == "collective":
+            return ("weight_transport=collective: a new process cannot join the learner's running push "
+                    "group (weight_transport=object_store or cuda_ipc restart generators)")
+        return ""
+
     async def setup(self):
         c = self.config
         self.prompts_per_call = prompts_per_call(c, self.ctx.device)  # the HF loop's; the decoder's below

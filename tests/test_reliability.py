@@ -159,7 +159,7 @@ def test_an_item_that_fails_to_decode_is_counted_and_named(tmp_path, drop):
     what = "channel 'numbers': an item from producer 'upstream' failed to decode: header too short"
     if not drop:  # the consumer fails, naming the channel and the producer (the driver adds the node)
         assert result["status"] == "failed" and result["error"] == f"BadItem: {what}", result
-        assert not result["channel_error"]  # its own failure, not an echo of a dead producer
+        assert not result["echo"]  # its own failure, not an echo of a dead producer
         return
     assert result["status"] == "done" and host.node.seen == [{"value": i} for i in range(3)]
     assert [e["text"] for e in events if e["kind"] == "log"] == [

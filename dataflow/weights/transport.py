@@ -18,7 +18,11 @@ BIG_COPY = 4 << 20               # bytes: copies at least this large get their o
 
 
 class WeightPushError(RuntimeError):
-    """A push failed or stalled; the message names the learner end and the generator end."""
+    """A push failed or stalled; the message names the learner end and the generator end.
+    `peer_gone`: the other end closed the connection (its process died): the report then names
+    the dead node, not this echo of it (dataflow/failures.is_echo)."""
+
+    peer_gone = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,7 +111,11 @@ def wait_all(works, timeout_s: float, what: str, device: torch.device) -> None:
                 raise RuntimeError("timed out")
             time.sleep(0)
     except RuntimeError as e:
-        raise WeightPushError(f"{what}: failed or stalled past {timeout_s:.0f} s ({e})") from e
+        if "timed out" in str(e).lower():
+            raise WeightPushError(f"{what}: stalled past {timeout_s:.0f} s ({e})") from e
+        error = WeightPushError(f"{what}: failed ({str(e).strip().splitlines()[0]})")
+        error.peer_gone = True     # gloo/NCCL: a connection closed or reset by the other end
+        raise error from e
 
 
 def bucket_bounds(total: int, bucket_bytes: int) -> list[tuple[int, int]]:
