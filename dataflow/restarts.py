@@ -31,14 +31,23 @@ def restartable(graph: Graph, name: str, result: Any, monitor: Monitor) -> bool:
             and monitor.restarts.get(name, 0) < graph.max_restarts)
 
 
-def refusals(graph: Graph, results: dict) -> dict:
-    """Replica -> why its dead process is not restarted though the graph restarts nodes (its kind
-    said why: Node.restart_refusal), for the run's failure report."""
+def refusals(graph: Graph, results: dict, restarts: dict[str, int]) -> dict[str, str]:
+    """Replica -> why its dead process is not restarted though the graph restarts nodes, for the
+    run's failure report: its kind said why (Node.restart_refusal), or it used up max_restarts.
+    (`restarts`: replica -> restarts so far. The run-ending node and the ranks of a multi-rank
+    node are never restarted; their report names the checkpoint to resume from.)"""
     from ray.exceptions import RayActorError
 
-    specs = {name: graph.nodes[name.split("[")[0]] for name in results}
-    return {name: specs[name].restart_refusal for name, r in results.items()
-            if isinstance(r, RayActorError) and graph.max_restarts > 0 and specs[name].restart_refusal}
+    why = {}
+    for name, result in results.items():
+        spec = graph.nodes[name.split("[")[0]]
+        if not isinstance(result, RayActorError) or graph.max_restarts == 0:
+            continue
+        if spec.restart_refusal:
+            why[name] = spec.restart_refusal
+        elif spec.restartable and restarts.get(name, 0) >= graph.max_restarts:
+            why[name] = f"it was restarted {restarts[name]} time(s) already (max_restarts={graph.max_restarts})"
+    return why
 
 
 def ends_the_run(graph: Graph, name: str, result: Any, monitor: Monitor) -> bool:

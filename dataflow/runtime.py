@@ -162,7 +162,7 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
                 # The failed node's last logs, from the hosts that answer soon: one whose process is
                 # being restarted answers only once it is up (5 s under load, POLL_TIMEOUT_S, measured).
                 await monitor.poll(hosts, timeout_s=LAST_LOGS_S)
-                raise_first_failure(results, refusals(graph, results))
+                raise_first_failure(results, refusals(graph, results, monitor.restarts))
             if any(graph.nodes[name.split("[")[0]].ends_run for name in results):
                 status = "max steps reached" if max_steps and monitor.step >= max_steps else "done"
                 await stop_all(hosts, running)

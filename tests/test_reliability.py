@@ -201,6 +201,31 @@ def _progress(state_dir: Path) -> int:
         return -1
 
 
+def test_a_dead_replica_that_is_not_restarted_says_why():
+    """The report of a death that ends the run says why it was not restarted: restarts used up, or
+    the node kind refused (a generator under the collective push). Ray's own death error."""
+    from ray.exceptions import RayActorError
+
+    from dataflow.errors import NodeFailed
+    from dataflow.failures import raise_first_failure
+    from dataflow.restarts import refusals
+
+    died = RayActorError()
+    graph, _ = load_graph(str(ROOT / "graphs/ppo.py"), ["max_restarts=2"])
+    why = refusals(graph, {"generator": died, "critic": {"status": "done"}}, {"generator": 2})
+    assert why == {"generator": "it was restarted 2 time(s) already (max_restarts=2)"}
+    with pytest.raises(NodeFailed) as failed:
+        raise_first_failure({"generator": died}, why)
+    assert failed.value.node == "generator"
+    assert failed.value.summary.endswith("; not restarted: it was restarted 2 time(s) already (max_restarts=2)")
+    assert refusals(graph, {"generator": died}, {"generator": 1}) == {}     # it is restarted
+    assert refusals(graph, {"learner": died}, {}) == {}      # ends the run: its report names the checkpoint
+    graph, _ = load_graph(str(ROOT / "graphs/ppo.py"), ["max_restarts=2", "weight_transport=collective"])
+    assert refusals(graph, {"generator": died}, {})["generator"].startswith("weight_transport=collective: ")
+    graph, _ = load_graph(str(ROOT / "graphs/ppo.py"), ["max_restarts=0", "weight_transport=collective"])
+    assert refusals(graph, {"generator": died}, {}) == {}      # restarts are off: nothing to explain
+
+
 def test_a_killed_generator_is_restarted_and_a_killed_learner_stops_the_run(ray_instance, tmp_path):
     """kill -9 of the generator's process: it is restarted (counted in metrics, an instant event in
     the trace) and every prompt is still trained on exactly once. Then kill -9 of the learner's:
