@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before Ray starts: no token-auth banner
 
 
-# The slowest test files, slowest first (seconds of their tests on the 2-core machine, from
-# `pytest --durations`, 2026-12-03). The two workers take files in collection order as they free
-# up: starting on these, the run's tail is short files on both workers.
+# The slowest test files, slowest first (by the seconds their tests took on the 2-core machine in a
+# `pytest --durations` run, 2026-12-03; bench/RESULTS.md). The two workers take files in collection
+# order as they free up: starting on these, the run's tail is short files on both workers.
 SLOWEST_FIRST = ("test_multirank", "test_weight_sync", "test_ppo_graph", "test_real_model", "test_reliability",
                  "test_resume_settings", "test_runtime", "test_algorithms", "test_checkpoint", "test_dapo",
                  "test_multinode", "test_validation", "test_varlen_nodes", "test_packing")
