@@ -174,11 +174,12 @@ class LearnerWeightSync:
         self.dtype = getattr(torch, dtypes.pop())
         own_gpus = all(e["device"] == "cuda" for e in ends) and len({e["uuid"] for e in ends}) == len(ends)
         backend = "nccl" if own_gpus and c.backend == "auto" else "gloo"
+        def tell_plan(push_port: int):     # the generators read it, then join the group on that port
+            self._store.set("plan", json.dumps({"backend": backend, "port": push_port}))
+
         group = await asyncio.to_thread(lambda: PushGroup(
             host=host, port=0, rank=0, names=names, device=_group_device(backend),
-            timeout_s=c.rendezvous_timeout_s,
-            on_listen=lambda push_port: self._store.set("plan", json.dumps({"backend": backend,
-                                                                            "port": push_port}))))
+            timeout_s=c.rendezvous_timeout_s, on_listen=tell_plan))
         if ranks is not None:
             await asyncio.to_thread(ranks.broadcast, str(self.dtype).removeprefix("torch."))
         # dp x tp: the training layout, generation tp 1 (a generator holds the whole model), so each

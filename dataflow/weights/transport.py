@@ -44,6 +44,7 @@ class PushGroup:
         later is a race: any socket on the host (gloo opens many) can take it in between."""
         self.rank, self.names, self.size = rank, list(names), len(names)
         self.device, self.timeout_s = torch.device(device), timeout_s
+
         def where(p):
             return f"push group {host}:{p} of {self.names[0]} -> {self.names[1:]}: {self.names[rank]}"
         try:
