@@ -4,9 +4,9 @@ by side inside CUDA graphs (what the decoder replays): which would shorten a dec
     python bench/decode_attention.py                  # SmolLM2-135M's shapes, B=256, L=128 and 512
     python bench/decode_attention.py --cpu            # checks only (every variant against sdpa, fp32)
 
-bench/decode_kernels.py (sixteenth session, H200) found a decode step of SmolLM2 at 256 slots to be
-569 kernels in 2.56 ms, of it 0.66 ms in sdpa's attention (cuDNN's flash kernel, 21.9 us a call for
-3 query rows per KV head), 0.80 ms in 210 small GEMMs and 0.26 ms in 60 KV-cache writes. Variants:
+bench/decode_kernels.py found a decode step of SmolLM2 at 256 slots to be a chain of several hundred
+small kernels, mostly sdpa's attention, many small GEMMs and the KV-cache writes
+(bench/results/decode_kernels_h200_2026-12-03.md). Variants:
   attention over the cache [B, kv, L, d] for q [B, kv, g, d] with an additive mask [B, 1, 1, L]:
     sdpa (default backend choice), sdpa pinned to EFFICIENT / MATH, two matmuls + softmax eager,
     the same compiled (inductor: dynamic shapes, as the decoder's layer halves), and the products

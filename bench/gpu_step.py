@@ -268,9 +268,9 @@ def run_logged(cmd: list[str], log_path: Path, timeout_s: float, prefix: str, en
 
 def batch_sizes(args, algo: str) -> tuple[int, int, list[str]]:
     """(learner/critic micro-batch, reference micro-batch, extra --set) of a variant: --micro-batch
-    and --ref-micro-batch when given, else the fastest measured that fit (bench/RESULTS.md, third
-    round): GRPO on one H200 64 and 64 with half the GPU for the learner (48 GB peak); PPO on one
-    H200 16 (four model nodes share it); two H200s 32 and 32."""
+    and --ref-micro-batch when given, else the fastest measured that fit
+    (bench/results/w1_step_h200_2026-11-30b.md): GRPO on one H200 64 and 64 with half the GPU for
+    the learner; PPO on one H200 16 (four model nodes share it); two H200s 32 and 32."""
     if args.micro_batch:
         return args.micro_batch, args.ref_micro_batch or 32, []
     if args.gpus == 1 and algo == "grpo" and not args.tiny:

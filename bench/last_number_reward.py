@@ -5,9 +5,9 @@
 1.0 when the last number of the response equals the answer, else 0.0: the held-out judge of
 tools/heldout.py (answer_correct), as a training reward. Why: rl/math_reward.py's math_reward asks
 math-verify, which parses and evaluates expressions, so "47 + 38" scores 1.0 against the answer 85.
-GRPO on SmolLM2-135M-Instruct found that in ~50 steps (bench/RESULTS.md, "SmolLM2-135M-Instruct
-on one H200"): math_reward 1.000, held-out last-number accuracy 0.004. Self-contained (no project
-import), so a reward worker loads it by path wherever it runs.
+GRPO on SmolLM2-135M-Instruct found that quickly: a perfect training reward while held-out
+last-number accuracy fell to nothing (bench/results/smollm2_grpo_ppo_h200_2026-12-01.md).
+Self-contained (no project import), so a reward worker loads it by path wherever it runs.
 """
 
 from __future__ import annotations

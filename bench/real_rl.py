@@ -56,8 +56,8 @@ def graph_overrides(args, model: str, train: str, on_gpu: bool) -> list[str]:
             "keep_checkpoints=0", f"max_steps={args.steps}"]
     if ppo:
         # Micro-batches of 64 (gradient accumulation: the same update): colocated on one H200,
-        # PPO's four model nodes get a quarter each (35 GiB), and the learner's forward over all
-        # 256 samples at once ran out of it (bench/RESULTS.md, SmolLM2 on one H200).
+        # PPO's four model nodes get a quarter each, and the learner's forward over all 256
+        # samples at once ran out of it (bench/results/smollm2_grpo_ppo_h200_2026-12-01.md).
         sets += [f"critic.minibatch_size={samples}", "learner.micro_batch_size=64", "critic.micro_batch_size=64"]
     else:
         # Group-normalised scores only, as TRL's scale_rewards="group" (the learner whitens them

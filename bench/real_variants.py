@@ -69,8 +69,8 @@ def run_settings(args, name: str, seed: int, model: str, train: str, val: str, o
                  share: float, shared: bool = True) -> tuple[str, list[str]]:
     """(graph file, --set list) of one run. `shared`: other runs share the GPU at the same time,
     so micro-batches are sized down to this run's share (MICRO_BATCH); alone, a run keeps the
-    nodes' own micro-batch sizing, as bench/real_rl.py (GRPO 1.64 s/step with 32-row micro-batches
-    on the H200 against 0.94 s with the defaults, bench/RESULTS.md 2026-12-02)."""
+    nodes' own micro-batch sizing, as bench/real_rl.py: the shared sizes made a lone GRPO run much
+    slower per step (bench/results/variants_smollm2_h200_2026-12-02a.md)."""
     graph, algo, extra = VARIANTS[name]
     base = SimpleNamespace(algo=algo, prompts_per_step=args.prompts_per_step, group=args.group,
                            max_new_tokens=args.max_new_tokens, lr=args.lr, kl=args.kl,
@@ -166,7 +166,8 @@ def launch(args, runs: list[tuple[str, int]], model: str, train: str, val: str, 
     # layers would start a pool of cpu_count inductor workers.
     env.setdefault("RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION", str(round(0.25 / concurrent, 3)))
     # one run at a time: each finds the earlier runs' graphs in the shared cache anyway, and PPO (the
-    # slowest, 4.6 s/step on the H200) first would take most of a call's budget (RESULTS, 2026-12-02)
+    # slowest per step) first would take most of a call's budget
+    # (bench/results/variants_smollm2_h200_2026-12-02a.md)
     warm = args.warm_first if args.warm_first is not None else on_gpu and concurrent > 1
     pending, active, done = list(runs), {}, []
     if warm:   # PPO first: its start-up compiles the most graphs (generator, reference, learner, critic)
@@ -238,8 +239,9 @@ def main() -> int:
     p.add_argument("--overlong-buffer", type=int, default=32, help="dapo: tokens before the cap where the penalty grows")
     p.add_argument("--gpu-fraction", type=float, default=0.9, help="of the GPU, split over the concurrent runs")
     p.add_argument("--max-concurrent", type=int, default=1,
-                   help="runs at once (0 = all). 1: five at once on one H200 ran at 6.3-9 s per step against "
-                        "0.84 alone (bench/RESULTS.md), too slow to learn in one call's budget")
+                   help="runs at once (0 = all). 1: five at once on one H200 ran several times slower per "
+                        "step than one alone, too slow to learn in one call's budget "
+                        "(bench/results/variants_smollm2_h200_2026-12-01.md)")
     p.add_argument("--budget-s", type=float, default=500.0,
                    help="seconds from the first start; then SIGTERM to the runs still going")
     p.add_argument("--stagger-s", type=float, default=2.0, help="between two starts")

@@ -100,10 +100,10 @@ def pack(obj: Any, copy: bool = False, staging: dict | None = None) -> tuple[Any
     `staging` (a dict the caller keeps from one pack to the next, as torch.distributed.checkpoint's
     BlockingAsyncStager(cache_staged_state_dict=True) keeps its CPU state dict): the copies go
     into the CPU buffers of the previous pack with `staging` where name, shape and dtype match, and
-    new buffers are kept there. A state of the same layout then allocates nothing: fresh pinned
-    memory for SmolLM2's learner (1.6 GB) took 1.1-2.2 s of a capture on an H200, where reusing
-    blocks took 0.03 s, and torch's host allocator reused them at 5 of 12 checkpoints only
-    (bench/RESULTS.md). The previous pack's tensors are overwritten: the caller must be done
+    new buffers are kept there. A state of the same layout then allocates nothing: pinning fresh
+    memory for a GPU state costs far more than copying into blocks already pinned, and torch's
+    host allocator does not reliably hand the last capture's blocks back
+    (bench/results/checkpoint_blocking_h200_2026-12-03.md). The previous pack's tensors are overwritten: the caller must be done
     with them (NodeHost waits for the last background write before the next capture)."""
     import numpy as np
     import torch
@@ -121,8 +121,8 @@ def pack(obj: Any, copy: bool = False, staging: dict | None = None) -> tuple[Any
             name = seen[key]
             if t.is_cuda:
                 # Into pinned memory, all copies queued, one wait at the end: tensor by tensor into
-                # pageable memory (.to("cpu")) waits on each and stages it, ~1.4 s per checkpoint
-                # of SmolLM2's learner on an H200.
+                # pageable memory (.to("cpu")) waits on each and stages it, which held the learner
+                # for a large part of a step at every checkpoint.
                 tensors[name] = cpu_buffer(name, t, pinned=True).copy_(t, non_blocking=True)
                 from_gpu.add(t.device)
             elif copy and staging is not None:

@@ -12,7 +12,8 @@ step_<k>.tmp/, then the driver writes the manifest and renames the directory to 
 
 Synchronous (async_checkpoint=False): a replica writes while it holds the lock, and the
 requester's ctx.checkpoint returns once the checkpoint has committed: training waits for the
-files to reach the disk (2-3.4 s per checkpoint for GRPO on a 135M model on an H200).
+files to reach the disk (seconds per checkpoint even for a small model's learner and its
+optimizer state).
 
 Asynchronous (async_checkpoint=True, as torch.distributed.checkpoint's async_save and torchtitan
 do it): capture copies every tensor to CPU memory under the lock, ctx.checkpoint returns once

@@ -137,7 +137,8 @@ class Graph:
     (state already on the CPU is copied; state on a GPU is copied to CPU memory by either mode).
     False: training waits until the checkpoint has committed. On by default: a checkpoint holds
     the same state either way (tests/test_checkpoint.py), and a state on the GPU is copied to CPU
-    memory by the synchronous save too, so only the wait changes (bench/RESULTS.md)."""
+    memory by the synchronous save too, so only the wait changes
+    (bench/results/checkpoint_blocking_h200_2026-12-03.md)."""
     max_restarts: int = 0
     """Times each replica of a node that does not end the run is restarted after its process
     dies (0 = a death stops the run)."""

@@ -80,7 +80,7 @@ class RLHFConfig:
     """Policy versions the generators may run ahead of the learner (0 = synchronous)."""
     weight_transport: Literal["auto", "object_store", "collective", "cuda_ipc"] = "auto"
     """How the learner's weights reach the generators. auto: cuda_ipc for placement=colocated with
-    num_gpus=1 (measured fastest there, bench/RESULTS.md), else object_store (dataflow/presets.py).
+    num_gpus=1 (a device-to-device copy, no CPU round trip), else object_store (dataflow/presets.py).
     object_store: a state dict through Ray's object store. collective: the HybridEngine push (gloo;
     NCCL when each end has a GPU of its own; llama/qwen2 policies), the `policy` edge then carries
     only the version. cuda_ipc: learner and every generator on ONE physical GPU (placement=colocated,

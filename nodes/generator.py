@@ -89,10 +89,10 @@ class GeneratorConfig:
     """Prompts decoded at once: the static decoder has prompts_per_call x group_size slots,
     refilled as prompts arrive; the HF loop takes up to this many per call. 0 = auto: 256 slots'
     worth on CUDA (256 // group_size prompts: 32 for GRPO's groups of 8, 256 for PPO), 32 prompts
-    on CPU. On a GPU a decode step costs little more for 256 slots than for 32: W1 PPO ran 2.4x
-    faster with 256 than with 32 (bench/RESULTS.md). Auto takes fewer slots when their KV cache
-    would fill more than half of the GPU memory this replica has left, or on a CPU a quarter of
-    the machine's available memory (logged; rl/decoder_slots.py)."""
+    on CPU. On a GPU a decode step costs little more for 256 slots than for 32, so more slots are
+    nearly free throughput (bench/results/w1_step_h200_2026-11-30a.md). Auto takes fewer slots
+    when their KV cache would fill more than half of the GPU memory this replica has left, or on a
+    CPU a quarter of the machine's available memory (logged; rl/decoder_slots.py)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and KV cache dtype (auto: bfloat16 on CUDA, float32 on CPU). The learner's weights
     are cast into it as they arrive."""
@@ -293,8 +293,7 @@ class Generator(Node):
                             # are switched to now, between decode steps, the slots kept.
                             # Finished groups the outbox had no room for go first, as soon as it
                             # has room: held to the end of the serving block, one full moment of
-                            # the channel turned streaming into a batch at the end (the trace of
-                            # bench/RESULTS.md, "our GRPO and TRL's GRPOTrainer back to back").
+                            # the channel turned streaming into a batch at the end.
                             while ready and emit(ready[0]):
                                 ready.popleft()
                             admit = []

@@ -1,8 +1,9 @@
 """Compile the learner's layers while the rest of the graph starts, not in its first step.
 
-Compiled layers (rl/precision.compile_layers) build their graphs on first use. In a GRPO run on
-SmolLM2-135M on one H200 that first use was the first training step: 17.8 s of the step's 31.8 s
-(bench/RESULTS.md, fifteenth session), after the generator's own set-up (18 s) and first batch.
+Compiled layers (rl/precision.compile_layers) build their graphs on first use. Without a warm-up
+that first use is the first training step, which then waits for the compile after the generator's
+own set-up and first batch, on the critical path of a short run
+(bench/results/trl_smollm2_h200_2026-12-03a.md).
 The warm-up runs the learner's real update (rl/ppo_update.ppo_update: the same passes, grad modes,
 masks, column alignment and micro-batch split as a training step) on made-up samples shaped like
 a step's, with an optimizer that never steps, on a thread started in the learner's set-up; the
@@ -43,8 +44,8 @@ def made_up_samples(c, vocab_size: int, prompt_tokens: tuple[int, int] = (16, 64
     generators' cap (learner.max_response_tokens; 64 when unset), random tokens and scores, with
     the per-token fields the configured advantage and KL need. Prompts are short (chat-templated
     arithmetic questions for SmolLM2 are ~50 tokens): the warm-up should be no bigger than a real
-    step, whose memory its passes reserve; with 32-96 prompt tokens the learner's peak on an H200
-    rose from 39.5 to 43.7 GB."""
+    step, whose memory its passes reserve: prompts wider than the real ones raised the learner's
+    peak GPU memory for the whole run (bench/results/trl_smollm2_h200_2026-12-03a.md)."""
     from rl.ppo_update import resolved_advantage
 
     rng = random.Random(seed)

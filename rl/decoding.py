@@ -114,7 +114,7 @@ class StaticDecoder:
             raise ValueError("StaticDecoder(attention='flash'): flash_attn is not importable here "
                              "(or the device/dtype is not CUDA fp16/bf16)")
         self._flash = flash if self._attention in ("auto", "flash") else None
-        # sdpa reads [S, kv, L, d] (each head's keys contiguous; a transposed view is ~2x slower
+        # sdpa reads [S, kv, L, d] (each head's keys contiguous; a transposed view is much slower
         # on CPU); flash_attn_with_kvcache wants [S, L, kv, d].
         shape = (S, L, self.n_kv, self.head_dim) if self._flash else (S, self.n_kv, L, self.head_dim)
         n_layer = len(self.model.model.layers)

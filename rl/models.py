@@ -173,8 +173,8 @@ def sample_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int
                      stop_ids: list[int] | None = None) -> list[dict]:
     """Sample one response per prompt with a KV cache, in a hand loop.
 
-    Why not model.generate: on the 2-core CPU both take the same time within noise (batch
-    64/128/256 x 8 tokens: ~22/36/55-60 ms each, bench/RESULTS.md), and the loop gives exact
+    Why not model.generate: on CPU both take the same time within noise
+    (bench/results/task_choice_cpu_2026-11-29.md), and the loop gives exact
     behaviour log-probs of the distribution actually sampled, a seedable torch.Generator, and
     stops as soon as every row has emitted <eos>.
 

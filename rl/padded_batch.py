@@ -29,8 +29,8 @@ COLUMN_MULTIPLE = 8
 """The model passes' padded widths are multiples of this (pad_batch(multiple_of=...) in the learner,
 reference and critic; rl/packing.padded_columns widens their micro-batches to it).
 Inductor specializes a compiled layer on whether the sequence length is a multiple of 8 (its
-alignment check): on one H200, SmolLM2's learner ran 62 GRPO steps at unaligned widths, then one
-aligned width recompiled its layers for 9-12 s of that step (bench/RESULTS.md, thirteenth session).
+alignment check): a run whose first widths happen to be unaligned recompiles its layers, in the
+middle of training, at the first aligned width (bench/results/trl_smollm2_h200_2026-12-02c.md).
 One alignment for every width keeps one graph; tensor cores like the multiple too."""
 
 

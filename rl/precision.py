@@ -75,8 +75,9 @@ def compiler_works(device_type: str) -> str | None:
 def compile_setting(compile: bool | None, packing: bool, gradient_checkpointing: bool = False) -> bool | None:
     """A node's `compile` with its default (None) kept eager where compiling is untried or slow:
     with gradient checkpointing (untried), and with packed passes, whose flex_attention inside
-    compiled layers did not finish a GRPO step in 150 s on an H200 (SmolLM2, bench/RESULTS.md,
-    issue 21), while eager packed passes ran 3x faster than 16-row padded ones (bench/varlen.py).
+    compiled layers did not finish a GRPO step on an H200
+    (bench/results/packing_w2_h200_2026-12-02a.md), while eager packed passes beat padded ones
+    (bench/results/packing_w1long_h200_2026-12-02.md).
     That run compiled flex with dynamic=True; compile_layers now compiles flex layers with automatic
     dynamic shapes instead (its docstring), which a GPU run has yet to time before this default
     changes. An explicit True still compiles."""
@@ -94,9 +95,9 @@ def compile_layers(model: torch.nn.Module, compile: bool | None, device) -> bool
     compiles FSDP2 blocks the same way). Dynamic shapes from the start: batches and lengths vary.
     The graphs compile on first use, from the run's own batches, as torchtitan and verl do. An
     earlier version compiled every variant up front on a dummy batch (padded or not, one row,
-    with and without grad): on an H200 with SmolLM2-135M the learner's setup took 54.6 s, mostly
-    compiling six graphs a GRPO step mostly never runs, and its first step still took 19.1 s; on first
-    use only the graphs a run needs compile, at its sizes (bench/RESULTS.md, issue 18).
+    with and without grad): the learner's setup then spent most of its time compiling graphs a
+    GRPO step never runs, and its first step still compiled; on first use only the graphs a run
+    needs compile, at its sizes (bench/results/trl_smollm2_h200_2026-12-02a.md).
     A machine whose toolchain cannot compile (compiler_works) keeps the layers eager, with one line.
 
     flex_attention (packed passes on CUDA without flash_attn, rl/packing.py) is the exception to
@@ -106,7 +107,7 @@ def compile_layers(model: torch.nn.Module, compile: bool | None, device) -> bool
     dynamic=True every Python int the layer reads becomes a symbol, those of the BlockMask too
     (BLOCK_SIZE, and the mask_mod's closure offsets), and flex_attention's kernel is generated for
     them: on CPU (torch 2.13) it does not build (a C++ error in the flex template, eager layers too
-    when flex is compiled dynamic=True); the H200 step that did not finish in 150 s ran it so (that
+    when flex is compiled dynamic=True); the H200 step that never finished ran it so (that
     this was the cause there is unconfirmed). The same flex under automatic dynamic shapes is what
     transformers compiles for eager layers, which ran on the H200. So call
     this after use_varlen_attention (a later switch to flex keeps dynamic=True)."""

@@ -11,12 +11,12 @@ Tasks (k = num_digits, digits uniform in 0-9):
   reverse      "reverse d1 .. dk :" -> "dk .. d1"        per-position credit
   sort         "sort d1 .. dk :"    -> digits ascending  per-position credit
 
-DEFAULT: copy, k=2 (best constant response 0.1, random policy ~0.05; the single-process PPO
-reference reaches 0.8 in ~120 steps of 256 samples, ~25 s on 2 idle cores).
-Harder: copy, k=3, where per-token credit matters: with the score only on the last token PPO is
-at ~0.7 after 400 steps; with per-position token_rewards it reaches 0.8 in ~115 steps.
-Stretch: reverse, k=3 stalls near 0.6 in 400 steps even with token rewards (each answer position
-needs a different attention offset). Numbers: bench/RESULTS.md, "Task choice".
+DEFAULT: copy, k=2: it needs the prompt (no constant answer scores well) and a plain PPO loop
+learns it well inside the demo's few minutes on a CPU.
+Harder: copy, k=3, where per-token credit matters: with the score only on the last token PPO
+plateaus; with per-position token_rewards it learns.
+Stretch: reverse, k=3 stalls even with token rewards (each answer position needs a different
+attention offset). The runs behind this choice: bench/results/task_choice_cpu_2026-11-29.md.
 
 Per-position credit: score = #(i < k with response[i] == answer[i]) / k. Tokens after the k-th
 are ignored: an earlier version divided by max(k, len(response)) to teach stopping, and the

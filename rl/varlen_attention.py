@@ -2,8 +2,9 @@
 implementation "torch_varlen" (rl/packing.use_varlen_attention picks it on CUDA when the
 flash_attn package is missing, which it is on most machines: it has no wheel for every torch).
 
-Why not flex_attention, the other kernel torch ships: on the H200, GRPO with packed passes under
-flex did not finish a step in 150-180 s, compiled layers or eager (bench/RESULTS.md, 2026-12-02).
+Why not flex_attention, the other kernel torch ships: on an H200, GRPO with packed passes under
+flex did not finish a single step, compiled layers or eager
+(bench/results/packing_w2_h200_2026-12-02a.md, bench/results/w2_step_h200_2026-12-02a.md).
 transformers compiles flex for each new pack length, and every micro-batch has a new one.
 torch.nn.attention.varlen.varlen_attn (torch >= 2.10, CUDA) runs FlashAttention-2's varlen kernels
 from cumulative sequence lengths: nothing to compile, no [N, N] mask, no work across rows.

@@ -70,3 +70,14 @@ def test_bench_readme_indexes_every_result_file():
     index = (ROOT / "bench" / "README.md").read_text()
     missing = [p.name for p in sorted((ROOT / "bench" / "results").glob("*.md")) if f"results/{p.name}" not in index]
     assert not missing, f"bench/README.md does not link {missing}"
+
+
+def test_result_files_named_in_code_exist():
+    """Comments and docstrings point at results by file (bench/results/<name>.md), never by number."""
+    named = re.compile(r"bench/results/([\w.-]+\.md)")
+    missing = [f"{path.relative_to(ROOT)}: {name}"
+               for folder in ("dataflow", "nodes", "rl", "graphs", "tools", "tests", "bench")
+               for path in sorted((ROOT / folder).rglob("*.py"))
+               for name in named.findall(path.read_text())
+               if not (ROOT / "bench" / "results" / name).exists()]
+    assert not missing, "result files that do not exist:\n" + "\n".join(missing)

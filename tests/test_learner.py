@@ -564,9 +564,9 @@ def test_stale_steps_weight_each_token_by_its_own_version(setup):
 
 @pytest.mark.parametrize("micro", [0, 5])
 def test_model_passes_run_at_aligned_widths(setup, micro):
-    # Inductor specializes a compiled layer on whether the width is a multiple of 8: on an H200 one
-    # aligned width after 62 unaligned steps recompiled the learner's layers for 9-12 s. The
-    # learner, reference and critic pad every pass to rl/padded_batch.COLUMN_MULTIPLE columns.
+    # Inductor specializes a compiled layer on whether the width is a multiple of 8: the first
+    # aligned width after unaligned ones recompiles the learner's layers mid-run. The learner,
+    # reference and critic pad every pass to rl/padded_batch.COLUMN_MULTIPLE columns.
     from nodes.critic import CriticConfig, advantages_for, critic_update
     from rl.models import ValueModel
     from rl.padded_batch import COLUMN_MULTIPLE

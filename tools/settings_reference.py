@@ -103,7 +103,7 @@ def _rule_notes(config: Any) -> dict[str, str]:
             continue
         name = getattr(rule.compute, "__name__", "<lambda>")
         source = (f"`{rule.source}`" if rule.source
-                  else f"`{name}()`" if name != "<lambda>" else f"the graph's rules ({type(config).__name__}.rules)")
+                  else f"`{name}()`" if name != "<lambda>" else "the graph's rules")
         for target in rule.targets:
             notes[target] = (f"shared: takes {source}" if rule.kind == "share"
                              else f"while left at its default, filled from {source}")
@@ -158,7 +158,8 @@ def _row(key: str, per_graph: dict, names: dict) -> str:
         default += " (only " + ", ".join(names[p] for p in found) + ")"
     doc = row["doc"]
     if ruled:
-        doc = (doc + " " if doc else "") + "; ".join(sorted(ruled)).capitalize() + "."
+        note = "; ".join(sorted(ruled))
+        doc = (doc + " " if doc else "") + note[0].upper() + note[1:] + "."
     return f"| `{key}` | {_cell(row['type'])} | {_cell(default)} | {_cell(row['allowed'])} | {_cell(doc)} |"
 
 

@@ -88,7 +88,7 @@ class SendEnd:
 
     Large buffers ride out of band in the take() reply. `put_large=True` instead ray.puts them at
     send time and the reply carries an ObjectRef; bench/channel.py measured that slower at every
-    size (16 MiB: ~140 vs ~200 items/s; 1 MiB: ~2.4x slower), so it is off, kept for the bench.
+    size (bench/results/channels_cpu_2026-11-29.md), so it is off, kept for the bench.
     """
 
     def __init__(self, channel: str, *, capacity: int, consumer_keys: Iterable[str],

@@ -15,8 +15,8 @@ One push, step by step (see dataflow/weights/reshard.py for 1):
      qkv / gate_up sources sit back to back) at a 256-byte aligned offset, in the generation
      dtype. The manifest (names, shapes, offsets) is sent on the first push and when it changes.
      Plain parameters (a one-rank learner; the generator's model) are *rehomed* once into one
-     buffer in arena order, so whole-model copies are one memcpy (per-tensor copies ran at
-     ~0.65x of a flat copy on an H200, whatever the batching).
+     buffer in arena order, so whole-model copies are one memcpy (per-tensor copies are markedly
+     slower than one flat copy, whatever the batching; bench/weight_push.py compares them).
   3. Remote (`group`, a PushGroup): a gloo header wakes the receivers, which post receives for
      every bucket straight into their staging arena (no unpacking copy). Buckets of about
      bucket_bytes (the first ones smaller, to start the pipeline early) are broadcast from two
