@@ -1,6 +1,6 @@
-"""docs/settings.md is generated from the config dataclasses (tools/settings_reference.py) and must
+"""docs/settings.md is generated from the config dataclasses (graphs/settings_reference.py) and must
 not go stale: this fails when a setting, its type, default, constraint or docstring changed and the
-page was not regenerated (`python -m tools.settings_reference --write`)."""
+page was not regenerated (`python -m graphs.settings_reference --write`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Annotated, ClassVar, Literal
 
 from dataflow.checks import AtLeast, Range
 from dataflow.config import fill, share
-from tools.settings_reference import PAGE, constraint_text, field_doc, render, settings
+from graphs.settings_reference import PAGE, constraint_text, field_doc, render, settings
 
 
 @dataclass(kw_only=True)
@@ -51,7 +51,7 @@ def test_rows_carry_type_default_constraint_and_attribute_docstring():
 
 def test_settings_page_is_current():
     expected = render()
-    assert PAGE.exists(), "docs/settings.md is missing: python -m tools.settings_reference --write"
-    assert PAGE.read_text() == expected, "docs/settings.md is stale: python -m tools.settings_reference --write"
+    assert PAGE.exists(), "docs/settings.md is missing: python -m graphs.settings_reference --write"
+    assert PAGE.read_text() == expected, "docs/settings.md is stale: python -m graphs.settings_reference --write"
     for key in ("learner.lr", "generator.backend", "prompts.path", "filter.max_num_gen_batches", "val.every"):
         assert f"| `{key}` |" in expected
