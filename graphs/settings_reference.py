@@ -146,6 +146,14 @@ def _first(per_graph: dict, key: str) -> dict:
     return next(rows[key] for rows, _, _ in per_graph.values() if key in rows)
 
 
+def _per_graph(texts: dict[str, str], names: dict) -> str:
+    """"grpo, dapo: `8`; ppo: `1`": the graphs that agree named together."""
+    by_text: dict[str, list[str]] = {}
+    for p, text in texts.items():
+        by_text.setdefault(text, []).append(names[p])
+    return "; ".join(f"{', '.join(graphs)}: {text}" for text, graphs in by_text.items())
+
+
 def _row(key: str, per_graph: dict, names: dict) -> str:
     found = {p: rows[key] for p, (rows, _, _) in per_graph.items() if key in rows}
     row = next(iter(found.values()))
@@ -156,14 +164,19 @@ def _row(key: str, per_graph: dict, names: dict) -> str:
     if len({repr(v) for v in defaults.values()}) == 1:
         default = _value(next(iter(defaults.values())))
     else:
-        default = "; ".join(f"{names[p]}: {_value(v)}" for p, v in defaults.items())
+        default = _per_graph({p: _value(v) for p, v in defaults.items()}, names)
     if len(found) < len(per_graph):
         default += " (only " + ", ".join(names[p] for p in found) + ")"
     doc = row["doc"]
     if ruled:
         note = "; ".join(sorted(ruled))
         doc = (doc + " " if doc else "") + note[0].upper() + note[1:] + "."
-    return f"| `{key}` | {_cell(row['type'])} | {_cell(default)} | {_cell(row['allowed'])} | {_cell(doc)} |"
+    allowed = {p: r["allowed"] for p, r in found.items()}
+    if len(set(allowed.values())) == 1:
+        allowed_text = next(iter(allowed.values()))
+    else:
+        allowed_text = _per_graph({p: a or "any" for p, a in allowed.items()}, names)
+    return f"| `{key}` | {_cell(row['type'])} | {_cell(default)} | {_cell(allowed_text)} | {_cell(doc)} |"
 
 
 def render() -> str:
@@ -193,11 +206,19 @@ def render() -> str:
     ]
     header = ["| setting | type | default | allowed | description |", "|---|---|---|---|---|"]
     groups = [""] + [k for k in keys if "group" in _first(per_graph, k)]
+    # A group the graph shares from another setting (prompts.policy <- policy) is one setting, set
+    # there: its header says so and its fields are not repeated.
+    shared = {k: n for _, notes, _ in per_graph.values() for k, n in notes.items() if k in groups}
     for group in groups:
+        if any(group.startswith(s + ".") for s in shared):
+            continue
         if group:
             row = _first(per_graph, group)
             out += ["", f"{'##' if '.' not in group else '###'} `{group}` ({row['group']})", ""]
             out += [_cell(row["doc"]), ""] if row["doc"] else []
+            if group in shared:
+                out += [shared[group].replace("shared: takes ", "The graph copies ") + " here: set that instead."]
+                continue
         else:
             out += ["", "## Run and shared settings", ""]
         out += header

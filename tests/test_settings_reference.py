@@ -55,3 +55,5 @@ def test_settings_page_is_current():
     assert PAGE.read_text() == expected, "docs/settings.md is stale: python -m graphs.settings_reference --write"
     for key in ("learner.lr", "generator.backend", "prompts.path", "filter.max_num_gen_batches", "val.every"):
         assert f"| `{key}` |" in expected
+    # a group the graph shares from another setting is named once, where it is set
+    assert "| `prompts.policy.path` |" not in expected and "The graph copies `policy` here" in expected
