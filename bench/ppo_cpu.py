@@ -10,7 +10,7 @@ baseline) and max_staleness=N (asynchronous). --compare algorithms: graphs/ppo.p
 graphs/grpo.py with the same settings and samples per step. Prints, for each run, the wall time
 until the step mean reward first reaches --target, steps, samples/s, and the ratio of the two.
 
---compare variants: each named variant of VARIANTS (a graph file + settings; README "Algorithms")
+--compare variants: each named variant of VARIANTS (a graph file + settings; docs/algorithms.md)
 for every seed of --seeds (policy init, prompt stream, sampling noise and learner/critic RNG all
 from the seed), always --max-steps steps (--target only measures, it does not stop the run).
 Every variant sees 256 samples per training step. Per run: the first step whose policy reward

@@ -22,7 +22,7 @@ is the built-in validation (val.path = the 500 val problems, greedy, val.n=0), s
 the first step and every --val-every steps; max_steps is --steps + 1 so that the weights after
 step --steps are validated too (the run ends at its last step without publishing them).
 
-Variants (VARIANTS; README "Algorithms"): grpo (group mean / std), dr_grpo (group mean only, loss
+Variants (VARIANTS; docs/algorithms.md): grpo (group mean / std), dr_grpo (group mean only, loss
 over a constant: seq-mean-token-sum-norm), dapo (graphs/dapo.py's dynamic sampling + clip-higher
 0.2 / 0.28 + overlong shaping over the last --overlong-buffer tokens + truncated responses masked),
 rloo (leave-one-out baseline), ppo (graphs/ppo.py, the critic from the same checkpoint, GAE).

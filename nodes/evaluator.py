@@ -9,7 +9,7 @@ Produces: a metrics record per round (`val/step` = the learner step whose weight
           newest round reported, as round + 1 (0 = ready), which the prompt source waits for.
 Waits for: validation items.  Unblocked by: the reward node.
 
-How a round runs (docs in README "Validation"): when the learner publishes version v and v is due
+How a round runs (docs/observability.md, "Validation"): when the learner publishes version v and v is due
 (v = 0 with val.before_train, then every val.every steps), the prompt source sends each validation
 prompt tagged with round v, before the next training batch; the generators answer it greedily and
 val.n times at the training temperature, the reward node scores it with the training's reward and

@@ -11,7 +11,7 @@ The step is a flat sequence of phases: collect -> old log-probs, advantages and 
 minibatches (rl/ppo_update.py) -> KL controller -> report -> checkpoint (every save_interval
 steps) -> publish. The algorithm variants (advantage estimators, policy losses, loss aggregation,
 KL placement, DAPO's shaping, the learning-rate schedule) are settings of LearnerConfig; their
-math is in rl/ (README "Algorithms"). Collect keeps one copy of each prompt id (a prompt re-issued
+math is in rl/ (docs/algorithms.md). Collect keeps one copy of each prompt id (a prompt re-issued
 after a node restart arrives twice). A minibatch update with a non-finite loss or gradient is
 skipped and logged; max_bad_updates of them in a row stop the run.
 """
@@ -93,7 +93,7 @@ class LearnerConfig:
     advantage: Literal["auto", "gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"] = "auto"
     """gae: the critic's (PPO graph). grpo: group-normalised scores. dr_grpo: scores minus the group
     mean, no std. rloo: leave-one-out baseline. reinforce_pp: whitened returns of the token rewards
-    (REINFORCE++). auto: gae in the PPO graph, grpo in the GRPO graph. README "Algorithms"."""
+    (REINFORCE++). auto: gae in the PPO graph, grpo in the GRPO graph (docs/algorithms.md)."""
     grpo_std_scaling: bool = True
     """advantage=grpo: divide by the group's std (False: Dr. GRPO's unscaled advantage)."""
     gamma: Annotated[float, Range(0, 1)] = 1.0

@@ -215,7 +215,7 @@ class PromptSource(Node):
             raise UserError(f"val.path={self.config.val.path} is set, but no evaluator said it is up within "
                             f"{timeout:g} s: the graph needs an Evaluator node (nodes/evaluator.py) fed by the "
                             "reward node's 'validation' port and the versioned edge 'validated' from it to "
-                            "'prompts' (README, Validation)") from None
+                            "'prompts' (docs/observability.md, Validation)") from None
 
     async def run(self):
         c = self.config

@@ -208,7 +208,7 @@ class Reward(Node):
                         if validation is None:
                             raise UserError("a validation prompt reached the reward node, which has no "
                                             "'validation' port: declare it as RewardWithValidation, wired to "
-                                            "an Evaluator (nodes/evaluator.py; README, Validation)")
+                                            "an Evaluator (nodes/evaluator.py; docs/observability.md, Validation)")
                         await validation.send(item, **msg.meta)
                         continue
                     for s in item["samples"]:

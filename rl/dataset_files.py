@@ -1,7 +1,7 @@
 """Dataset files: which format a path holds (by extension and content) and the rows of a JSONL,
 JSON or parquet file, each with its position (JSONL: line[:column], others: row) and, for a row
-that cannot be parsed, what is wrong. rl/data.py turns rows into prompts (README "Prompts and
-datasets" has the formats).
+that cannot be parsed, what is wrong. rl/data.py turns rows into prompts (docs/data.md has the
+formats).
 """
 
 from __future__ import annotations

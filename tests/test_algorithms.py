@@ -1,4 +1,4 @@
-"""Every algorithm setting of the learner (README "Algorithms") run end to end: the real GRPO
+"""Every algorithm setting of the learner (docs/algorithms.md) run end to end: the real GRPO
 graph on a real Ray instance, a few steps of the built-in task, each run checking what its
 settings must show in metrics.jsonl. Tiny batches: each run takes seconds. Every run is synchronous
 (max_staleness=0) and traced, so each also checks that mode's versions and the trace's contents."""

@@ -83,7 +83,7 @@ def test_reward_failures_are_counted_and_the_run_goes_on(tmp_path):
 
 
 def test_user_model_dir_jsonl_and_reward_file_and_kl_zero_at_the_start(tmp_path):
-    """The README's "your model, data and reward" path: a saved HF model directory, a JSONL
+    """The quickstart's "your model, data and reward" path (docs/quickstart.md): a saved HF model directory, a JSONL
     dataset with extra fields, and a reward file; two steps run and the metrics say so.
     The same run, synchronous at a sampling temperature: policy = reference at step 1, and one
     minibatch (learner.minibatch_size = prompts_per_step) of one epoch trains at exactly those
