@@ -26,12 +26,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rl.advantages import gae_advantages, grpo_advantages  # noqa: E402
-from rl.kl import kl_penalty, per_token_rewards  # noqa: E402
-from rl.losses import ppo_policy_loss, value_loss  # noqa: E402
-from rl.masked import masked_mean, masked_whiten  # noqa: E402
-from rl import models, padded_batch  # noqa: E402
-from rl import tasks  # noqa: E402
+from rl.algorithm.advantages import gae_advantages, grpo_advantages  # noqa: E402
+from rl.algorithm.kl import kl_penalty, per_token_rewards  # noqa: E402
+from rl.algorithm.losses import ppo_policy_loss, value_loss  # noqa: E402
+from rl.algorithm.masked import masked_mean, masked_whiten  # noqa: E402
+from rl.model import causal_lm as models, padded_batch  # noqa: E402
+from rl.data import tasks  # noqa: E402
 
 
 def parse_args():

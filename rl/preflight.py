@@ -1,4 +1,4 @@
-"""What the RLHF nodes will read, checked in the driver before Ray starts (dataflow/preflight.py).
+"""What the RLHF nodes will read, checked in the driver before Ray starts (dataflow/driver/preflight.py).
 
 Each check returns one line per problem, naming the setting, the file and what to do; the CLI
 prints them and exits 2. The nodes would find the same mistakes after start-up (26-45 s in, and
@@ -8,7 +8,7 @@ the message would depend on which node reads the input first); here they come in
                                       weights complete (a truncated safetensors file is named), the
                                       tokenizer loads and can pad (not for a reward model)
     pipeline_problems(...)            the prompts as the prompt source reads them (the same loader,
-                                      rl/data.py: the same messages), at least one usable row, prompt
+                                      rl/data/prompts.py: the same messages), at least one usable row, prompt
                                       length + max_new_tokens within the model's positions, and the
                                       reward (built-in scorer, or a reward file) against the rows' fields
 
@@ -29,7 +29,7 @@ import os
 import re
 
 from dataflow.errors import UserError
-from dataflow.resume import safetensors_extent
+from dataflow.driver.resume import safetensors_extent
 
 FIELD_ROWS = 100_000
 """Rows whose fields are checked against the reward's signature (a token file decodes each)."""
@@ -103,7 +103,7 @@ def _model_dir_problems(path: str, mtime: float, tokenizer: bool) -> tuple[str, 
     found = _weights_problems(path)
     if tokenizer:
         try:
-            from rl.policy import PolicySpec, load_tokenizer
+            from rl.data.policy import PolicySpec, load_tokenizer
 
             load_tokenizer(PolicySpec(path=path))   # tokenizer.json, and a pad token (eos/unk)
         except UserError as e:
@@ -146,7 +146,7 @@ class _Rows:
 
 def _open_rows(prompts, tokenizer) -> _Rows:
     """Read `prompts.path` with the prompt source's loader; raises its DatasetError/UserError."""
-    from rl import data, dataset_files, tasks
+    from rl.data import prompts as data, files as dataset_files, tasks
 
     fmt = dataset_files.file_format(prompts.path)
     if fmt == "tokens":
@@ -169,7 +169,7 @@ def _open_rows(prompts, tokenizer) -> _Rows:
 
 def _builtin_rows(prompts, tokenizer) -> _Rows:
     """A few of the built-in task's prompts (all of one task and size have the same length)."""
-    from rl import tasks
+    from rl.data import tasks
 
     records = tasks.make_task(prompts.task, prompts.num_digits, seed=prompts.seed).take(4)
     tok = tokenizer or tasks.build_tokenizer()
@@ -180,7 +180,7 @@ def _builtin_rows(prompts, tokenizer) -> _Rows:
 
 def _no_usable_rows(prompts, tokenizer, error: UserError) -> str:
     """The line for a dataset with no usable row: how many were skipped, and why the first was."""
-    from rl import data
+    from rl.data import prompts as data
 
     skipped = re.search(r"\((\d+) skipped\)", str(error))
     if not skipped or skipped.group(1) == "0":
@@ -227,7 +227,7 @@ def _of(k: int, n: int) -> str:
 
 def _reward_problems(reward, rows: _Rows, data_path: str) -> list[str]:
     """The reward (built-in scorer, or reward.path's function) against the fields of the rows."""
-    from rl.rewards import BATCHED, SAMPLE, VERL, load_reward_fn
+    from rl.reward.reward_fn import BATCHED, SAMPLE, VERL, load_reward_fn
 
     source = f"prompts.path={data_path}" if data_path else "the built-in task"
     if not reward.path:
@@ -265,7 +265,7 @@ def pipeline_problems(prompts, generator, reward=None, reward_model=None,
     """The inputs of a prompts -> generator -> reward pipeline (PromptConfig, GeneratorConfig,
     RewardConfig or None, RewardModelConfig or None), one line per problem. Policy directory
     problems are PolicySpec.preflight's: with a broken policy the checks needing it are skipped."""
-    from rl import policy as policy_lib
+    from rl.data import policy as policy_lib
 
     found = []
     if reward_model is not None:

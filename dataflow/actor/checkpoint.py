@@ -3,7 +3,7 @@
 When. The run's coordinating node (the learner) calls `await ctx.checkpoint(step)` at the end of
 every step where `ctx.checkpoint_due(step)` (the graph's `save_interval`; 0 = off). Ctrl-C /
 SIGTERM also save one (when save_interval > 0) before the run stops. The driver coordinates both
-(dataflow/checkpointer.py): it asks every node replica to save its state, then commits the
+(dataflow/driver/checkpointer.py): it asks every node replica to save its state, then commits the
 directory. With the graph's async_checkpoint (the default) training waits only until every replica
 has copied its state to CPU memory; the files are written and committed in the background, one
 checkpoint at a time.
@@ -32,7 +32,7 @@ form by arrival timing, and a row's float result depends on the batch it is comp
 with no padding takes another attention path than a padded one, and a single row another matmul
 path than several (measured on CPU: up to 5e-7 in a reference log-prob, 1e-7 in a value; batches
 of several padded rows agreed exactly). Everything downstream (KL, GAE, the learner's and critic's
-updates) carries those differences: tests/test_checkpoint.py measured the largest weight
+updates) carries those differences: tests/integration/test_checkpoint.py measured the largest weight
 difference after 3 + 3 steps as 0 with the default settings (in that run each step's samples met
 the same batches in both runs) and 1.1e-8 with generator.prompts_per_call=1 (samples trickle in
 one by one, batches form by timing); it asserts <= 1e-5, and checks that 3 steps of training move the
@@ -48,7 +48,7 @@ sees them twice). An interrupt (Ctrl-C) checkpoint is taken at the learner's las
 (the learner holds its state lock while updating); in-flight batches are treated as above.
 
 Restarts. A replica restarted after its process died (runtime.py) loads its latest state: its
-snapshot (written between checkpoints, dataflow/snapshots.py) if it has a newer one, else its
+snapshot (written between checkpoints, dataflow/actor/snapshots.py) if it has a newer one, else its
 state in the last checkpoint (a generator has none). A replica that is dead while a checkpoint is
 saved keeps its state from the previous checkpoint there (the manifest lists it under "stale").
 
@@ -195,7 +195,7 @@ def write_state(directory: str | Path, state: dict, durable: bool = True) -> Non
 
 
 def write_packed(directory: str | Path, tree: Any, tensors: dict, durable: bool = True) -> None:
-    """write_state() of what pack() returned (a background write: dataflow/host.py)."""
+    """write_state() of what pack() returned (a background write: dataflow/actor/host.py)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)

@@ -1,17 +1,17 @@
 """NodeHost: the Ray actor that hosts one replica of one node.
 
-Lifecycle, driven by the runtime (dataflow/runtime.py):
+Lifecycle, driven by the runtime (dataflow/driver/runtime.py):
   1. __init__     light: pins torch threads, builds the tracer.
   2. connect()    gets the wiring (peer actor handles), builds channel ends, the node, node.setup().
   3. run()        runs node.run(); returns a status dict (never raises: failures come back as data
                   with the node name, traceback and the item being processed).
   4. poll()       called by the driver every ~0.5 s: events (logs, step metrics), trace data,
                   channel statistics. wait_state(): what the replica waits for right now (the
-                  driver's stall diagnosis, dataflow/stall.py). Where in the code: the host's
-                  StackServer answers the driver outside Ray (dataflow/stacks.py).
+                  driver's stall diagnosis, dataflow/driver/stall.py). Where in the code: the host's
+                  StackServer answers the driver outside Ray (dataflow/actor/stacks.py).
   5. stop()       cancels run(); every blocking wait in channels is cancellable.
 Checkpoints: checkpoint() from the node, save_state / write_done / load_state from the driver
-(dataflow/host_checkpoint.py). Between actors: channel_take / channel_receiver_closed (channel
+(dataflow/actor/host_checkpoint.py). Between actors: channel_take / channel_receiver_closed (channel
 pulls) and on_publish (versioned edges) are called by peers, never by the driver.
 """
 
@@ -27,14 +27,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from dataflow import channel as channels
-from dataflow import stacks
+from dataflow.actor import stacks
 from dataflow.channel.tracked import TrackedInput
 from dataflow.errors import UserError
-from dataflow.host_checkpoint import CheckpointCalls
+from dataflow.actor.host_checkpoint import CheckpointCalls
 from dataflow.node import NodeContext
 from dataflow.trace.kernels import KernelRecorder
 from dataflow.trace.tracer import Tracer
-from dataflow.failures import wait_within
+from dataflow.driver.failures import wait_within
 
 
 @dataclass
@@ -236,7 +236,7 @@ class NodeHost(CheckpointCalls):
         return {"events": events, "trace": self.tracer.drain(), "depths": stats, "pid": os.getpid()}
 
     async def wait_state(self) -> dict:
-        """What this replica is doing at this instant (dataflow/stall.py builds the wait graph):
+        """What this replica is doing at this instant (dataflow/driver/stall.py builds the wait graph):
         {"phase", "now_us", "spans": [(kind, name, channel, since_us)] open now (busy work, waits
         for input, blocked outputs), "versions": [(edge, min_version, latest, why, since_us)],
         "publishing": (edge, version, subscriber, since_us) | None, "channels": {channel: stats},
@@ -259,7 +259,7 @@ class NodeHost(CheckpointCalls):
                 "latest": {edge: version for edge, (version, _) in self._versions.items()}}
 
     def _thread_stacks(self, skip_ident: int) -> list[dict]:
-        """Where this process's threads are in the code (dataflow/stacks.py), but the stack
+        """Where this process's threads are in the code (dataflow/actor/stacks.py), but the stack
         server's own (`skip_ident`), which calls this: it answers while the node blocks the loop."""
         return stacks.capture(skip_ident=skip_ident, loop_ident=self._loop_thread,
                               coro=getattr(self, "_node_run", None))

@@ -1,5 +1,5 @@
-"""NodeHost's checkpoint calls (dataflow/host.py; the actor is one class, these are its part for
-checkpoints: dataflow/checkpoint.py has the files, dataflow/checkpointer.py the driver's side).
+"""NodeHost's checkpoint calls (dataflow/actor/host.py; the actor is one class, these are its part for
+checkpoints: dataflow/actor/checkpoint.py has the files, dataflow/driver/checkpointer.py the driver's side).
 
     checkpoint(step)                 the node asks (ctx.checkpoint); the driver answers checkpoint_done
     checkpoint_asked()               returns when the node asks: the driver's loop wakes on it
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from dataflow import checkpoint
+from dataflow.actor import checkpoint
 
 
 class CheckpointCalls:

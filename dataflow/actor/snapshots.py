@@ -1,6 +1,6 @@
 """Snapshots: a replica's latest state between checkpoints, for its restart.
 
-A replica restarted after its process died (dataflow/restarts.py) loads its snapshot if it has a
+A replica restarted after its process died (dataflow/driver/restarts.py) loads its snapshot if it has a
 newer one than its state in the last checkpoint (restore_dir), else that state. A node may write
 its state between checkpoints with write_snapshot() to <run>/snapshots/<replica>/ (replaced
 atomically each time; cleared when a run starts, so a resumed run never loads its predecessor's).
@@ -9,7 +9,7 @@ its training since the last checkpoint; "progress" (training passes) in its stat
 snapshot and checkpoint is newer. It comes back without the samples it had received but not
 trained on: those of batches not yet trained are re-issued and reach it again; those of batches
 the learner has trained already are lost to the critic's training (not to the learner's). The
-files are a checkpoint replica's (dataflow/checkpoint.py: state.json + tensors.safetensors).
+files are a checkpoint replica's (dataflow/actor/checkpoint.py: state.json + tensors.safetensors).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import json
 import shutil
 from pathlib import Path
 
-from dataflow import checkpoint
+from dataflow.actor import checkpoint
 
 
 def snapshot_dir(run_dir: str | Path, replica: str) -> Path:

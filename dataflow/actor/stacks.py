@@ -1,13 +1,13 @@
 """Where a replica's code is right now: the Python stacks of its threads, for the stall report
-(dataflow/stall.py). "busy in 'train' for 190 s" says which node; the stack says where (a compile,
+(dataflow/driver/stall.py). "busy in 'train' for 190 s" says which node; the stack says where (a compile,
 a kernel launch, a lock, a loop).
 
-Each host (dataflow/host.py) runs a StackServer: a daemon thread of its own that answers the
+Each host (dataflow/actor/host.py) runs a StackServer: a daemon thread of its own that answers the
 driver on a TCP socket of its own (ask()), outside Ray. A Ray call would not do: Ray hands every
 call to an actor through one dispatch thread, and when a node blocks its event loop just as
 another call of the actor completes, that thread blocks too (Ray's fiber waits on a future the
 blocked loop would set), so even a call in a concurrency group of its own never arrives
-(tests/test_stall.py's blocked-loop test, a third of its runs on a loaded machine). The driver
+(tests/integration/test_stall.py's blocked-loop test, a third of its runs on a loaded machine). The driver
 prints a short form under the root replicas (short_lines) and writes every replica's full stacks
 to <run>/stall-<n>.txt (write_file). No Ray import here.
 
@@ -37,7 +37,7 @@ MAX_FRAMES = 100    # frames kept per thread (innermost), for the file; deep rec
 SHORT_LINES = 8     # lines per thread in the report's short form
 SHORT_THREADS = 4   # threads per replica in the report; the file has all of them
 
-_PROJECT = str(Path(__file__).resolve().parent.parent) + os.sep  # the checkout that holds dataflow/
+_PROJECT = str(Path(__file__).resolve().parents[2]) + os.sep  # the checkout that holds dataflow/
 _STDLIB = tuple({str(Path(sysconfig.get_paths()[k]).resolve()) + os.sep for k in ("stdlib", "platstdlib")})
 
 

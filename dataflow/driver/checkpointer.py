@@ -1,4 +1,4 @@
-"""The driver's side of checkpoints (the files: dataflow/checkpoint.py).
+"""The driver's side of checkpoints (the files: dataflow/actor/checkpoint.py).
 
     Checkpointer(graph, hosts, monitor)
       .save(step, reason, requester)   every replica saves; the requester (ctx.checkpoint) is answered
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dataflow.checkpoint import begin, checkpoints_dir, commit, prune, read_manifest, replica_state_dir, step_dir
+from dataflow.actor.checkpoint import begin, checkpoints_dir, commit, prune, read_manifest, replica_state_dir, step_dir
 from dataflow.errors import NodeFailed
-from dataflow.failures import awaitable, result_of, unless_the_run_ends, wait_within
+from dataflow.driver.failures import awaitable, result_of, unless_the_run_ends, wait_within
 
 
 class Checkpointer:

@@ -25,7 +25,7 @@ async def wait_within(aw, timeout_s: float):
     """`await aw`, or TimeoutError after timeout_s: asyncio.wait_for without its Python 3.11 race.
     There, a cancellation that lands as `aw` completes is swallowed: wait_for returns the result
     (CPython gh-86296, fixed in 3.12). A Ctrl-C during a checkpoint's capture was lost so, and the
-    run went on to its max_steps (tests/test_checkpoint.py's resume test, once, on a loaded machine).
+    run went on to its max_steps (tests/integration/test_checkpoint.py's resume test, once, on a loaded machine).
     asyncio.timeout (3.11+) re-raises it. Python 3.10 keeps wait_for."""
     if sys.version_info < (3, 11):
         return await asyncio.wait_for(aw, timeout_s)
@@ -100,7 +100,7 @@ def failed(result: Any) -> bool:
 
 def is_echo(result: Any) -> bool:
     """A node that failed only because a peer failed or died: a producer it reads from, or the
-    other end of a weight push (dataflow/host.py: the failure's "echo")."""
+    other end of a weight push (dataflow/actor/host.py: the failure's "echo")."""
     return isinstance(result, dict) and result.get("status") == "failed" and result.get("echo", False)
 
 

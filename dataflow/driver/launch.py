@@ -1,6 +1,6 @@
 """Starting and stopping what a run needs: Ray (started here, or joined), each replica's wiring to its
 peers, its clock offset, and at the end the stop of every node and the shutdown of actors, placement
-groups and Ray. The run itself is dataflow/runtime.py.
+groups and Ray. The run itself is dataflow/driver/runtime.py.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 from dataflow import placement
 from dataflow.errors import UserError
 from dataflow.graph import Graph
-from dataflow.loading import PROJECT_ROOT
+from dataflow.driver.loading import PROJECT_ROOT
 from dataflow.trace.collector import measure_clock_offset
-from dataflow.failures import wait_within
+from dataflow.driver.failures import wait_within
 
 if TYPE_CHECKING:
-    from dataflow.runtime import RunOptions
+    from dataflow.driver.runtime import RunOptions
 
 STOP_GRACE_S = 5.0
 PROBE_TIMEOUT_S = 10.0  # a cluster address that does not accept a TCP connection within this is an error

@@ -26,7 +26,7 @@ from dataflow.config import apply_overrides, flatten, resolve
 from dataflow.errors import ConfigError, UserError
 from dataflow.graph import Graph
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_graph(path: str, overrides: list[str] = ()) -> tuple[Graph, Any]:

@@ -3,7 +3,7 @@ validation lines of the console (a progress line per round, a before/after table
 
 The graph's `loggers` setting picks the sinks (Graph.loggers: "tensorboard", "wandb", or both,
 e.g. `loggers=tensorboard,wandb`); each needs its package (pip install tensorboard / wandb) and
-says so if it is missing. The driver's Monitor (dataflow/monitor.py) hands every record it writes
+says so if it is missing. The driver's Monitor (dataflow/driver/monitor.py) hands every record it writes
 to metrics.jsonl to `RunLoggers.record`, with the rollouts a node sent along (the reward node's
 training rollouts, the evaluator's validation ones), which always go to <run>/rollouts.jsonl.
 

@@ -12,16 +12,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dataflow import checkpoint
+from dataflow.actor import checkpoint
 from dataflow.config import flatten
-from dataflow.failures import awaitable, discard, result_of
+from dataflow.driver.failures import awaitable, discard, result_of
 from dataflow.graph import Graph
-from dataflow.loggers import RunLoggers
+from dataflow.driver.loggers import RunLoggers
 from dataflow.trace.collector import TraceCollector
 from dataflow.trace.tracer import Tracer
 
 if TYPE_CHECKING:
-    from dataflow.runtime import RunOptions
+    from dataflow.driver.runtime import RunOptions
 
 
 @dataclass
@@ -63,7 +63,7 @@ class Monitor:
         self.last_checkpoint: Path | None = resume
         self.restarts: dict[str, int] = {}
         self.pids: dict[str, int] = {}
-        self.stack_servers: dict[str, list] = {}  # replica -> its StackServer's address (dataflow/stacks.py)
+        self.stack_servers: dict[str, list] = {}  # replica -> its StackServer's address (dataflow/actor/stacks.py)
         self.acked: dict[str, tuple[int, int]] = {}  # replica -> (pid, seq) of the last event handled
         self.trace = TraceCollector(enabled=options.trace_path is not None)
         # Run-level counters (queue depths, staleness) live on a driver track of the same trace.
@@ -82,14 +82,14 @@ class Monitor:
         self._polls: dict[str, asyncio.Future] = {}  # replica -> its poll() in flight
         self._alert_totals: dict[tuple[str, str], float] = {}  # (key, replica) -> latest running total
         self._alert_counts: dict[str, float] = {}  # key -> sum of the amounts reported
-        # The run's settings, which --resume starts from (dataflow/resume.py): here and in every
+        # The run's settings, which --resume starts from (dataflow/driver/resume.py): here and in every
         # checkpoint's manifest.
         self.settings: dict | None = None
         self.padding_tokens: dict[str, float] = {}  # "<node>/tokens_processed|real" summed: padding in the summary
         if config is not None and dataclasses.is_dataclass(config):
             self.settings = {k: _jsonable(v) for k, v in flatten(config)}
             (run_dir / "config.json").write_text(json.dumps(self.settings, indent=1))
-        self.loggers = RunLoggers(run_dir, graph.loggers, self.settings, graph.name, resume is not None)  # dataflow/loggers.py
+        self.loggers = RunLoggers(run_dir, graph.loggers, self.settings, graph.name, resume is not None)  # dataflow/driver/loggers.py
 
     def processes(self, pids: dict, stack_servers: dict) -> None:
         """Which process hosts which replica: <run>/processes.json (for kill tests and operators)."""
@@ -142,7 +142,7 @@ class Monitor:
     async def poll(self, hosts: dict, timeout_s: float = POLL_TIMEOUT_S) -> None:
         """Handle every host's events since the last poll. One poll per host is in flight at a
         time: a host whose event loop is blocked (a node that never awaits) does not hold up the
-        others, the progress lines or the stall check (dataflow/stall.py); its events come later.
+        others, the progress lines or the stall check (dataflow/driver/stall.py); its events come later.
         Waits at most `timeout_s` for them."""
         for name, host in hosts.items():
             if name not in self._polls:

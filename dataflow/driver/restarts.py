@@ -11,14 +11,14 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
-from dataflow import checkpoint, snapshots
+from dataflow.actor import checkpoint, snapshots
 from dataflow.errors import NodeFailed
-from dataflow.failures import awaitable, death_summary, discard, failed, gather_named, raise_if_failed, wait_within
+from dataflow.driver.failures import awaitable, death_summary, discard, failed, gather_named, raise_if_failed, wait_within
 from dataflow.graph import Graph
-from dataflow.launch import clock_offset, wiring
+from dataflow.driver.launch import clock_offset, wiring
 
 if TYPE_CHECKING:
-    from dataflow.monitor import Monitor
+    from dataflow.driver.monitor import Monitor
 
 RESTART_TIMEOUT_S = 300.0  # for a restarted replica's set-up
 
@@ -58,7 +58,7 @@ def ends_the_run(graph: Graph, name: str, result: Any, monitor: Monitor) -> bool
 async def restart(graph: Graph, hosts: dict, name: str, monitor: Monitor) -> asyncio.Future:
     """Bring back replica `name`, whose process died: Ray restarts its actor (same handle, a fresh
     process); here it gets the latest versions of its edges, is set up again, loads its latest state
-    (its snapshot, if newer than the last checkpoint: dataflow/snapshots.py), and runs. The takes
+    (its snapshot, if newer than the last checkpoint: dataflow/actor/snapshots.py), and runs. The takes
     its dead process left waiting at its producers are dropped, and every node hears of the restart:
     the prompt source re-issues the prompts not yet trained on (the items the dead process held are
     lost). Returns its run() future."""

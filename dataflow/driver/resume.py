@@ -24,10 +24,10 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from dataflow import checkpoint
+from dataflow.actor import checkpoint
 from dataflow.config import flatten
 from dataflow.errors import UserError
-from dataflow.loading import load_graph
+from dataflow.driver.loading import load_graph
 
 # Settings whose change makes a resumed run another experiment (a key, a prefix ending in ".",
 # or a leaf name matched at any depth). A graph file may declare its own `defines_the_run`.
@@ -185,6 +185,6 @@ def _as_text(value: Any) -> str:
 
 
 def _jsonable(v: Any) -> Any:
-    from dataflow.monitor import _jsonable as jsonable
+    from dataflow.driver.monitor import _jsonable as jsonable
 
     return jsonable(v)

@@ -9,12 +9,12 @@ host for events (progress, logs, trace data) and waits on the hosts' run() calls
 raises or dies is reported by name as soon as Ray tells of it, also while a poll, a restart or a
 checkpoint save is in progress (failures.unless_the_run_ends).
 
-Its parts: dataflow/loading.py (graph files, --describe), dataflow/launch.py (Ray, wiring, clocks,
-shutdown), dataflow/monitor.py (events -> progress lines, metrics.jsonl, trace, summary),
-dataflow/failures.py (call results -> the failure reported), dataflow/restarts.py (a dead
-replica's process comes back), dataflow/stall.py (no step for too long: what every node waits for,
-and the node at the root of the wait), dataflow/checkpoint.py (checkpoints on disk) with
-dataflow/checkpointer.py (saving them; in the background with async_checkpoint).
+Its parts: dataflow/driver/loading.py (graph files, --describe), dataflow/driver/launch.py (Ray, wiring, clocks,
+shutdown), dataflow/driver/monitor.py (events -> progress lines, metrics.jsonl, trace, summary),
+dataflow/driver/failures.py (call results -> the failure reported), dataflow/driver/restarts.py (a dead
+replica's process comes back), dataflow/driver/stall.py (no step for too long: what every node waits for,
+and the node at the root of the wait), dataflow/actor/checkpoint.py (checkpoints on disk) with
+dataflow/driver/checkpointer.py (saving them; in the background with async_checkpoint).
 """
 
 from __future__ import annotations
@@ -26,20 +26,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dataflow import checkpoint, placement, snapshots
-from dataflow.checkpointer import Checkpointer
+from dataflow.actor import checkpoint, snapshots
+from dataflow import placement
+from dataflow.driver.checkpointer import Checkpointer
 from dataflow.errors import NodeFailed, UserError
-from dataflow.failures import (awaitable, death_summary, discard, failed, gather_named, gather_setups,
-                               raise_first_failure, raise_if_failed, result_of, unless_the_run_ends,
-                               wait_for_root_cause)
+from dataflow.driver.failures import (awaitable, death_summary, discard, failed, gather_named, gather_setups,
+                                      raise_first_failure, raise_if_failed, result_of, unless_the_run_ends,
+                                      wait_for_root_cause)
 from dataflow.graph import Graph
-from dataflow.host import HostSpec, NodeHost
-from dataflow.launch import clock_offset, shutdown, start_ray, stop_all, wiring
-from dataflow.loading import describe, load_graph
-from dataflow.monitor import Monitor, RunSummary
-from dataflow.restarts import ends_the_run, refusals, restart, restartable
-from dataflow.resume import checkpoint_to_resume
-from dataflow.stall import StallWatch
+from dataflow.actor.host import HostSpec, NodeHost
+from dataflow.driver.launch import clock_offset, shutdown, start_ray, stop_all, wiring
+from dataflow.driver.loading import describe, load_graph
+from dataflow.driver.monitor import Monitor, RunSummary
+from dataflow.driver.restarts import ends_the_run, refusals, restart, restartable
+from dataflow.driver.resume import checkpoint_to_resume
+from dataflow.driver.stall import StallWatch
 
 __all__ = ["RunOptions", "RunSummary", "describe", "load_graph", "run_graph"]
 

@@ -13,7 +13,7 @@ Two triggers, both checked by the driver between polls (StallWatch.check):
     source waits for a version that the learner publishes only after the prompts it holds back).
 
 The wait graph (wait_graph): one entry per replica, from its host's wait_state()
-(dataflow/host.py): the spans open now in its tracer (busy work, waits for input, blocked outputs:
+(dataflow/actor/host.py): the spans open now in its tracer (busy work, waits for input, blocked outputs:
 dataflow/trace/tracer.py), its version waits (ctx.wait_version, with the reason the node gave) and
 a publish waiting for a subscriber's ack. A replica that waits points at the replicas that could
 unblock it: the producers of the channel it reads, the consumers of the one it cannot send on, the
@@ -22,7 +22,7 @@ not wait (busy, running code of its own, not answering, finished) points nowhere
 
 Where the roots are in their code: with each report the driver asks every running replica for its
 threads' Python stacks (each host's StackServer, on a thread and a socket of its own outside Ray,
-so a node that blocks its event loop answers too; dataflow/stacks.py). The report shows the roots' stacks in a
+so a node that blocks its event loop answers too; dataflow/actor/stacks.py). The report shows the roots' stacks in a
 few lines each, and <run>/stall-<n>.txt holds every replica's in full.
 
 An early look (Graph.stall_warn_s, default 120 s): a quiet spell longer than that, and than
@@ -44,9 +44,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dataflow import stacks as thread_stacks
+from dataflow.actor import stacks as thread_stacks
 
-from dataflow.failures import gather_named, wait_within
+from dataflow.driver.failures import gather_named, wait_within
 from dataflow.graph import Graph
 
 STALL_FLOOR_S = 300.0   # default stall timeout before the slowest step says more (start-up, first step)

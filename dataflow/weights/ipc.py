@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dataflow.errors import UserError
-from dataflow.failures import wait_within
+from dataflow.driver.failures import wait_within
 
 if TYPE_CHECKING:
     from dataflow.weights.sync import GeneratorWeightSync, WeightSyncConfig

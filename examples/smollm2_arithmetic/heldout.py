@@ -1,12 +1,12 @@
 """Held-out greedy accuracy of a model dir on a prompt file: the one judge for every engine compared.
 
-    python tools/heldout.py MODEL_DIR data/val.jsonl [--limit 300] [--batch 64] [--max-new-tokens 64]
+    python examples/smollm2_arithmetic/heldout.py MODEL_DIR data/val.jsonl [--limit 300] [--batch 64] [--max-new-tokens 64]
 
 Chat prompts are rendered with the model's own chat template (generation prompt added); decoding
 is greedy with transformers' generate, stopping at the tokenizer's eos. A response is correct when
 its answer is: judged by `last_number` (the last number in the response, any format: plain,
 "= 85", "\\boxed{85}" all count, so a model that only learns a format gains nothing) and, beside it,
-by rl/rewards.py's math_reward (the training reward), to show where the two disagree.
+by rl/reward/reward_fn.py's math_reward (the training reward), to show where the two disagree.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -85,7 +85,7 @@ def generate_greedy(model, tokenizer, prompts: list, max_new_tokens: int, batch:
 def evaluate(model, tokenizer, rows: list[dict], max_new_tokens: int = 64, batch: int = 64) -> dict:
     """Greedy held-out accuracy of `model` on `rows`: {"accuracy", "math_reward", "n",
     "mean_length", "hit_cap", "eval_s", "examples"}. accuracy is the answer-only judge."""
-    from rl.rewards import math_reward
+    from rl.reward.reward_fn import math_reward
     t0 = time.perf_counter()
     responses, tokens = generate_greedy(model, tokenizer, [r["prompt"] for r in rows], max_new_tokens, batch)
     correct = [answer_correct(text, str(r["answer"])) for text, r in zip(responses, rows)]

@@ -1,9 +1,9 @@
 """A reward for the arithmetic task that cannot be won by restating the question.
 
-    python bench/real_rl.py ... --set reward.path=bench/last_number_reward.py --set reward.function=last_number_reward
+    python bench/real_rl.py ... --set reward.path=examples/smollm2_arithmetic/last_number_reward.py --set reward.function=last_number_reward
 
 1.0 when the last number of the response equals the answer, else 0.0: the held-out judge of
-tools/heldout.py (answer_correct), as a training reward. Why: rl/math_reward.py's math_reward asks
+examples/smollm2_arithmetic/heldout.py (answer_correct), as a training reward. Why: rl/reward/math_reward.py's math_reward asks
 math-verify, which parses and evaluates expressions, so "47 + 38" scores 1.0 against the answer 85.
 GRPO on SmolLM2-135M-Instruct found that in ~50 steps (bench/RESULTS.md, "SmolLM2-135M-Instruct
 on one H200"): math_reward 1.000, held-out last-number accuracy 0.004. Self-contained (no project
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")   # tools/heldout.py's _NUMBER
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")   # examples/smollm2_arithmetic/heldout.py's _NUMBER
 
 
 def last_number_reward(prompt, response: str, answer=None, **fields) -> float:

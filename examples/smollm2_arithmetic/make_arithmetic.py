@@ -1,11 +1,11 @@
 """Arithmetic word-free problems with a held-out split, for a real small instruct model to learn.
 
-    python tools/make_arithmetic.py OUT_DIR [--seed 0] [--num-val 500] [--num-train 0] [--parquet]
+    python examples/smollm2_arithmetic/make_arithmetic.py OUT_DIR [--seed 0] [--num-val 500] [--num-train 0] [--parquet]
 
 Writes OUT_DIR/train.jsonl and OUT_DIR/val.jsonl (and .parquet beside them with --parquet), one
 row per problem: {"prompt": [{"role": "user", "content": "What is 47 + 38? ..."}],
 "answer": "85", "data_source": "arithmetic"}: a chat prompt the policy's template renders, the
-answer rl/rewards.py's math_reward checks. Deterministic: the same seed gives the same files,
+answer rl/reward/reward_fn.py's math_reward checks. Deterministic: the same seed gives the same files,
 byte for byte. The two splits never share a problem (the pair of operands and the operator).
 
 Why this task: a verifiable task needs a base accuracy that is low but not zero, so GRPO's groups
@@ -17,7 +17,7 @@ most 32 new tokens, CPU): 8.0% correct (the same under math_reward); 60% of the 
 32-token cap: despite "Answer with only the number." the model often explains ("To solve this,
 we need to combine ..."), so with a larger cap it scores somewhat more (the shared notes give
 ~15% without the instruction and a larger cap). What GRPO can gain is then both arithmetic and
-answering briefly; the held-out judge (tools/heldout.py) scores only the last number of the
+answering briefly; the held-out judge (examples/smollm2_arithmetic/heldout.py) scores only the last number of the
 response, whatever its format, so a format alone earns nothing. \\boxed{} is not asked for: the
 base model never writes it (0% in it), and a reward that needs a box trains the format first.
 """

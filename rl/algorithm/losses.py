@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 
-from rl.masked import masked_mean, masked_sum
+from rl.algorithm.masked import masked_mean, masked_sum
 
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 PolicyLoss = Literal["ppo", "dual_clip", "gspo", "reinforce"]

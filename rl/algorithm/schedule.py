@@ -12,7 +12,7 @@ from dataflow.checks import NonNegative, Range
 
 @dataclass(kw_only=True)
 class ScheduleConfig:
-    """Learning rate per learner step: lr x rl/schedule.lr_multiplier(step)."""
+    """Learning rate per learner step: lr x rl/algorithm/schedule.lr_multiplier(step)."""
     warmup_steps: Annotated[int, NonNegative] = 0
     """Linear warmup from 0 over this many steps."""
     decay: Literal["constant", "linear", "cosine"] = "constant"

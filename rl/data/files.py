@@ -1,6 +1,6 @@
 """Dataset files: which format a path holds (by extension and content) and the rows of a JSONL,
 JSON or parquet file, each with its position (JSONL: line[:column], others: row) and, for a row
-that cannot be parsed, what is wrong. rl/data.py turns rows into prompts (README "Prompts and
+that cannot be parsed, what is wrong. rl/data/prompts.py turns rows into prompts (README "Prompts and
 datasets" has the formats).
 """
 
@@ -36,7 +36,7 @@ def _jsonl_lines(path: str):
 
 
 def read_rows(path: str, fmt: str):
-    """(position, parsed row, problem) for every row of a file (positions as in rl/data.Prompts)."""
+    """(position, parsed row, problem) for every row of a file (positions as in rl/data/prompts.Prompts)."""
     import pyarrow as pa
 
     if fmt == "parquet":

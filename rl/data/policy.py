@@ -4,9 +4,9 @@ tasks. Generator, reference, learner and critic all load the same PolicySpec, so
 Pad token. Many Llama-family tokenizers ship without one, and every node that batches sequences
 (generator's HF loop, reference, critic, learner) pads. A tokenizer without a pad token gets its
 eos token as pad (what verl's `set_pad_token_id` and TRL's examples do), else its unk token. This
-is safe here because no mask is ever taken from `ids == pad_id`: rl/padded_batch.pad_batch builds the
+is safe here because no mask is ever taken from `ids == pad_id`: rl/model/padded_batch.pad_batch builds the
 attention and response masks from the sequence lengths, so a real eos at the end of a response
-stays a trained token even where it equals the pad id (tests/test_data.py checks it).
+stays a trained token even where it equals the pad id (tests/unit/test_data.py checks it).
 
 Stop tokens. Generation stops at every id of `stop_token_ids`: the tokenizer's eos, every eos id
 of the model's generation_config.json (Llama 3 and Qwen2.5-Instruct list several; a converted
@@ -21,8 +21,8 @@ from typing import Annotated
 
 from dataflow.checks import ExistingPath
 from dataflow.errors import UserError
-from rl import tasks
-from rl.model_config import ModelConfig
+from rl.data import tasks
+from rl.model.model_config import ModelConfig
 
 
 @dataclass(kw_only=True)
@@ -33,7 +33,7 @@ class PolicySpec:
     """Shape of the random-init model used when `path` is empty (built-in tasks)."""
 
     def preflight(self) -> list[str]:
-        """What is wrong with the model directory, before anything starts (dataflow/preflight.py)."""
+        """What is wrong with the model directory, before anything starts (dataflow/driver/preflight.py)."""
         if not self.path:
             return []
         from rl.preflight import model_dir_problems
@@ -70,7 +70,7 @@ def load_tokenizer(spec: PolicySpec):
 def load(spec: PolicySpec):
     """(model, tokenizer), the tokenizer with a pad token. Never downloads; a missing or
     incomplete directory is a UserError."""
-    from rl.models import build_policy, load_policy  # torch: the prompts node imports this module without it
+    from rl.model.causal_lm import build_policy, load_policy  # torch: the prompts node imports this module without it
 
     if spec.path:
         try:

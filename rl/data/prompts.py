@@ -1,7 +1,7 @@
 """Prompt datasets: JSONL, JSON and parquet files, chat prompts rendered with the policy's chat
 template, and memory-mapped token files for large datasets. No network.
 
-Files (`prompts.path`, and any other dataset setting such as a validation file; read by rl/dataset_files.py):
+Files (`prompts.path`, and any other dataset setting such as a validation file; read by rl/data/files.py):
   .jsonl / .ndjson  one JSON object per line, read by pyarrow; if pyarrow cannot (a malformed or
                     non-UTF-8 line, a field whose type changes between rows), line by line with
                     the json module, which names the bad line and column or skips it
@@ -24,7 +24,7 @@ prompt over max_prompt_tokens with truncation=error) raises DatasetError naming 
 (JSONL: path:line[:column]) or row (JSON arrays and parquet: "path row N", 0-based), or with
 skip_bad_lines is skipped and counted.
 
-Token files (`python -m rl.data convert data.parquet out_dir --tokenizer DIR`, rl/token_file.py):
+Token files (`python -m rl.data convert data.parquet out_dir --tokenizer DIR`, rl/data/token_file.py):
 the prompts rendered and tokenized once, memory-mapped when opened, so a large dataset is ready
 at once; bench/data_load.py measures it.
 """
@@ -40,7 +40,7 @@ from typing import Literal, Sequence
 import numpy as np
 
 from dataflow.errors import UserError
-from rl.dataset_files import DatasetError, file_format, read_rows
+from rl.data.files import DatasetError, file_format, read_rows
 
 
 @dataclass(kw_only=True)
@@ -292,7 +292,7 @@ def open_prompts(path: str, cfg=None, tokenizer=None, tokenizer_dir: str = "",
     (mapped). The entry point for every dataset setting (training prompts, validation files)."""
     cfg = cfg or DataConfig()
     if file_format(path) == "tokens":
-        from rl.token_file import open_token_file
+        from rl.data.token_file import open_token_file
         return open_token_file(path, tokenizer, tokenizer_dir, cfg, setting)
     return encode_prompts(load_prompts(path, cfg, setting), tokenizer, tokenizer_dir, cfg, setting)
 
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = DataConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DataConfig)})
     if cfg.truncation not in ("error", "left", "right"):
         parser.error(f"--truncation {cfg.truncation!r}: use error, left or right")
-    from rl.token_file import convert
+    from rl.data.token_file import convert
     try:
         meta = convert(args.source, args.out_dir, args.tokenizer, cfg)
     except UserError as e:

@@ -1,4 +1,4 @@
-"""Built-in synthetic tasks and their tokenizer. No network. (Prompt datasets: rl/data.py.)
+"""Built-in synthetic tasks and their tokenizer. No network. (Prompt datasets: rl/data/prompts.py.)
 
 A task turns a seed into an endless, deterministic stream of prompt records
 `{"prompt": "copy 3 1 4 :", "answer": "3 1 4", "task": "copy"}` and scores a response text by a

@@ -1,4 +1,4 @@
-"""Memory-mapped token files: a prompt dataset rendered and tokenized once (rl/data.py reads the
+"""Memory-mapped token files: a prompt dataset rendered and tokenized once (rl/data/prompts.py reads the
 files these come from; `python -m rl.data convert` writes these).
 
 `python -m rl.data convert data.parquet out_dir --tokenizer DIR` writes the prompts,
@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from rl.data import RENDER_KEYS, DataConfig, DatasetError, EncodedPrompts, encode_prompts, load_prompts
+from rl.data.prompts import RENDER_KEYS, DataConfig, DatasetError, EncodedPrompts, encode_prompts, load_prompts
 
 TOKEN_FILE_FORMAT = "dataflow-prompt-tokens/1"
 
@@ -100,7 +100,7 @@ def open_token_file(path: str, tokenizer=None, tokenizer_dir: str = "", cfg=None
 
 def convert(source: str, out_dir: str, tokenizer_dir: str, cfg: DataConfig) -> dict:
     """Read, render and tokenize `source` once into the token file `out_dir`; returns its meta."""
-    from rl.policy import PolicySpec, load_tokenizer
+    from rl.data.policy import PolicySpec, load_tokenizer
 
     tokenizer = load_tokenizer(PolicySpec(path=tokenizer_dir))
     encoded = encode_prompts(load_prompts(source, cfg, "convert"), tokenizer, tokenizer_dir, cfg, "convert")

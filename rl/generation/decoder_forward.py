@@ -1,11 +1,11 @@
-"""The model side of the static decoder (rl/decoding.StaticDecoder): which models it covers, a
+"""The model side of the static decoder (rl/generation/decoding.StaticDecoder): which models it covers, a
 decoder layer cut in two around attention, and the forward passes over the slot KV cache (prefill
 of new prompts, one decode step of every slot, teacher forcing for tests), layer by layer from the
 HF model's own modules.
 
 The functions taking `dec` read the decoder's buffers (caches, lengths, the token to feed) and are
 its methods (`_prefill`, `_decode_logits`, `teacher_forced_logits`); they live here so that
-rl/decoding.py keeps to the slots, the sampling state, CUDA graphs and the public API.
+rl/generation/decoding.py keeps to the slots, the sampling state, CUDA graphs and the public API.
 """
 
 from __future__ import annotations

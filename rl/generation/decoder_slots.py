@@ -40,7 +40,7 @@ def room_bytes(device, gpu_share: float) -> int:
 
 
 def kv_bytes_per_slot(model, max_len: int) -> int:
-    """Bytes of one decoder slot's K and V cache over every layer (rl/decoding.StaticDecoder)."""
+    """Bytes of one decoder slot's K and V cache over every layer (rl/generation/decoding.StaticDecoder)."""
     cfg = model.config
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads

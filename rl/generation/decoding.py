@@ -1,7 +1,7 @@
 """Fast sampling for Llama / Qwen2 policies: a static KV cache with slots, CUDA-graph decode steps,
 counter-based sampling noise.
 
-Why not the HF loop (rl/models.py:sample_responses): eager HF launches ~400 kernels per token and
+Why not the HF loop (rl/model/causal_lm.py:sample_responses): eager HF launches ~400 kernels per token and
 syncs to move probs to the CPU every token; on a GPU the decode step of a 0.5B model at batch 256 is
 ~1 ms of work, so launch and sync overhead dominated. Here one decode step (model + sampling + state
 update) is a fixed sequence of tensor ops on preallocated buffers, so on CUDA it is captured once per
@@ -34,9 +34,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rl.decoder_forward import (attention_input, attention_output, compile_layer_halves, decode_logits,
-                                flash_with_kvcache, prefill, teacher_forced_logits, unsupported_reason)
-from rl.sampling import M32, _fmix32, gumbel_noise, sample_key, sample_tokens  # noqa: F401 (decoding.sample_key)
+from rl.generation.decoder_forward import (attention_input, attention_output, compile_layer_halves, decode_logits,
+                                           flash_with_kvcache, prefill, teacher_forced_logits, unsupported_reason)
+from rl.generation.sampling import M32, _fmix32, gumbel_noise, sample_key, sample_tokens  # noqa: F401 (decoding.sample_key)
 
 
 class StaticDecoder:
@@ -62,7 +62,7 @@ class StaticDecoder:
     tokens were computed by the old weights and are not recomputed (AReaL's interruptible
     generation and slime's partial rollout keep them too), so a token sampled after the switch sees
     the old weights' cache of its prefix. Its behaviour log-prob is that of the distribution that
-    sampled it, so the learner's per-token importance weight (rl/losses.behaviour_weights) corrects
+    sampled it, so the learner's per-token importance weight (rl/algorithm/losses.behaviour_weights) corrects
     for both.
     """
 
@@ -170,7 +170,7 @@ class StaticDecoder:
     def free_slots(self) -> int:
         return self.slots.count(None)
 
-    # ----- model pieces (rl/decoder_forward.py) ---------------------------------------------------
+    # ----- model pieces (rl/generation/decoder_forward.py) ---------------------------------------------------
     _prefill, _decode_logits = prefill, decode_logits
     teacher_forced_logits = teacher_forced_logits   # dec.teacher_forced_logits(prompts, continuations)
 

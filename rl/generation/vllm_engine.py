@@ -1,5 +1,5 @@
 """The vLLM generator backend (generator.backend=vllm): one offline vLLM engine per generator replica,
-driven like rl/decoding.StaticDecoder, so nodes/generator.py's continuous loop runs it unchanged.
+driven like rl/generation/decoding.StaticDecoder, so nodes/generator.py's continuous loop runs it unchanged.
 
 Importing this module never imports vllm: every vllm import is inside a function, so the project
 imports (and CI runs) without it. Verified against vllm 0.26.0's source (the wheel's own files):
@@ -76,7 +76,7 @@ def missing_vllm(who: str = "generator.backend=vllm") -> str:
 def choose_backend(requested: str, static_reason: str | None, device: str,
                    vllm_ok: bool | None = None) -> tuple[str, str]:
     """(backend, why) for generator.backend=`requested`. `static_reason`: why the static decoder
-    cannot run the model (rl/decoding.unsupported_reason; None: it can). auto: static where it
+    cannot run the model (rl/generation/decoding.unsupported_reason; None: it can). auto: static where it
     can run, else vLLM on CUDA where installed, else the HF loop. vllm without vllm installed is a
     UserError naming what to install."""
     if requested not in BACKENDS:

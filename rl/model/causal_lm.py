@@ -1,6 +1,6 @@
 """Small causal LMs for the built-in tasks: build/load, a value model, the HF sampling loop.
 
-Every per-token tensor here and in rl/ uses the [B, T] token layout of rl/padded_batch.py
+Every per-token tensor here and in rl/ uses the [B, T] token layout of rl/model/padded_batch.py
 (pad_batch): [left-padded prompt | right-padded response], a quantity at column t concerning the
 action input_ids[:, t]; values[:, t] = V(input_ids[:, :t]), the state token t is chosen in.
 
@@ -17,10 +17,10 @@ import os
 import torch
 from torch import nn
 
-from rl.logprobs import logprobs_from_logits
-from rl.model_config import ModelConfig, as_model_config  # noqa: F401 - importable from here too
-from rl.padded_batch import mask_position_ids
-from rl.tasks import load_tokenizer
+from rl.model.logprobs import logprobs_from_logits
+from rl.model.model_config import ModelConfig, as_model_config  # noqa: F401 - importable from here too
+from rl.model.padded_batch import mask_position_ids
+from rl.data.tasks import load_tokenizer
 
 
 # transformers' model classes are imported where used: they take ~2.5 s to import, and the driver
@@ -117,7 +117,7 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 position_ids: torch.Tensor | None = None, **attention_kwargs) -> torch.Tensor:
-        """attention_mask None: a packed batch (rl/packing.packed_values): position_ids restart at
+        """attention_mask None: a packed batch (rl/update/packing.packed_values): position_ids restart at
         every row, and each row's first token gets 0 (attention_kwargs: the rows' boundaries,
         PackedBatch.attention_kwargs). Always through this module (not the backbone alone), so
         FSDP2's hooks on it gather its parameters."""
@@ -187,10 +187,10 @@ def sample_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int
     Randomness comes from `generator`, else from
     a torch.Generator seeded with `seed`, else from the global RNG. Before `min_new_tokens`
     tokens <eos> is masked out of the sampled distribution (and so of the behaviour log-probs).
-    The fast path for Llama/Qwen2 (static KV cache, CUDA graphs) is rl/decoding.py.
+    The fast path for Llama/Qwen2 (static KV cache, CUDA graphs) is rl/generation/decoding.py.
     Sampling is over the whole vocab, so a response may contain any id, <pad>'s included: take
     masks from pad_batch, never from `ids != pad_id`.
-    `stop_ids`: every id that ends a response (default: the tokenizer's eos; rl/policy.py
+    `stop_ids`: every id that ends a response (default: the tokenizer's eos; rl/data/policy.py
     stop_token_ids collects them); "<eos>" above means any of them.
     `temperature` may be a list, one per prompt (0 = greedy for that row, without top_k):
     validation's greedy responses beside sampled ones in one call (nodes/generator.py).

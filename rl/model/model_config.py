@@ -1,6 +1,6 @@
 """ModelConfig: the shape of a random-init policy. A module of its own, without torch: the nodes
-without a model (prompts) hold one in their config (rl/policy.PolicySpec), and their actor
-processes then start without torch's ~2 s import. rl/models.py builds the model from it."""
+without a model (prompts) hold one in their config (rl/data/policy.PolicySpec), and their actor
+processes then start without torch's ~2 s import. rl/model/causal_lm.py builds the model from it."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rl.logprobs import token_logprobs
+from rl.model.logprobs import token_logprobs
 
 
 def mask_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -27,7 +27,7 @@ def mask_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 COLUMN_MULTIPLE = 8
 """The model passes' padded widths are multiples of this (pad_batch(multiple_of=...) in the learner,
-reference and critic; rl/packing.padded_columns widens their micro-batches to it).
+reference and critic; rl/update/packing.padded_columns widens their micro-batches to it).
 Inductor specializes a compiled layer on whether the sequence length is a multiple of 8 (its
 alignment check): on one H200, SmolLM2's learner ran 62 GRPO steps at unaligned widths, then one
 aligned width recompiled its layers for 9-12 s of that step (bench/RESULTS.md, thirteenth session).
@@ -96,7 +96,7 @@ def sequence_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     column on are computed (logits_to_keep).
 
     Memory and time (a 152k vocab makes the logits the largest tensor of a step): the softmax math
-    is rl/logprobs.token_logprobs, float32 a few rows at a time from half-precision logits
+    is rl/model/logprobs.token_logprobs, float32 a few rows at a time from half-precision logits
     (float64 models stay float64), no float32 copy of the logits kept for backward.
     entropy_grad=False computes the entropy as a detached metric (the learner does this when
     entropy_coef is 0).

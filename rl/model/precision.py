@@ -99,7 +99,7 @@ def compile_layers(model: torch.nn.Module, compile: bool | None, device) -> bool
     use only the graphs a run needs compile, at its sizes (bench/RESULTS.md, issue 18).
     A machine whose toolchain cannot compile (compiler_works) keeps the layers eager, with one line.
 
-    flex_attention (packed passes on CUDA without flash_attn, rl/packing.py) is the exception to
+    flex_attention (packed passes on CUDA without flash_attn, rl/update/packing.py) is the exception to
     dynamic=True: it compiles with torch's automatic dynamic shapes (dynamic=None: the first pack
     length static, the second marks the lengths dynamic, later lengths reuse that graph; a pack of
     one flex block, N <= 128, adds one variant once, size 1 being specialized). Under

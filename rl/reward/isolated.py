@@ -5,9 +5,9 @@ socket) only leaves an abandoned thread behind, but a C-level computation holds 
 freezes every thread of the process, the node's event loop and its channels included. Math answers
 do this: sympy evaluating `\\boxed{10^{10^{10}}}` builds a ten-billion-digit integer in one C
 call, and no Python-level timeout (threads, or math-verify's own signal.alarm) can interrupt it.
-A worker process can be killed, so the math checker (rl/math_reward.py) runs in these.
+A worker process can be killed, so the math checker (rl/reward/math_reward.py) runs in these.
 
-Workers are fresh interpreters (`python -m rl.isolated FD`), not forks: the caller is a Ray
+Workers are fresh interpreters (`python -m rl.reward.isolated FD`), not forks: the caller is a Ray
 worker with many threads (fork is unsafe), and multiprocessing's spawn/forkserver would re-import
 the caller's __main__ (Ray's worker script). A worker imports `preload` once, then serves calls
 of importable functions ("module:function", args) over a socketpair, one at a time.
@@ -119,10 +119,10 @@ class KillablePool:
     def _start(self):
         """A new worker, once it has imported `preload` (its start-up is not part of a call's timeout)."""
         parent, child = socket.socketpair()
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-        proc = subprocess.Popen([sys.executable, "-m", "rl.isolated", str(child.fileno()), *self.preload],
+        proc = subprocess.Popen([sys.executable, "-m", "rl.reward.isolated", str(child.fileno()), *self.preload],
                                 pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL)
         child.close()
         conn = Connection(parent.detach())
@@ -134,7 +134,7 @@ class KillablePool:
             proc.kill()
             proc.wait()
             conn.close()
-            raise WorkerError(f"a worker process (python -m rl.isolated, preload {list(self.preload)}) did not "
+            raise WorkerError(f"a worker process (python -m rl.reward.isolated, preload {list(self.preload)}) did not "
                               f"start within {START_TIMEOUT_S:g}s (exit status {proc.returncode}; its stderr "
                               "is in this process's log)")
         return proc, conn
@@ -174,7 +174,7 @@ def _serve(fd: int, preload: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    import rl.isolated as this  # the importable module (this file runs as __main__)
+    import rl.reward.isolated as this  # the importable module (this file runs as __main__)
 
     this._IN_WORKER = True
     sys.stdout = sys.stderr                   # a stray print must not reach the caller's console as ours

@@ -2,16 +2,16 @@
 
 Both are per-sample rewards, reward(prompt, response, **fields) -> 0.0 or 1.0. The reference
 answer is the row's `answer` field, or verl's `reward_model.ground_truth` (so verl-layout rows
-work unchanged). Use them as `--set reward.path=rl/math_reward.py --set reward.function=math_reward`
+work unchanged). Use them as `--set reward.path=rl/reward/math_reward.py --set reward.function=math_reward`
 (or `gsm8k_reward`), or import them in a reward file of your own.
 
 math_reward: extraction and equivalence are math-verify's (github.com/huggingface/Math-Verify,
 the library verl and TRL use): LaTeX (\\boxed{} first) and plain expressions, numeric equality to
 6 decimals, symbolic equality, sets, intervals, matrices. A reference answer without delimiters
 ("\\frac{1}{2}", "5100") is read as LaTeX math ($...$), as verl reads it (it wraps it in \\boxed{}).
-Agreement with math-verify's own test cases: tests/test_math_reward.py.
+Agreement with math-verify's own test cases: tests/integration/test_math_reward.py.
 
-Timeout and cache: each comparison runs in a worker process (rl/isolated.py) that is killed past
+Timeout and cache: each comparison runs in a worker process (rl/reward/isolated.py) that is killed past
 `MATH_TIMEOUT_S` (sympy can hold the GIL for minutes on a model's `10^{10^{10}}`, which no
 in-process timeout interrupts); a comparison that times out counts as unequal. Inside the worker
 (its main thread) math-verify's own signal timeouts stop Python-level slowness first, so most
@@ -27,7 +27,7 @@ import re
 import threading
 from decimal import Decimal, InvalidOperation
 
-from rl.isolated import KillablePool, WorkerTimeout, in_worker
+from rl.reward.isolated import KillablePool, WorkerTimeout, in_worker
 
 MATH_TIMEOUT_S = 6.0
 """Longest one math comparison may take (parse both answers + verify) before it counts as unequal."""
@@ -58,7 +58,7 @@ def answers_equal(response: str, gold: str, timeout_s: float = MATH_TIMEOUT_S) -
     """math-verify's verdict on `response` against the reference `gold`, in a worker process.
     Cached; a comparison past timeout_s is unequal (and cached as such, so it is not retried)."""
     try:
-        return bool(_math_pool().call("rl.math_reward:verify_in_worker", (response, gold, timeout_s), timeout_s))
+        return bool(_math_pool().call("rl.reward.math_reward:verify_in_worker", (response, gold, timeout_s), timeout_s))
     except WorkerTimeout:
         return False
 
@@ -69,7 +69,7 @@ def _math_pool() -> KillablePool:
         if _pool is None:
             if importlib.util.find_spec("math_verify") is None:
                 raise ModuleNotFoundError("math_reward needs math-verify: pip install math-verify")
-            _pool = KillablePool(MATH_WORKERS, preload=("rl.math_reward",))
+            _pool = KillablePool(MATH_WORKERS, preload=("rl.reward.math_reward",))
         return _pool
 
 

@@ -16,7 +16,7 @@ arguments and its instance called), plain or `async def`:
       completion, and `completion_ids` (token ids). None in the list marks that one failed.
 
 Responses are decoded without special tokens. How calls are run (concurrently, each under its
-timeout, failures marked) is rl/reward_calls.py; answer checkers ship in rl/math_reward.py.
+timeout, failures marked) is rl/reward/runner.py; answer checkers ship in rl/reward/math_reward.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import traceback
 from typing import Any, Callable
 
 from dataflow.errors import UserError
-from rl.math_reward import gsm8k_reward, math_reward  # noqa: F401 - `reward.path=rl/rewards.py` finds them
+from rl.reward.math_reward import gsm8k_reward, math_reward  # noqa: F401 - `reward.path=rl/reward/reward_fn.py` finds them
 
 SAMPLE, VERL, BATCHED = "reward(prompt, response, **fields)", "verl compute_score", "TRL batched"
 
@@ -154,7 +154,7 @@ class RewardFn:
         """Score one response synchronously (sync SAMPLE or VERL functions)."""
         if self.is_async or self.form == BATCHED:
             raise TypeError(f"{self.where}: an async or batched reward is called through "
-                            "rl.reward_calls.RewardRunner")
+                            "rl.reward.runner.RewardRunner")
         args, kwargs = self.sample_args(prompt, response, fields)
         return self.to_score(self.fn(*args, **kwargs))
 

@@ -15,7 +15,7 @@ How a call runs and what a timeout does (threads cannot be killed):
   kill + respawn per hung call; threads cost ~0.1-0.5 ms per call. The exception is work that
   holds the GIL in one C call (a huge integer): it freezes the whole process, which only a
   process can bound; the math checker runs in killable worker processes for that reason
-  (rl/isolated.py), and a user reward doing such work should do the same.
+  (rl/reward/isolated.py), and a user reward doing such work should do the same.
 - async functions: on one event loop in a background thread (a blocking coroutine then blocks
   other rewards, never the node's own loop), at most `max_concurrency` at once, each cancelled at
   its timeout (a coroutine that blocks its loop is abandoned like a thread, 1 s later).
@@ -31,8 +31,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from rl.rewards import BATCHED, BadResult, RewardFn
-from dataflow.failures import wait_within
+from rl.reward.reward_fn import BATCHED, BadResult, RewardFn
+from dataflow.driver.failures import wait_within
 
 logger = logging.getLogger(__name__)
 

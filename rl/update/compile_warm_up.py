@@ -1,9 +1,9 @@
 """Compile the learner's layers while the rest of the graph starts, not in its first step.
 
-Compiled layers (rl/precision.compile_layers) build their graphs on first use. In a GRPO run on
+Compiled layers (rl/model/precision.compile_layers) build their graphs on first use. In a GRPO run on
 SmolLM2-135M on one H200 that first use was the first training step: 17.8 s of the step's 31.8 s
 (bench/RESULTS.md, fifteenth session), after the generator's own set-up (18 s) and first batch.
-The warm-up runs the learner's real update (rl/ppo_update.ppo_update: the same passes, grad modes,
+The warm-up runs the learner's real update (rl/update/ppo_update.ppo_update: the same passes, grad modes,
 masks, column alignment and micro-batch split as a training step) on made-up samples shaped like
 a step's, with an optimizer that never steps, on a thread started in the learner's set-up; the
 first real step waits for it. The weights, the optimizer state and the learner's rng are
@@ -45,7 +45,7 @@ def made_up_samples(c, vocab_size: int, prompt_tokens: tuple[int, int] = (16, 64
     arithmetic questions for SmolLM2 are ~50 tokens): the warm-up should be no bigger than a real
     step, whose memory its passes reserve; with 32-96 prompt tokens the learner's peak on an H200
     rose from 39.5 to 43.7 GB."""
-    from rl.ppo_update import resolved_advantage
+    from rl.update.ppo_update import resolved_advantage
 
     rng = random.Random(seed)
     cap = c.max_response_tokens or 64
@@ -70,7 +70,7 @@ def made_up_samples(c, vocab_size: int, prompt_tokens: tuple[int, int] = (16, 64
 def warm_up_update(model: torch.nn.Module, c, pad_id: int) -> float:
     """One ppo_update on made_up_samples with an optimizer that never steps; returns its seconds.
     The model is left in eval mode with no gradients, as ppo_update leaves it."""
-    from rl.ppo_update import ppo_update
+    from rl.update.ppo_update import ppo_update
 
     t = time.perf_counter()
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -95,7 +95,7 @@ def start_warm_up(ctx, model: torch.nn.Module, c, pad_id: int) -> asyncio.Task:
             with ctx.span("compile warm-up"):
                 try:
                     seconds = await asyncio.to_thread(warm_up_update, model, c, pad_id)
-                    ctx.log(f"compile warm-up: {seconds:.1f} s (rl/compile_warm_up.py)")
+                    ctx.log(f"compile warm-up: {seconds:.1f} s (rl/update/compile_warm_up.py)")
                 except Exception as e:
                     ctx.log(f"compile warm-up failed ({type(e).__name__}: {str(e)[:200]}); "
                             "the layers compile in the first step")

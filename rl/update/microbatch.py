@@ -4,8 +4,8 @@ rank_micro_batches (which the nodes call: a dp rank's share of the plan).
 
 A row's length is its (prompt, response) token counts. A micro-batch's cost in tokens depends on
 the layout it runs in:
-  "packed"  sum of its rows' prompt + response (rl/packing.py: no padding at all);
-  "padded"  rows x (longest prompt + longest response), pad_batch's [B, T] (rl/padded_batch.py).
+  "packed"  sum of its rows' prompt + response (rl/update/packing.py: no padding at all);
+  "padded"  rows x (longest prompt + longest response), pad_batch's [B, T] (rl/model/padded_batch.py).
 `max_tokens_per_micro_batch` bounds that cost per forward/backward pass on each GPU (verl's
 `ppo_max_token_len_per_gpu`, slime's `max_tokens_per_gpu`). A row whose own length exceeds the budget
 is an error, as in verl (rearrange_micro_batches asserts it): the budget is the memory bound the
@@ -36,8 +36,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from rl.padded_batch import COLUMN_MULTIPLE, aligned
-from rl.precision import micro_slices
+from rl.model.padded_batch import COLUMN_MULTIPLE, aligned
+from rl.model.precision import micro_slices
 
 Layout = Literal["packed", "padded"]
 
@@ -84,7 +84,7 @@ def karmarkar_karp(weights: Sequence[float], num_parts: int, equal_size: bool = 
 def micro_batch_cost(lengths: Sequence[tuple[int, int]], rows: Sequence[int], layout: Layout = "packed",
                      multiple: int = 1) -> int:
     """Tokens a forward pass over `rows` processes in `layout` (module docstring); padded, at a width
-    rounded up to `multiple` (the nodes' passes: rl/padded_batch.COLUMN_MULTIPLE)."""
+    rounded up to `multiple` (the nodes' passes: rl/model/padded_batch.COLUMN_MULTIPLE)."""
     if not rows:
         return 0
     if layout == "packed":

@@ -1,7 +1,7 @@
 """Packed (padding-free) forward passes: a micro-batch's rows end to end in one [1, N] sequence.
 
 Layout. pack_rows takes rows of a pad_batch layout ([left-padded prompt | right-padded response],
-rl/padded_batch.py) and lays their real tokens end to end: input_ids [1, N] (N = the rows' prompt +
+rl/model/padded_batch.py) and lays their real tokens end to end: input_ids [1, N] (N = the rows' prompt +
 response tokens, no padding), position_ids restarting at 0 for every row, and `index` [N], the flat
 position in the padded [B, T] batch each packed token came from. Any padded per-token tensor packs
 with `take` (behaviour / ref log-probs, advantages, loss masks) and packed results go back with
@@ -17,7 +17,7 @@ Attention confined to each row. The model is called with position_ids and attent
 transformers (5.x; masking_utils.find_packed_sequence_indices) reads position ids that restart as
 packed sequences, and every attention implementation then keeps each token to its own row:
   flash_attention_2/3  flash_attn_varlen_func with cu_seqlens from the position ids: no wasted work;
-  torch_varlen         torch's own FlashAttention varlen kernel (rl/varlen_attention.py), from the
+  torch_varlen         torch's own FlashAttention varlen kernel (rl/update/varlen_attention.py), from the
                        rows' cumulative lengths (PackedBatch.attention_kwargs): no wasted work;
   flex_attention       a BlockMask of the block-diagonal causal mask: blocks across rows skipped;
   sdpa / eager         a dense [N, N] block-diagonal causal mask: exact, but O(N^2) attention work
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rl.logprobs import token_logprobs
-from rl.padded_batch import aligned, pad_batch, sequence_logprobs
-from rl import varlen_attention
+from rl.model.logprobs import token_logprobs
+from rl.model.padded_batch import aligned, pad_batch, sequence_logprobs
+from rl.update import varlen_attention
 
 VARLEN_KWARG_READERS = ("flash_attention_2", "flash_attention_3", varlen_attention.NAME)
 
@@ -159,7 +159,7 @@ def padded_columns(attention_mask: torch.Tensor, rows: list[int] | torch.Tensor)
     if len(used) == 0:
         return slice(0, total)
     start, stop = int(used[0]), int(used[-1]) + 1
-    # widened with padding columns to an aligned width (rl/padded_batch.COLUMN_MULTIPLE): right first, then left
+    # widened with padding columns to an aligned width (rl/model/padded_batch.COLUMN_MULTIPLE): right first, then left
     extra = aligned(stop - start) - (stop - start)
     right = min(extra, total - stop)
     return slice(max(0, start - (extra - right)), stop + right)
@@ -228,7 +228,7 @@ def micro_batch(batch: dict, rows: list[int], packing: bool, response_mask: torc
 def micro_batch_logprobs(model: nn.Module, mb: PackedBatch | PaddedRows, temperature: float = 1.0,
                          with_entropy: bool = True, entropy_grad: bool = True):
     """(logprobs, entropy or None) of a micro_batch, in its own layout ([1, N] or [b, t]):
-    packed_sequence_logprobs or rl/padded_batch.sequence_logprobs."""
+    packed_sequence_logprobs or rl/model/padded_batch.sequence_logprobs."""
     if isinstance(mb, PackedBatch):
         return packed_sequence_logprobs(model, mb, temperature, with_entropy, entropy_grad)
     return sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.response_mask, temperature,
@@ -254,7 +254,7 @@ def _predicting_columns(packed: PackedBatch) -> torch.Tensor:
 def packed_sequence_logprobs(model: nn.Module, packed: PackedBatch, temperature: float = 1.0,
                              with_entropy: bool = True, entropy_grad: bool = True
                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logprobs [1, N], entropy [1, N] or None) of the packed tokens: rl/padded_batch.sequence_logprobs
+    """(logprobs [1, N], entropy [1, N] or None) of the packed tokens: rl/model/padded_batch.sequence_logprobs
     for a packed batch, 0 off the response tokens.
 
     logprobs[0, t] = log softmax(logits[0, t - 1] / temperature)[input_ids[0, t]] on response
@@ -282,7 +282,7 @@ def packed_sequence_logprobs(model: nn.Module, packed: PackedBatch, temperature:
 
 
 def packed_values(value_model: nn.Module, packed: PackedBatch) -> torch.Tensor:
-    """values [1, N] of rl/models.ValueModel on a packed batch: values[0, t] = the value head on the
+    """values [1, N] of rl/model/causal_lm.ValueModel on a packed batch: values[0, t] = the value head on the
     hidden state at t - 1 of the same row, 0 at each row's first token (ValueModel.forward, packed).
     The dtype is ValueModel's: float32 out of bf16 autocast, float64 for a float64 model."""
     return value_model(packed.input_ids, None, position_ids=packed.position_ids,
@@ -292,7 +292,7 @@ def packed_values(value_model: nn.Module, packed: PackedBatch) -> torch.Tensor:
 def varlen_attention_available(device) -> str:
     """The attention implementation that confines a pack's rows without wasted work on `device`:
     "flash_attention_2" (CUDA with the flash_attn package), "torch_varlen" (CUDA: torch's own
-    FlashAttention varlen kernel, rl/varlen_attention.py), "flex_attention" (CUDA, a torch without
+    FlashAttention varlen kernel, rl/update/varlen_attention.py), "flex_attention" (CUDA, a torch without
     that kernel: compiled per pack length), else "sdpa" (exact, with a dense block-diagonal mask: CPU
     and tests)."""
     if torch.device(device).type == "cuda":

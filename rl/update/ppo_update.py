@@ -15,10 +15,10 @@ The phases, in order:
      DAPO's overlong shaping and, with KL in the reward, the per-token KL penalty.
   3. epochs over minibatches, each in micro-batches whose gradients accumulate into one
      optimizer step; the loss aggregation's normaliser is the whole minibatch's
-     (rl/losses.agg_row_weights), so micro-batches and dp shares add up to the unsplit loss.
+     (rl/algorithm/losses.agg_row_weights), so micro-batches and dp shares add up to the unsplit loss.
 Micro-batches (phases 1 and 3): c.micro_batch_size rows, or with c.max_tokens_per_micro_batch a
-token budget per pass, rows balanced over the dp ranks by tokens (rl/microbatch.py); each pass
-packed (c.packing: no padding, rl/packing.py) or padded to its own rows' columns. The loss math
+token budget per pass, rows balanced over the dp ranks by tokens (rl/update/microbatch.py); each pass
+packed (c.packing: no padding, rl/update/packing.py) or padded to its own rows' columns. The loss math
 runs on each pass's rows in the padded [b, t] layout (PackedBatch.to_rows), so per-sequence terms
 (GSPO, the seq-mean aggregations) are the same in both layouts. "learner/padding_frac": padding
 as a fraction of the tokens all of the step's passes processed.
@@ -32,15 +32,15 @@ import random
 import torch
 
 from dataflow.errors import UserError
-from rl.advantages import grpo_advantages, reinforce_pp_advantages, rloo_advantages
-from rl.kl import kl_penalty, kl_shaped_rewards, sequence_kl
-from rl.losses import agg_row_weights, policy_loss, weighted_token_sum
-from rl.masked import masked_mean, masked_whiten
-from rl.microbatch import check_micro_batch_settings, padding_metrics, rank_micro_batches, sample_lengths
-from rl.padded_batch import COLUMN_MULTIPLE, pad_batch
-from rl.packing import micro_batch, micro_batch_logprobs
-from rl.precision import autocast, compute_dtype
-from rl.shaping import overlong_penalty
+from rl.algorithm.advantages import grpo_advantages, reinforce_pp_advantages, rloo_advantages
+from rl.algorithm.kl import kl_penalty, kl_shaped_rewards, sequence_kl
+from rl.algorithm.losses import agg_row_weights, policy_loss, weighted_token_sum
+from rl.algorithm.masked import masked_mean, masked_whiten
+from rl.update.microbatch import check_micro_batch_settings, padding_metrics, rank_micro_batches, sample_lengths
+from rl.model.padded_batch import COLUMN_MULTIPLE, pad_batch
+from rl.update.packing import micro_batch, micro_batch_logprobs
+from rl.model.precision import autocast, compute_dtype
+from rl.algorithm.shaping import overlong_penalty
 
 
 def resolved_advantage(c) -> str:
@@ -202,7 +202,7 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
     reported stat equal the unsplit minibatch's. Forward/backward run under c.precision's autocast.
 
     Stale samples (`stale`: some token was sampled by weights older than the step's) get decoupled
-    PPO's importance weight per token (rl/losses.behaviour_weights); given `version`, the weights
+    PPO's importance weight per token (rl/algorithm/losses.behaviour_weights); given `version`, the weights
     the step trains from, and every sample's "token_versions" (the version that sampled each token;
     the learner fills them in), a token with version_t == version gets weight 1, so a partial
     rollout's fresh tail and a fresh sample in a stale step are not reweighted.
@@ -221,7 +221,7 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
                      device=device, multiple_of=COLUMN_MULTIPLE)
     num = len(samples)
     # Micro-batches: rows (micro_batch_size) or a token budget (max_tokens_per_micro_batch), each
-    # run packed or padded to its own rows' columns (rl/microbatch.py, rl/packing.py).
+    # run packed or padded to its own rows' columns (rl/update/microbatch.py, rl/update/packing.py).
     lengths = sample_lengths(samples)
     lengths.append(lengths[0])                                  # the dp pad row (row `num`, below)
     layout = "packed" if c.packing else "padded"
@@ -291,7 +291,7 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
             # step (on W1, 16 micro-batches recast them 16 times). It ends before optimizer.step,
             # which changes the weights. The loss math stays fp32/float64 under it (autocast lowers
             # only matmul-like ops), and backward runs on autograd's own thread. Sharded (ranks):
-            # no cache, see rl/precision.autocast.
+            # no cache, see rl/model/precision.autocast.
             with autocast(amp, device, cache_weights=ranks is None):
                 for rows in parts:
                     # This pass's share of the minibatch's valid tokens, for the token-mean stats;

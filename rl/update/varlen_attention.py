@@ -1,5 +1,5 @@
 """Packed attention through torch's own FlashAttention varlen kernel, as the transformers attention
-implementation "torch_varlen" (rl/packing.use_varlen_attention picks it on CUDA when the
+implementation "torch_varlen" (rl/update/packing.use_varlen_attention picks it on CUDA when the
 flash_attn package is missing, which it is on most machines: it has no wheel for every torch).
 
 Why not flex_attention, the other kernel torch ships: on the H200, GRPO with packed passes under

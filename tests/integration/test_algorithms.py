@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from dataflow.runtime import RunOptions, load_graph, run_graph
-from rl.tasks import make_task
+from dataflow.driver.runtime import RunOptions, load_graph, run_graph
+from rl.data.tasks import make_task
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("ray_instance")  # one Ray for the module (tests/conftest.py)
 
 MAX_TOKENS = make_task().max_new_tokens    # the built-in task's response cap (graphs' default)
@@ -107,4 +107,4 @@ def test_grpo_graph_runs_each_algorithm_setting(tmp_path, name):
 
 
 # The PPO graph's KL at the start at a sampling temperature (policy = reference, T=0.7): checked on
-# the user-model run of tests/test_ppo_graph.py, which runs the PPO graph synchronously anyway.
+# the user-model run of tests/integration/test_ppo_graph.py, which runs the PPO graph synchronously anyway.

@@ -126,7 +126,7 @@ def get(refs):
 def peers():
     # Workers import this module (the actor class) and dataflow/ by name.
     here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join([here, os.path.dirname(here)])
+    path = os.pathsep.join([here, os.path.dirname(os.path.dirname(here))])
     ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     actors = {n: Peer.options(name=n).remote(n) for n in ("a", "b", "c")}
     yield actors

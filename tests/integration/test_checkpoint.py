@@ -1,4 +1,4 @@
-"""Checkpoints (dataflow/checkpoint.py): exact round trips without pickle, atomic commits, and
+"""Checkpoints (dataflow/actor/checkpoint.py): exact round trips without pickle, atomic commits, and
 on a real Ray instance: 3 steps + resume + 3 steps == 6 steps bit for bit, the metrics file
 continuing with no gap or repeat, and a checkpoint on interrupt. One Ray instance for the module."""
 
@@ -19,17 +19,18 @@ import torch
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
-from dataflow import checkpoint, checkpointer, snapshots  # noqa: E402
-from dataflow.runtime import RunOptions, load_graph, run_graph  # noqa: E402
+from dataflow.actor import checkpoint, snapshots
+from dataflow.driver import checkpointer  # noqa: E402
+from dataflow.driver.runtime import RunOptions, load_graph, run_graph  # noqa: E402
 from tests.conftest import run_then_interrupt  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---- state files, no Ray ----------------------------------------------------------------------------
 def _trained_model_and_optimizer():
-    from rl.models import ModelConfig, build_policy
-    from rl.tasks import build_tokenizer
+    from rl.model.causal_lm import ModelConfig, build_policy
+    from rl.data.tasks import build_tokenizer
 
     model = build_policy(ModelConfig(n_layer=1, n_embd=32, n_head=2, intermediate_size=64), build_tokenizer())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -242,7 +243,7 @@ def test_metrics_continue_from_the_checkpoint_step(tmp_path):
 
 
 # Synchronous PPO, small, with the default batched calls (batches form by arrival: the resumed run
-# matches within RESUME_TOL; dataflow/checkpoint.py says why). The generator's static decoder
+# matches within RESUME_TOL; dataflow/actor/checkpoint.py says why). The generator's static decoder
 # draws its noise per prompt, so a prompt samples the same tokens whatever shares its batch.
 SYNC = ("max_staleness=0", "prompts_per_step=16", "channel_capacity=16", "learner.minibatch_size=8",
         "critic.minibatch_size=8", "policy.model.n_layer=1",
@@ -377,7 +378,7 @@ def test_a_checkpoint_request_is_served_at_once_not_at_the_next_poll(ray_instanc
     """The driver's loop wakes when a node asks for a checkpoint (Checkpointer.watch_requests),
     not only every POLL_INTERVAL_S: with the interval at 60 s, six checkpoints of the probe, one
     per step, each wait far less than it (before, each waited for the next poll)."""
-    from dataflow import runtime
+    from dataflow.driver import runtime
 
     monkeypatch.setattr(runtime, "POLL_INTERVAL_S", 60.0)
     t = time.perf_counter()

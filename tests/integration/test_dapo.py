@@ -15,7 +15,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from nodes.group_filter import GroupFilter, GroupFilterConfig, has_signal  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def group(*scores, failed=()):
@@ -64,7 +64,7 @@ def test_filter_decisions_are_kept_per_prompt_and_a_full_batch_takes_no_more():
 
 @pytest.mark.usefixtures("ray_instance")  # one Ray for the module (tests/conftest.py)
 def test_dapo_trains_every_step_on_full_batches_of_informative_groups(tmp_path):
-    from dataflow.runtime import RunOptions, load_graph, run_graph
+    from dataflow.driver.runtime import RunOptions, load_graph, run_graph
 
     pps = 4
     graph, config = load_graph(str(ROOT / "graphs/dapo.py"), [
@@ -103,7 +103,7 @@ def test_dapo_killed_filter_and_reference_keep_every_step_full_and_every_prompt_
     trains on prompts_per_step groups the filter kept, no prompt twice, none it dropped."""
     import signal
 
-    from dataflow.runtime import RunOptions, load_graph
+    from dataflow.driver.runtime import RunOptions, load_graph
     from tests.conftest import run_in_thread, wait_until
 
     pps, run_dir = 4, tmp_path / "run"

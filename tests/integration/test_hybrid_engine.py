@@ -28,8 +28,8 @@ from dataflow.weights.layout import (ParallelLayout, apply_tensor_parallel, appl
                              build_mesh, micro_dp_bytes, naive_bytes)
 from dataflow.weights.reshard import CommCounter, param_spec, reshard_for_generation
 from dataflow.weights.adapters import Manifest, WeightAdapter
-from rl.models import ModelConfig, build_policy
-from rl.tasks import build_tokenizer
+from rl.model.causal_lm import ModelConfig, build_policy
+from rl.data.tasks import build_tokenizer
 from tests.gloo import join_world, tell_port, told_port
 
 

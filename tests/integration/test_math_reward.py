@@ -1,4 +1,4 @@
-"""rl/math_reward.py and rl/isolated.py: math-verify as the math checker (agreement with
+"""rl/reward/math_reward.py and rl/reward/isolated.py: math-verify as the math checker (agreement with
 math-verify's own test cases, no known false positives, timeouts that hold), the GSM8K checker,
 and worker processes that are killed at their timeout."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from rl import math_reward as mr
-from rl.isolated import KillablePool, WorkerError, WorkerTimeout
+from rl.reward import math_reward as mr
+from rl.reward.isolated import KillablePool, WorkerError, WorkerTimeout
 
-CASES = json.loads((Path(__file__).parent / "data" / "math_verify_cases.json").read_text())
+CASES = json.loads((Path(__file__).resolve().parents[1] / "data" / "math_verify_cases.json").read_text())
 
 
 def test_agreement_with_math_verify_test_cases():

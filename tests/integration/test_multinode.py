@@ -45,7 +45,7 @@ def test_weights_reach_a_generator_on_another_ray_node(two_ray_nodes, tmp_path, 
     import ray
 
     from dataflow.placement import plan
-    from dataflow.runtime import RunOptions, load_graph, run_graph
+    from dataflow.driver.runtime import RunOptions, load_graph, run_graph
 
     nodes = [n for n in ray.nodes() if n["Alive"]]
     assert len(nodes) == 2 and all(n["Resources"].get("GPU") == 1 for n in nodes)

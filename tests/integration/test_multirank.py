@@ -24,9 +24,9 @@ import torch.multiprocessing as mp
 from dataflow.weights.layout import ParallelLayout, build_mesh
 from dataflow.weights.multirank import TrainRanks
 from nodes.learner import LearnerConfig, ppo_update, step_advantages
-from rl.models import ModelConfig, build_policy, sample_responses
+from rl.model.causal_lm import ModelConfig, build_policy, sample_responses
 from nodes.reference import add_logprobs
-from rl.tasks import build_tokenizer, make_task, score
+from rl.data.tasks import build_tokenizer, make_task, score
 from tests.gloo import join_world
 
 MODEL = ModelConfig(n_layer=2, n_embd=32, n_head=4, intermediate_size=64)   # every TP dim divides by 2
@@ -147,7 +147,7 @@ def _critic_samples(samples):
 
 
 def _fresh_critic(tok):
-    from rl.models import ValueModel
+    from rl.model.causal_lm import ValueModel
 
     return ValueModel.from_policy(build_policy(MODEL, tok)).double()
 
@@ -202,7 +202,7 @@ def test_critic_as_2x2_ranks_equals_one_rank(reference, tmp_path):
 
 # ---- graph runs: the learner as 2 and 4 Ray actors ----------------------------------------------
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ("prompts_per_step=4", "group_size=4", "channel_capacity=16", "learner.minibatch_size=8",
          "max_staleness=0", "weight_checksums=true")
 
@@ -214,7 +214,7 @@ RAY_NUM_CPUS = 8
 def run_grpo(tmp_path, *overrides: str, max_steps: int):
     import asyncio
 
-    from dataflow.runtime import RunOptions, load_graph, run_graph
+    from dataflow.driver.runtime import RunOptions, load_graph, run_graph
 
     graph, config = load_graph(str(ROOT / "graphs/grpo.py"), [*SMALL, *overrides])
     summary = asyncio.run(run_graph(graph, RunOptions(max_steps=max_steps, out_dir=str(tmp_path), quiet=True), config))
@@ -254,7 +254,7 @@ def test_grpo_graph_learner_tp2_collective_push_checkpoint_then_resume_as_2x2(ra
     ckpt = tmp_path / "a" / "checkpoints" / "step_2"
     assert (ckpt / "learner[0]").is_dir() and (ckpt / "learner[1]").is_dir()
     # The whole step-2 weights, as a plain model loads them (a one-rank learner could resume too).
-    from dataflow.checkpoint import read_state
+    from dataflow.actor.checkpoint import read_state
     from dataflow.weights.sync import weights_checksum
 
     state = read_state(ckpt / "learner[0]")["node"]
@@ -264,7 +264,7 @@ def test_grpo_graph_learner_tp2_collective_push_checkpoint_then_resume_as_2x2(ra
     step2 = weights_checksum(plain)
     import shutil
 
-    from dataflow.runtime import RunOptions, load_graph, run_graph
+    from dataflow.driver.runtime import RunOptions, load_graph, run_graph
     import asyncio
 
     graph, config = load_graph(str(ROOT / "graphs/grpo.py"), [*SMALL, "learner.dp=2", "learner.tp=2"])
@@ -286,8 +286,8 @@ def test_grpo_graph_learner_tp2_collective_push_checkpoint_then_resume_as_2x2(ra
 def test_only_rank_0_reads_the_rollouts():
     """A channel with several consumer replicas hands each item to one of them: the learner's
     other ranks get no input port, and the producer counts rank 0 as its only consumer."""
-    from dataflow.launch import wiring as _wiring
-    from dataflow.runtime import load_graph
+    from dataflow.driver.launch import wiring as _wiring
+    from dataflow.driver.runtime import load_graph
 
     graph, _ = load_graph(str(ROOT / "graphs/grpo.py"), ["learner.dp=2", "learner.tp=2"])
     graph.validate()
@@ -309,9 +309,9 @@ def test_ppo_graph_with_2_rank_learner_and_critic_checkpoints_on_ctrl_c_in_the_o
     rank 0 (Node.prepare_checkpoint, dataflow/weights/multirank.RankCommands; the save_interval
     checkpoints take the same path) in the one-rank format: a plain model loads it, as a one-rank
     critic does when it resumes (a one-rank learner resuming as 2 x 2: the tp2 test above)."""
-    from dataflow import checkpoint
-    from dataflow.runtime import load_graph
-    from rl.models import ValueModel
+    from dataflow.actor import checkpoint
+    from dataflow.driver.runtime import load_graph
+    from rl.model.causal_lm import ValueModel
     from tests.conftest import run_then_interrupt
 
     settings = ["prompts_per_step=4", "channel_capacity=8", "learner.minibatch_size=4", "critic.minibatch_size=4",
@@ -335,7 +335,7 @@ def test_ppo_graph_with_2_rank_learner_and_critic_checkpoints_on_ctrl_c_in_the_o
 def test_a_killed_critic_rank_stops_the_run_instead_of_restarting_alone(ray_instance, tmp_path):
     """kill -9 of critic[1] (of critic.dp=2): a new process could not rejoin the running process
     group, so it is not restarted; the run stops naming that rank, within seconds."""
-    from dataflow.runtime import RunOptions, load_graph
+    from dataflow.driver.runtime import RunOptions, load_graph
     from tests.conftest import kill_stops_the_run, run_in_thread, wait_until
 
     graph, config = load_graph(str(ROOT / "graphs/ppo.py"), [

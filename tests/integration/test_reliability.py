@@ -22,18 +22,19 @@ import torch
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
-from dataflow import Node, checkpoint  # noqa: E402
-from dataflow.codec import Message, encode  # noqa: E402
-from dataflow.host import HostSpec, NodeHost  # noqa: E402
-from dataflow.runtime import RunOptions, load_graph  # noqa: E402
+from dataflow import Node
+from dataflow.actor import checkpoint  # noqa: E402
+from dataflow.channel.codec import Message, encode  # noqa: E402
+from dataflow.actor.host import HostSpec, NodeHost  # noqa: E402
+from dataflow.driver.runtime import RunOptions, load_graph  # noqa: E402
 from nodes.learner import Learner, LearnerConfig, ppo_update, step_advantages  # noqa: E402
-from rl.models import ModelConfig, build_policy, sample_responses  # noqa: E402
-from rl.policy import PolicySpec  # noqa: E402
+from rl.model.causal_lm import ModelConfig, build_policy, sample_responses  # noqa: E402
+from rl.data.policy import PolicySpec  # noqa: E402
 from nodes.reference import add_logprobs  # noqa: E402
-from rl.tasks import build_tokenizer, make_task  # noqa: E402
+from rl.data.tasks import build_tokenizer, make_task  # noqa: E402
 from tests.conftest import kill_stops_the_run, run_in_thread, wait_until  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ModelConfig(n_layer=1, n_embd=32, n_head=2, intermediate_size=64)
 
 
@@ -207,8 +208,8 @@ def test_a_dead_replica_that_is_not_restarted_says_why():
     from ray.exceptions import RayActorError
 
     from dataflow.errors import NodeFailed
-    from dataflow.failures import raise_first_failure
-    from dataflow.restarts import refusals
+    from dataflow.driver.failures import raise_first_failure
+    from dataflow.driver.restarts import refusals
 
     died = RayActorError()
     graph, _ = load_graph(str(ROOT / "graphs/ppo.py"), ["max_restarts=2"])

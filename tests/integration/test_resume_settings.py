@@ -1,8 +1,8 @@
-"""--resume (dataflow/resume.py): a damaged or half-written checkpoint is refused in one line naming
+"""--resume (dataflow/driver/resume.py): a damaged or half-written checkpoint is refused in one line naming
 the newest intact one; a resumed run starts from the run's recorded settings, each --set changing
 only what it names; a --set that changes what the run is, is refused unless --allow-changed-settings.
 
-Checkpoints for the refusals are written with dataflow/checkpoint.py's own functions (no Ray); the
+Checkpoints for the refusals are written with dataflow/actor/checkpoint.py's own functions (no Ray); the
 settings tests run tests/graphs/checkpointed.py through the CLI in this process on the module's Ray."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import torch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from dataflow import checkpoint  # noqa: E402
+from dataflow.actor import checkpoint  # noqa: E402
 from dataflow import run as cli  # noqa: E402
 from dataflow.errors import UserError  # noqa: E402
-from dataflow.resume import DEFINES_THE_RUN, _matches, checkpoint_to_resume  # noqa: E402
+from dataflow.driver.resume import DEFINES_THE_RUN, _matches, checkpoint_to_resume  # noqa: E402
 
 GRAPH = "tests/graphs/checkpointed.py"
 

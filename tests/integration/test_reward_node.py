@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from dataflow.errors import UserError
-from dataflow.runtime import RunOptions, load_graph, run_graph
+from dataflow.driver.runtime import RunOptions, load_graph, run_graph
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROBE = str(ROOT / "tests" / "graphs" / "reward_probe.py")
 
 pytestmark = pytest.mark.usefixtures("ray_instance")  # one Ray for the module (tests/conftest.py)

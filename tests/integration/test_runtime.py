@@ -37,14 +37,14 @@ import ray  # noqa: E402
 
 from dataflow import Graph, Node  # noqa: E402
 from dataflow import run as cli  # noqa: E402
-from dataflow.host import HostSpec, NodeHost  # noqa: E402
-from dataflow.runtime import RunOptions, run_graph  # noqa: E402
+from dataflow.actor.host import HostSpec, NodeHost  # noqa: E402
+from dataflow.driver.runtime import RunOptions, run_graph  # noqa: E402
 from tests.graphs.probes import (  # noqa: E402
     Publisher, PublisherConfig, Relay, Subscriber, SubscriberConfig, TensorSink, TensorSource,
     TensorSourceConfig,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOY = ROOT / "tests" / "graphs" / "toy.py"
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
 ENV.pop("RAY_ADDRESS", None)
@@ -269,7 +269,7 @@ def test_node_exception_stops_graph_and_names_node_item_and_line(capsys, tmp_pat
     assert f'File "{TOY}", line {raise_line}, in run' in err, err
     assert err.count("Traceback (most recent call last)") == 1, err
     # and nothing of the driver's own machinery
-    for noise in ("dataflow/runtime.py", "dataflow/failures.py", "dataflow/run.py", "never retrieved", "ray/_private"):
+    for noise in ("dataflow/driver/runtime.py", "dataflow/driver/failures.py", "dataflow/run.py", "never retrieved", "ray/_private"):
         assert noise not in err, (noise, err)
     assert "[dataflow] done" not in out
 
@@ -368,8 +368,8 @@ def test_describe_starts_nothing(capsys, monkeypatch):
         raise AssertionError("--describe must not start Ray or run the graph")
 
     monkeypatch.setattr(ray, "init", trap)
-    monkeypatch.setattr("dataflow.runtime.run_graph", trap)
-    monkeypatch.setattr("dataflow.runtime.start_ray", trap)
+    monkeypatch.setattr("dataflow.driver.runtime.run_graph", trap)
+    monkeypatch.setattr("dataflow.driver.runtime.start_ray", trap)
     t0 = time.monotonic()
     rc, out, err = main(capsys, "tests/graphs/squares.py", "--describe")
     assert rc == 0, err

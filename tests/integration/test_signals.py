@@ -2,7 +2,7 @@
 
 - SIGTERM to the CLI's whole process group (what systemd and Slurm's scancel send) saves the
   interrupt checkpoint like Ctrl-C, exits 130 and leaves no process: Ray's processes are in a
-  process group of their own (dataflow/launch.py), so they are still up to take the checkpoint.
+  process group of their own (dataflow/driver/launch.py), so they are still up to take the checkpoint.
 - `--address` where nothing listens is a one-line error (exit 2) in seconds; where something
   accepts the connection but never answers as Ray, Ctrl-C still stops the CLI at once."""
 
@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from tests.test_runtime import ENV, ROOT, CliProcess, _raylet_session, session_processes, still_running
+from tests.integration.test_runtime import ENV, ROOT, CliProcess, _raylet_session, session_processes, still_running
 
 CHECKPOINTED = "tests/graphs/checkpointed.py"
 

@@ -1,4 +1,4 @@
-"""No silent stall (dataflow/stall.py): a run that makes no progress says what every node waits for
+"""No silent stall (dataflow/driver/stall.py): a run that makes no progress says what every node waits for
 and which node is at the root, then stops (exit 1) or keeps waiting; a source whose data runs out
 ends the run with a line saying so; counters of trouble are on screen (Graph.alerts).
 
@@ -19,15 +19,16 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from dataflow import Graph, Node, stall  # noqa: E402
+from dataflow import Graph, Node
+from dataflow.driver import stall  # noqa: E402
 from dataflow import run as cli  # noqa: E402
-from dataflow.runtime import RunOptions, run_graph  # noqa: E402
+from dataflow.driver.runtime import RunOptions, run_graph  # noqa: E402
 from tests.graphs.alerts import TroubledSink  # noqa: E402
 from tests.graphs.stalls import BatchTrainer, Silent, Sink, TrainerConfig  # noqa: E402
 from tests.graphs.toy import Counter, CounterConfig, Square  # noqa: E402
 from nodes.prompts import PromptConfig, PromptSource  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STALLS = "tests/graphs/stalls.py"
 
 
@@ -111,18 +112,18 @@ def test_a_blocked_output_points_at_its_consumer_and_a_silent_host_is_a_root():
 def test_a_threads_short_stack_names_the_project_frames_and_the_ends_of_a_library_run():
     """torch.compile's stacks are 50+ frames deep: the short form keeps where the thread is, the
     project's frames, and each run of one package's frames by its ends; no stdlib or Ray frames."""
-    from dataflow.stacks import frame_of, short_lines
+    from dataflow.actor.stacks import frame_of, short_lines
 
     site = "/venv/lib/python3.11/site-packages/"
     torch = [frame_of(f"{site}torch/_inductor/f{i}.py", i, f"f{i}") for i in range(30)]
     frames = (torch + [frame_of(f"{site}torch/_dynamo/eval_frame.py", 600, "_fn"),
-                       frame_of(f"{stall.__file__[:-len('dataflow/stall.py')]}rl/packing.py", 240, "packed_logprobs"),
+                       frame_of(f"{stall.__file__[:-len('dataflow/driver/stall.py')]}rl/update/packing.py", 240, "packed_logprobs"),
                        frame_of(f"{site}ray/util/tracing/tracing_helper.py", 520, "_resume_span")])
     assert short_lines({"frames": frames}) == [
         "torch/_inductor/f0.py:0 f0", "torch/_inductor/f1.py:1 f1", "... 28 frames in torch",
-        "torch/_dynamo/eval_frame.py:600 _fn", "rl/packing.py:240 packed_logprobs"]
+        "torch/_dynamo/eval_frame.py:600 _fn", "rl/update/packing.py:240 packed_logprobs"]
     # Past SHORT_LINES the project's frames stay and a library's go first.
-    project = stall.__file__[:-len("dataflow/stall.py")]
+    project = stall.__file__[:-len("dataflow/driver/stall.py")]
     mixed = [frame_of(f"{site}lib{i}/x.py" if i % 2 else f"{project}nodes/n{i}.py", i, f"f{i}") for i in range(1, 16)]
     lines = short_lines({"frames": mixed})
     assert [f"nodes/n{i}.py:{i} f{i}" for i in range(2, 16, 2)][:5] == [x for x in lines if x.startswith("nodes/")][:5]
@@ -158,7 +159,7 @@ def test_a_node_blocking_its_event_loop_is_named_and_does_not_freeze_the_driver(
     # and the stop waits out STOP_GRACE_S (5 s) before killing it. 2 s and 1 s still leave the
     # sink, which does answer and stop, ample time on a loaded machine. Its stacks come from its
     # stack server, outside Ray (the next test says why), within STACKS_TIMEOUT_S (10 s).
-    from dataflow import launch
+    from dataflow.driver import launch
 
     monkeypatch.setattr(stall, "ANSWER_TIMEOUT_S", 2.0)
     monkeypatch.setattr(launch, "STOP_GRACE_S", 1.0)
@@ -180,7 +181,7 @@ def test_stacks_answer_while_ray_cannot_deliver_any_call_to_the_blocked_actor(ra
     # server answers regardless, and says where the loop is; a token it did not issue gets nothing.
     import ray
 
-    from dataflow import stacks
+    from dataflow.actor import stacks
 
     @ray.remote
     class Blocker:
@@ -249,7 +250,7 @@ def test_the_report_names_where_the_busy_root_is_in_its_code(ray_instance, tmp_p
         asyncio.run(run_graph(graph, RunOptions(out_dir=str(tmp_path), quiet=True)))
     text = stalled.value.report
     assert re.search(r"source  busy in 'train' for \d+ s   <- root\n", text), text
-    assert re.search(r"thread \S+, innermost first:\n +tests/test_stall.py:\d+ spin_in_place\n", text), text
+    assert re.search(r"thread \S+, innermost first:\n +tests/integration/test_stall.py:\d+ spin_in_place\n", text), text
     assert "sink  " not in text.split("root of the wait")[1]  # only the root's stacks are on screen
     stacks_file = tmp_path / "stall-1.txt"
     assert f"every replica's threads, in full: {stacks_file}" in text, text
@@ -317,7 +318,7 @@ def test_an_empty_dataset_ends_the_run_at_once_instead_of_spinning(capsys, ray_i
     rc, out, err, seconds = main(capsys, STALLS, "--set", "case=admission", "--set", f"prompts.path={data}",
                                  "--out", tmp_path / "run")
     # An empty dataset is a user mistake the data loader names at setup (exit 2), at once; the
-    # graphs/ RLHF graphs refuse it even before Ray starts (tests/test_preflight.py).
+    # graphs/ RLHF graphs refuse it even before Ray starts (tests/unit/test_preflight.py).
     assert rc == 2, (out, err)
     assert str(data) in err and "no usable" in err, err
     assert seconds < 60

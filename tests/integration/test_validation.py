@@ -15,10 +15,10 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from dataflow.runtime import RunOptions, load_graph, run_graph  # noqa: E402
-from rl.tasks import DEFAULT_NUM_DIGITS, make_task  # noqa: E402
+from dataflow.driver.runtime import RunOptions, load_graph, run_graph  # noqa: E402
+from rl.data.tasks import DEFAULT_NUM_DIGITS, make_task  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GRAPH = str(ROOT / "tests" / "graphs" / "validation.py")
 RAY_NUM_CPUS = 8
 pytestmark = pytest.mark.usefixtures("ray_instance")

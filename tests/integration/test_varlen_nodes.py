@@ -3,7 +3,7 @@ them (issue 21): one learner update (ppo_update), the reference's log-probs (add
 critic's value pass and update (advantages_for, critic_update), each equal in float64 to the
 unsplit padded computation on real tiny models; the learner as 2 gloo dp ranks with a token budget
 equal to one rank; a PPO graph run on Ray with every node packed reports zero padding per node.
-(The library pieces: tests/test_packing.py, tests/test_microbatch.py.)"""
+(The library pieces: tests/unit/test_packing.py, tests/unit/test_microbatch.py.)"""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 
 from nodes.learner import LearnerConfig, ppo_update
 from nodes.reference import add_logprobs
-from rl.microbatch import enable_gradient_checkpointing, sample_lengths
-from tests.test_learner import GRPO2, _float64_update, fresh, setup, with_advantages  # noqa: F401 (fixture)
+from rl.update.microbatch import enable_gradient_checkpointing, sample_lengths
+from tests.unit.test_learner import GRPO2, _float64_update, fresh, setup, with_advantages  # noqa: F401 (fixture)
 
 
 def _uneven(samples):
@@ -133,7 +133,7 @@ def test_reference_logprobs_with_a_token_budget_equal_unsplit(setup, packing):
 @pytest.mark.parametrize("packing", [True, False])
 def test_critic_value_pass_and_update_with_a_token_budget_equal_unsplit(setup, packing):
     from nodes.critic import CriticConfig, advantages_for, critic_update
-    from rl.models import ValueModel
+    from rl.model.causal_lm import ValueModel
 
     tok, model, samples = setup
     samples = [dict(s, values=[0.1] * len(s["response_ids"]), returns=[s["score"]] * len(s["response_ids"]),
@@ -166,7 +166,7 @@ def test_critic_value_pass_and_update_with_a_token_budget_equal_unsplit(setup, p
 # ---- 2 gloo dp ranks: the budget's plan balances rows over ranks, the update equals one rank's ----
 
 def _dp_update(model, samples, pad_id, ranks=None, **settings):
-    from tests.test_multirank import CFG
+    from tests.integration.test_multirank import CFG
 
     cfg = LearnerConfig(**{**CFG, "micro_batch_size": 0, **settings})
     cfg.kl.coef = 0.1
@@ -178,8 +178,8 @@ def _dp_update(model, samples, pad_id, ranks=None, **settings):
 def _dp_worker(rank, layout, tmp, tok, samples, settings):
     import torch.distributed as dist
 
-    from tests.test_multirank import MODEL, _join_gloo
-    from rl.models import build_policy
+    from tests.integration.test_multirank import MODEL, _join_gloo
+    from rl.model.causal_lm import build_policy
 
     ranks = _join_gloo(rank, layout, tmp)
     model = ranks.shard(build_policy(MODEL, tok).double())
@@ -193,8 +193,8 @@ def _dp_worker(rank, layout, tmp, tok, samples, settings):
 @pytest.mark.parametrize("packing", [True, False])
 def test_two_dp_ranks_with_a_token_budget_equal_one_rank(tmp_path, packing):
     from dataflow.weights.layout import ParallelLayout
-    from rl.models import build_policy
-    from tests.test_multirank import MODEL, _samples
+    from rl.model.causal_lm import build_policy
+    from tests.integration.test_multirank import MODEL, _samples
 
     tok, samples = _samples()           # 14 samples of uneven lengths, two failed; minibatches 6, 6, 2
     budget = 2 * max(p + r for p, r in sample_lengths(samples))
@@ -222,8 +222,8 @@ def test_ppo_graph_packed_everywhere_reports_no_padding(tmp_path):
     import asyncio
     import json
 
-    from dataflow.runtime import RunOptions, load_graph, run_graph
-    from tests.test_ppo_graph import ROOT, SMALL
+    from dataflow.driver.runtime import RunOptions, load_graph, run_graph
+    from tests.integration.test_ppo_graph import ROOT, SMALL
 
     budget = ("learner.max_tokens_per_micro_batch=256", "reference.max_tokens_per_micro_batch=256",
               "critic.max_tokens_per_micro_batch=256")
@@ -247,9 +247,9 @@ def test_ppo_graph_packed_everywhere_reports_no_padding(tmp_path):
 
 
 def _dp_critic(tok, samples, ranks=None, **settings):
-    """A value pass (2 samples per item), then one critic_update, in float64 (tests/test_multirank)."""
+    """A value pass (2 samples per item), then one critic_update, in float64 (tests/integration/test_multirank)."""
     from nodes.critic import CriticConfig, advantages_for, critic_update
-    from tests.test_multirank import _critic_samples, _fresh_critic
+    from tests.integration.test_multirank import _critic_samples, _fresh_critic
 
     model = _fresh_critic(tok)
     if ranks is not None:
@@ -266,7 +266,7 @@ def _dp_critic(tok, samples, ranks=None, **settings):
 def _dp_critic_worker(rank, layout, tmp, tok, samples, settings):
     import torch.distributed as dist
 
-    from tests.test_multirank import _join_gloo
+    from tests.integration.test_multirank import _join_gloo
 
     ranks = _join_gloo(rank, layout, tmp)
     model, values, stats = _dp_critic(tok, samples, ranks, **settings)
@@ -280,7 +280,7 @@ def test_critic_as_two_dp_ranks_with_a_token_budget_and_packing_equals_one_rank(
     # The value pass's rows balanced over the ranks by tokens (each rank runs as many passes, a
     # rank short of rows runs the pad row), summed over dp; training as the learner's.
     from dataflow.weights.layout import ParallelLayout
-    from tests.test_multirank import _samples
+    from tests.integration.test_multirank import _samples
 
     tok, samples = _samples()
     want_model, want_values, want_stats = _dp_critic(tok, samples)
@@ -307,8 +307,8 @@ def test_grpo_with_partial_rollouts_continues_responses_under_new_weights(tmp_pa
     import asyncio
     import json
 
-    from dataflow.runtime import RunOptions, load_graph, run_graph
-    from tests.test_ppo_graph import ROOT
+    from dataflow.driver.runtime import RunOptions, load_graph, run_graph
+    from tests.integration.test_ppo_graph import ROOT
 
     graph, config = load_graph(str(ROOT / "graphs/grpo.py"), [
         "prompts_per_step=4", "group_size=4", "learner.minibatch_size=16", "learner.record_prompt_ids=true",

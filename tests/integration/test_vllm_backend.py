@@ -1,4 +1,4 @@
-"""generator.backend and the vLLM backend's CPU-testable parts (rl/vllm_engine.py).
+"""generator.backend and the vLLM backend's CPU-testable parts (rl/generation/vllm_engine.py).
 
 Always run: the backend choice (real code, this machine's real vllm status), the one-line error for
 backend=vllm where vllm is not installed (preflight, before Ray), and the weight names handed to
@@ -12,7 +12,7 @@ machine, vllm 0.26.0 installs beside torch 2.13 for these with no dependencies r
       /tmp/w/vllm-0.26.0-*.whl msgspec cbor2 pyzmq aiohttp multidict yarl propcache aiohappyeyeballs \\
       aiosignal frozenlist openai openai_harmony cloudpickle pybase64 cachetools py-cpuinfo \\
       prometheus_client einops
-    PYTHONPATH=/tmp/vllm_site:$PWD python -m pytest tests/test_vllm_backend.py
+    PYTHONPATH=/tmp/vllm_site:$PWD python -m pytest tests/integration/test_vllm_backend.py
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import pytest
 import torch
 
 from dataflow.errors import UserError
-from rl.decoding import unsupported_reason
-from rl.vllm_engine import (INSTALL, auto_memory_utilization, choose_backend, engine_weights, missing_vllm,
-                            vllm_installed)
+from rl.generation.decoding import unsupported_reason
+from rl.generation.vllm_engine import (INSTALL, auto_memory_utilization, choose_backend, engine_weights, missing_vllm,
+                                       vllm_installed)
 
 
 def _vllm_importable() -> str | None:
@@ -45,7 +45,7 @@ def _vllm_importable() -> str | None:
 
 _WHY_NOT = _vllm_importable()
 needs_vllm = pytest.mark.skipif(_WHY_NOT is not None, reason=str(_WHY_NOT))
-ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
 def tiny(family: str):
@@ -107,7 +107,7 @@ def test_cli_refuses_backend_vllm_before_ray_starts():
 
 
 def test_importing_the_project_never_imports_vllm():
-    code = ("import sys, nodes.generator, graphs.grpo, rl.vllm_engine, rl.preflight; "
+    code = ("import sys, nodes.generator, graphs.grpo, rl.generation.vllm_engine, rl.preflight; "
             "print('vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.stdout.strip() == "False", out.stderr[-2000:]
@@ -142,7 +142,7 @@ def test_sampling_params_mapping():
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from rl.vllm_engine import sampling_params
+    from rl.generation.vllm_engine import sampling_params
 
     p = sampling_params(temperature=0.7, top_k=5, max_new_tokens=32, min_new_tokens=4, stop_ids=[2, 7], seed=123)
     assert isinstance(p, SamplingParams)
@@ -191,7 +191,7 @@ def test_logprobs_from_vllms_output_classes(flat):
     from vllm.logprobs import FlatLogprobs
     from vllm.outputs import CompletionOutput, RequestOutput
 
-    from rl.vllm_engine import sampling_params, to_sample
+    from rl.generation.vllm_engine import sampling_params, to_sample
 
     params = sampling_params(temperature=0.7, top_k=0, max_new_tokens=3, min_new_tokens=0, stop_ids=[2], seed=5)
     params.flat_logprobs = flat
@@ -212,7 +212,7 @@ def test_logprobs_from_vllms_output_classes(flat):
 def test_logprobs_missing_or_misaligned_are_errors():
     from vllm.logprobs import create_sample_logprobs, append_logprobs_for_next_position
 
-    from rl.vllm_engine import token_logprobs
+    from rl.generation.vllm_engine import token_logprobs
 
     with pytest.raises(ValueError, match="no log-probs"):
         token_logprobs([1, 2], None)

@@ -19,9 +19,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from dataflow.errors import NodeFailed, UserError  # noqa: E402
 from dataflow.weights.hybrid_engine import WeightPushError  # noqa: E402
-from dataflow.runtime import RunOptions, load_graph, run_graph  # noqa: E402
-from rl.models import ModelConfig, build_policy  # noqa: E402
-from rl.tasks import build_tokenizer  # noqa: E402
+from dataflow.driver.runtime import RunOptions, load_graph, run_graph  # noqa: E402
+from rl.model.causal_lm import ModelConfig, build_policy  # noqa: E402
+from rl.data.tasks import build_tokenizer  # noqa: E402
 from dataflow.weights import ipc as weight_ipc  # noqa: E402
 from dataflow.weights import sync as weight_sync  # noqa: E402
 from dataflow.weights.ipc import (flat_layout, ipc_state_split, pack_state, seqlock_consistent,  # noqa: E402
@@ -29,7 +29,7 @@ from dataflow.weights.ipc import (flat_layout, ipc_state_split, pack_state, seql
 from dataflow.weights.sync import (SYNC_EDGE, GeneratorWeightSync, LearnerWeightSync,  # noqa: E402
                                    WeightSyncConfig, weights_checksum)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ("prompts_per_step=32", "channel_capacity=16", "critic.minibatch_size=32", "learner.minibatch_size=32")
 GENERATORS = ("generator[0]", "generator[1]")
 
@@ -378,7 +378,7 @@ def test_a_qwen3_model_dir_trains_and_its_weights_reach_the_generator_by_collect
             for a in range(4) for b in range(4)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     records = run("graphs/grpo.py", tmp_path / "run", f"policy.path={tmp_path / 'qwen3'}",
-                  f"prompts.path={tmp_path / 'train.jsonl'}", f"reward.path={ROOT / 'bench/last_number_reward.py'}",
+                  f"prompts.path={tmp_path / 'train.jsonl'}", f"reward.path={ROOT / 'examples/smollm2_arithmetic/last_number_reward.py'}",
                   "reward.function=last_number_reward", "max_new_tokens=8", "prompts_per_step=4", "group_size=2",
                   "learner.minibatch_size=8", "max_staleness=0", "weight_transport=collective",
                   "weight_checksums=true", max_steps=3)

@@ -98,7 +98,7 @@ def test_cli_refuses_bad_settings_with_one_line_each_before_anything_starts(caps
 def test_subclass_defaults_shared_values_and_missing_paths_are_named_by_the_setting_a_user_sets(tmp_path):
     import graphs.dapo
     import graphs.grpo
-    from dataflow.loading import load_graph
+    from dataflow.driver.loading import load_graph
     from dataflow.checks import SettingProblems
 
     def refused(graph: str, *overrides: str) -> list[str]:
@@ -120,7 +120,7 @@ def test_subclass_defaults_shared_values_and_missing_paths_are_named_by_the_sett
 
 
 def test_a_node_config_outside_the_graph_config_is_named_by_its_node(tmp_path):
-    from dataflow.loading import load_graph
+    from dataflow.driver.loading import load_graph
     from dataflow.checks import SettingProblems
 
     graph_file = tmp_path / "own.py"

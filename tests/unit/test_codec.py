@@ -1,11 +1,11 @@
-"""dataflow.codec: round trips, zero-copy decode, limits. No Ray."""
+"""dataflow.channel.codec: round trips, zero-copy decode, limits. No Ray."""
 
 import msgpack
 import numpy as np
 import pytest
 import torch
 
-from dataflow.codec import DEFAULT_OOB_THRESHOLD, DecodeError, Message, decode, encode
+from dataflow.channel.codec import DEFAULT_OOB_THRESHOLD, DecodeError, Message, decode, encode
 
 TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                 torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -181,7 +181,7 @@ def test_tampered_messages_raise_decode_error():
 
 def test_torch_is_imported_only_when_a_tensor_arrives(tmp_path):
     """A node host whose node and items hold no tensors never imports torch (its actor process
-    starts ~2 s of CPU sooner: dataflow/host.py), nor do the modules of the prompts, reward and
+    starts ~2 s of CPU sooner: dataflow/actor/host.py), nor do the modules of the prompts, reward and
     filter nodes, and a tensor sent to a process without torch imports it on decode, bit-exact."""
     import pickle
     import subprocess
@@ -193,8 +193,8 @@ def test_torch_is_imported_only_when_a_tensor_arrives(tmp_path):
     script = f"""if True:
         import pickle, sys
         import numpy as np
-        from dataflow.codec import Message, decode, encode
-        from dataflow.host import HostSpec, NodeHost
+        from dataflow.channel.codec import Message, decode, encode
+        from dataflow.actor.host import HostSpec, NodeHost
         from tests.graphs.toy import Counter, CounterConfig
         import nodes.group_filter, nodes.prompts, nodes.reward  # the nodes of a real graph without a model
         spec = HostSpec(node="c", replica=0, num_replicas=1, kind=Counter, config=CounterConfig(), cpus=1,
@@ -208,6 +208,6 @@ def test_torch_is_imported_only_when_a_tensor_arrives(tmp_path):
         assert got["t"].dtype == torch.bfloat16 and got["t"].tolist() == [[0, 1, 2], [3, 4, 5]], got
         assert got["a"].tolist() == [0, 1, 2] and got["s"] == "x"
         """
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]

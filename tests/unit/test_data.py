@@ -1,4 +1,4 @@
-"""rl/data.py and the prompt source: JSONL / JSON / parquet files, verl's layout, bad rows, chat
+"""rl/data/prompts.py and the prompt source: JSONL / JSON / parquet files, verl's layout, bad rows, chat
 templates, truncation, token files, shuffled epochs; then a GRPO run on a chat parquet file with a
 model dir built here (tests/chat_model.py: chat template, no pad token, two eos ids)."""
 
@@ -13,10 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rl import data, policy
+from rl.data import prompts as data, policy
 from tests.chat_model import EOT, IM_END, chat_tokenizer, make_chat_model_dir
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHAT = [{"role": "user", "content": "add 1 + 2 ="}]
 VERL_ROWS = [
     {"data_source": "toy/add", "prompt": CHAT, "ability": "math",
@@ -213,7 +213,7 @@ def test_grpo_on_a_chat_parquet_file_stops_at_generation_config_eos(tmp_path, mo
     tokenizer's eos is <|endoftext|>, and there is no pad token). A run of 2 GRPO steps on a
     verl-layout chat parquet file must start (no pad crash anywhere), render the chats, and end
     every response at that first token (response length 1, not max_new_tokens=8)."""
-    from dataflow.runtime import RunOptions, load_graph, run_graph
+    from dataflow.driver.runtime import RunOptions, load_graph, run_graph
 
     src = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(VERL_ROWS * 4), src)

@@ -1,4 +1,4 @@
-"""rl/decoding.py on CPU (fp32): the static-cache decoder against the HF model, its sampling
+"""rl/generation/decoding.py on CPU (fp32): the static-cache decoder against the HF model, its sampling
 noise, and slot refilling. (CUDA graphs: bench/gpu_decode.py on a GPU.)"""
 
 import math
@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from rl import decoding
-from rl import models, padded_batch
-from rl import tasks
+from rl.generation import decoding
+from rl.model import causal_lm as models, padded_batch
+from rl.data import tasks
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +240,7 @@ def test_prompts_per_call_auto_fills_256_slots_on_cuda_and_32_prompts_on_cpu():
 
 
 def test_room_bytes_on_cpu_is_half_the_available_memory():
-    from rl.decoder_slots import room_bytes
+    from rl.generation.decoder_slots import room_bytes
 
     with open("/proc/meminfo") as f:
         available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))

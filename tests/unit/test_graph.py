@@ -13,7 +13,7 @@ from dataflow import ConfigError, Graph, GraphError
 from dataflow.config import apply_overrides
 from tests.graphs.toy import Collect, Counter, Square, SquareConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 THIS = Path(__file__).name
 
 
@@ -163,7 +163,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_cli_user_errors_are_short_and_exit_2(tmp_path, capsys):
     """The first case through a real `python -m dataflow.run` process (its exit status); the others
     through dataflow.run.main in this process (the same code and exit status, without ~2.5 s of
-    imports per case: see tests/test_runtime.py's `main`)."""
+    imports per case: see tests/integration/test_runtime.py's `main`)."""
     from dataflow import run as cli
 
     broken = tmp_path / "broken.py"
@@ -210,7 +210,7 @@ def test_cli_help_is_complete():
 def test_the_reference_node_runs_only_when_its_logprobs_are_read(graph_file):
     """use_reference=auto: a KL coefficient of 0 leaves the reference out and the samples go from
     its upstream straight to its downstream; > 0, or use_reference=always, keeps it."""
-    from dataflow.runtime import load_graph
+    from dataflow.driver.runtime import load_graph
 
     def wiring(*sets):
         g, _ = load_graph(str(ROOT / graph_file), list(sets))

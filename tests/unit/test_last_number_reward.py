@@ -1,13 +1,13 @@
-"""bench/last_number_reward.py agrees with the held-out judge (tools/heldout.answer_correct), and
+"""examples/smollm2_arithmetic/last_number_reward.py agrees with the held-out judge (examples/smollm2_arithmetic/heldout.answer_correct), and
 refuses the restated question that math_reward accepts."""
 
 import importlib.util
 from pathlib import Path
 
-from tools.heldout import answer_correct
+from examples.smollm2_arithmetic.heldout import answer_correct
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("last_number_reward", ROOT / "bench" / "last_number_reward.py")
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("last_number_reward", ROOT / "examples" / "smollm2_arithmetic" / "last_number_reward.py")
 _mod = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_mod)
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from nodes.learner import LearnerConfig, ppo_update, step_advantages
-from rl.models import ModelConfig, build_policy, sample_responses
+from rl.model.causal_lm import ModelConfig, build_policy, sample_responses
 from nodes.reference import add_logprobs
-from rl.tasks import build_tokenizer, make_task, score
+from rl.data.tasks import build_tokenizer, make_task, score
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_update_raises_logprob_of_positive_advantage_tokens(setup):
     samples = with_advantages([dict(s) for s in samples], cfg)
     m = fresh(model)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    from rl.padded_batch import pad_batch, sequence_logprobs
+    from rl.model.padded_batch import pad_batch, sequence_logprobs
 
     batch = pad_batch(samples, tok.pad_token_id, token_keys=("advantage_tokens",))
     def objective():
@@ -165,7 +165,7 @@ def test_reference_and_old_logprobs_micro_batched_match(setup):
 
 def test_critic_micro_batches_equal_the_whole_minibatch(setup):
     from nodes.critic import CriticConfig, critic_update
-    from rl.models import ValueModel
+    from rl.model.causal_lm import ValueModel
 
     tok, model, samples = setup
     samples = [dict(s, values=[0.1] * len(s["response_ids"]), returns=[s["score"]] * len(s["response_ids"]))
@@ -193,8 +193,8 @@ def test_compiled_critic_layers_make_the_same_update_as_eager(setup, capsys):
     # 2 cores), and no 1-row remainder, whose specialized graphs cost ~10 s more to compile.
     from torch._dynamo.utils import counters
     from nodes.critic import CriticConfig, advantages_for, critic_update
-    from rl.models import ValueModel
-    from rl.precision import compile_layers
+    from rl.model.causal_lm import ValueModel
+    from rl.model.precision import compile_layers
 
     tok, model, samples = setup
     samples = [dict(s, values=[0.1] * len(s["response_ids"]), returns=[s["score"]] * len(s["response_ids"]))
@@ -230,7 +230,7 @@ def test_compiled_critic_layers_make_the_same_update_as_eager(setup, capsys):
 
 
 def test_precision_settings():
-    from rl.precision import compile_setting, compute_dtype, micro_slices
+    from rl.model.precision import compile_setting, compute_dtype, micro_slices
 
     # compile's default stays eager with packed passes or gradient checkpointing; explicit wins
     assert compile_setting(None, packing=False) is None
@@ -249,7 +249,7 @@ def test_precision_settings():
 def test_sequence_logprobs_match_a_plain_log_softmax_of_the_whole_forward(setup):
     # logits_to_keep, the chunked kernel and a detached entropy give the textbook numbers:
     # log_softmax(logits[t - 1] / T)[token t] on response tokens, 0 elsewhere.
-    from rl.padded_batch import mask_position_ids as _position_ids, pad_batch, sequence_logprobs
+    from rl.model.padded_batch import mask_position_ids as _position_ids, pad_batch, sequence_logprobs
 
     tok, model, samples = setup
     m = fresh(model).double()
@@ -296,10 +296,10 @@ def test_stale_update_takes_the_first_minibatchs_proximal_logprobs_from_its_own_
 
 
 def test_compiled_layers_make_the_same_update_as_eager(setup, capsys):
-    # rl/precision.compile_layers (the CUDA default for the learner and reference) on CPU:
+    # rl/model/precision.compile_layers (the CUDA default for the learner and reference) on CPU:
     # every decoder layer compiled, and one update gives the eager update's weights and stats.
     from torch._dynamo.utils import counters
-    from rl.precision import compile_layers
+    from rl.model.precision import compile_layers
 
     tok, model, samples = setup
     cfg = LearnerConfig(minibatch_size=8, ppo_epochs=1, micro_batch_size=4, lr=1e-2)
@@ -336,8 +336,8 @@ def test_the_compile_warm_up_compiles_what_the_first_update_runs_and_changes_not
     # steps, compiles the layers' graphs a real update then reuses; weights, optimizer state and
     # gradients are as before it.
     from torch._dynamo.utils import counters
-    from rl.compile_warm_up import made_up_samples, warm_up_update
-    from rl.precision import compile_layers
+    from rl.update.compile_warm_up import made_up_samples, warm_up_update
+    from rl.model.precision import compile_layers
 
     tok, model, samples = setup
     cfg = LearnerConfig(algorithm="grpo", group_size=2, prompts_per_step=len(samples) // 2, minibatch_size=8,
@@ -367,12 +367,12 @@ def test_the_compile_warm_up_compiles_what_the_first_update_runs_and_changes_not
 
 
 def test_the_warm_up_task_holds_the_state_lock_and_logs_a_failure(setup):
-    # rl/compile_warm_up.start_warm_up runs under the node's state lock (a resumed run's weights
+    # rl/update/compile_warm_up.start_warm_up runs under the node's state lock (a resumed run's weights
     # load after it; the first step waits for it); a failing warm-up is logged and the run goes on.
     import asyncio
     import contextlib
     from types import SimpleNamespace
-    from rl.compile_warm_up import start_warm_up
+    from rl.update.compile_warm_up import start_warm_up
 
     tok, model, _ = setup
     cfg = LearnerConfig(algorithm="grpo", group_size=2, prompts_per_step=2, minibatch_size=4, max_response_tokens=4)
@@ -535,7 +535,7 @@ def test_stale_steps_weight_each_token_by_its_own_version(setup):
     """ppo_update with the step's version and per-token "token_versions" (partial rollouts): tokens
     sampled by the step's own weights get importance weight 1, so all-fresh tokens in a stale step
     update exactly as a fresh step, all-old ones as today's per-sample stale path, and a mix lies
-    between (rl/losses.behaviour_weights, tested against a float64 loop in test_rl_math.py)."""
+    between (rl/algorithm/losses.behaviour_weights, tested against a float64 loop in test_rl_math.py)."""
     tok, model, samples = setup
     # behaviour log-probs that differ from the learner's, so the importance weights are not ~1
     samples = [dict(s, logprobs=[lp + 0.3 * ((i + t) % 3 - 1) for t, lp in enumerate(s["logprobs"])])
@@ -566,10 +566,10 @@ def test_stale_steps_weight_each_token_by_its_own_version(setup):
 def test_model_passes_run_at_aligned_widths(setup, micro):
     # Inductor specializes a compiled layer on whether the width is a multiple of 8: on an H200 one
     # aligned width after 62 unaligned steps recompiled the learner's layers for 9-12 s. The
-    # learner, reference and critic pad every pass to rl/padded_batch.COLUMN_MULTIPLE columns.
+    # learner, reference and critic pad every pass to rl/model/padded_batch.COLUMN_MULTIPLE columns.
     from nodes.critic import CriticConfig, advantages_for, critic_update
-    from rl.models import ValueModel
-    from rl.padded_batch import COLUMN_MULTIPLE
+    from rl.model.causal_lm import ValueModel
+    from rl.model.padded_batch import COLUMN_MULTIPLE
 
     tok, model, samples = setup
     assert any((len(s["prompt_ids"]) + len(s["response_ids"])) % COLUMN_MULTIPLE for s in samples)

@@ -1,4 +1,4 @@
-"""dataflow/loggers.py without Ray: TensorBoard event files read back with tensorboard's own
+"""dataflow/driver/loggers.py without Ray: TensorBoard event files read back with tensorboard's own
 EventAccumulator, rollouts.jsonl, the validation console lines, and the setting's errors."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from dataflow import Graph
 from dataflow.errors import GraphError, UserError
-from dataflow.loggers import RunLoggers, parse, problems, progress_line, rollout_table, summary
+from dataflow.driver.loggers import RunLoggers, parse, problems, progress_line, rollout_table, summary
 
 VAL0 = {"time_s": 1.0, "node": "evaluator", "val/step": 0, "val/prompts": 6, "val/mean@1": 0.25,
         "val/mean@4": 0.125, "val/pass@4": 0.5, "val/gsm8k/mean@1": 0.5, "val/version_min": 0, "val/version_max": 0}

@@ -1,4 +1,4 @@
-"""Token-budget micro-batches, dp balancing, loss weights and padding (rl/microbatch.py).
+"""Token-budget micro-batches, dp balancing, loss weights and padding (rl/update/microbatch.py).
 
 The loss-normalisation tests run the real PPO policy loss and the critic's value loss on real
 small models in float64: the gradient accumulated over every simulated dp rank's micro-batches
@@ -13,20 +13,20 @@ import random
 import pytest
 import torch
 
-from rl.losses import ppo_policy_loss, value_loss
-from rl.microbatch import (
-    karmarkar_karp,
-    micro_batch_cost,
-    micro_batch_weights,
-    padding_stats,
-    plan_micro_batches,
-    sample_lengths,
-    token_budget_micro_batches,
-)
-from rl.models import ValueModel
-from rl.padded_batch import pad_batch, sequence_logprobs
-from rl.packing import micro_batch, micro_batch_logprobs, micro_batch_values
-from tests.test_packing import assert_grads_close, grads, random_samples, tiny_model
+from rl.algorithm.losses import ppo_policy_loss, value_loss
+from rl.update.microbatch import (
+           karmarkar_karp,
+           micro_batch_cost,
+           micro_batch_weights,
+           padding_stats,
+           plan_micro_batches,
+           sample_lengths,
+           token_budget_micro_batches,
+       )
+from rl.model.causal_lm import ValueModel
+from rl.model.padded_batch import pad_batch, sequence_logprobs
+from rl.update.packing import micro_batch, micro_batch_logprobs, micro_batch_values
+from tests.unit.test_packing import assert_grads_close, grads, random_samples, tiny_model
 
 
 def long_tailed_lengths(n: int, seed: int = 0, cap: int = 96) -> list[tuple[int, int]]:
@@ -206,10 +206,10 @@ def test_padding_stats():
 
 
 def test_padded_budget_counts_the_aligned_width():
-    # the nodes' padded passes run at widths rounded up to COLUMN_MULTIPLE (rl/packing.padded_columns):
+    # the nodes' padded passes run at widths rounded up to COLUMN_MULTIPLE (rl/update/packing.padded_columns):
     # two rows of 5 tokens fit a budget of 10 unaligned, but run as 2 x 8 = 16 tokens
-    from rl.padded_batch import COLUMN_MULTIPLE
-    from rl.microbatch import token_budget_micro_batches
+    from rl.model.padded_batch import COLUMN_MULTIPLE
+    from rl.update.microbatch import token_budget_micro_batches
 
     lengths = [(3, 2), (3, 2)]
     assert micro_batch_cost(lengths, [0, 1], "padded") == 10

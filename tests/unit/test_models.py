@@ -1,12 +1,12 @@
-"""rl/models.py: build/load, sampling log-probs vs a fresh forward, batching, the value model."""
+"""rl/model/causal_lm.py: build/load, sampling log-probs vs a fresh forward, batching, the value model."""
 
 import os
 
 import pytest
 import torch
 
-from rl import models, padded_batch
-from rl import tasks
+from rl.model import causal_lm as models, padded_batch
+from rl.data import tasks
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Packed forward/backward (rl/packing.py) against the padded path (rl/padded_batch.sequence_logprobs on
+"""Packed forward/backward (rl/update/packing.py) against the padded path (rl/model/padded_batch.sequence_logprobs on
 pad_batch), on real small Llama / Qwen2 models in float64 on CPU (sdpa attention, the
 block-diagonal mask transformers builds from restarting position ids).
 
@@ -14,18 +14,18 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from rl.microbatch import enable_gradient_checkpointing
-from rl.models import ValueModel
-from rl.padded_batch import COLUMN_MULTIPLE, aligned, pad_batch, sequence_logprobs, unpad_tokens
-from rl.packing import (
-    micro_batch,
-    micro_batch_logprobs,
-    pack_rows,
-    pack_samples,
-    packed_sequence_logprobs,
-    packed_values,
-    padded_columns,
-)
+from rl.update.microbatch import enable_gradient_checkpointing
+from rl.model.causal_lm import ValueModel
+from rl.model.padded_batch import COLUMN_MULTIPLE, aligned, pad_batch, sequence_logprobs, unpad_tokens
+from rl.update.packing import (
+           micro_batch,
+           micro_batch_logprobs,
+           pack_rows,
+           pack_samples,
+           packed_sequence_logprobs,
+           packed_values,
+           padded_columns,
+       )
 
 VOCAB = 61
 LENGTHS = [(3, 5), (7, 1), (1, 9), (4, 4), (2, 12), (6, 3)]   # (prompt, response): uneven, both sides
@@ -194,7 +194,7 @@ def test_padded_columns_trim_a_micro_batch_to_its_own_rows():
 
 
 def test_use_varlen_attention_switches_the_trunk():
-    from rl.packing import use_varlen_attention, varlen_attention_available
+    from rl.update.packing import use_varlen_attention, varlen_attention_available
 
     assert varlen_attention_available("cpu") == "sdpa"
     value_model = ValueModel(tiny_model("llama").model, 32).double()
@@ -205,7 +205,7 @@ def test_use_varlen_attention_switches_the_trunk():
 
 def test_compiled_layers_with_flex_attention_compile_once_for_many_pack_lengths():
     """compile_layers on a flex_attention model (packed passes on CUDA without flash_attn), on CPU:
-    the layers compile with automatic dynamic shapes (rl/precision.compile_layers says why not
+    the layers compile with automatic dynamic shapes (rl/model/precision.compile_layers says why not
     dynamic=True: its flex kernel does not build on CPU), so the first pack length compiles static,
     the second recompiles with the lengths dynamic, and packs of three more lengths run that graph
     with no new one. (A pack of one flex block, N <= 128, compiles one more variant once, the block
@@ -216,8 +216,8 @@ def test_compiled_layers_with_flex_attention_compile_once_for_many_pack_lengths(
 
     from torch._dynamo.utils import counters
 
-    from rl.packing import use_varlen_attention
-    from rl.precision import compile_layers
+    from rl.update.packing import use_varlen_attention
+    from rl.model.precision import compile_layers
 
     eager = tiny_model("llama").float().eval()
     model = copy.deepcopy(eager)
@@ -244,14 +244,14 @@ def test_compiled_layers_with_flex_attention_compile_once_for_many_pack_lengths(
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_torch_varlen_attention_equals_padded_sdpa(family):
-    """torch_varlen (rl/varlen_attention.py; on CPU its per-sequence path: the glue around the CUDA
+    """torch_varlen (rl/update/varlen_attention.py; on CPU its per-sequence path: the glue around the CUDA
     kernel, i.e. the rows' boundaries from PackedBatch.attention_kwargs, grouped-query heads, the
     layout transformers hands over): packed log-probs, values and gradients equal the padded sdpa
     computation in float64; a padded batch (2-D mask) run under it equals sdpa too; and the
     boundaries are what confines attention (one boundary for the whole pack gives other numbers)."""
     import copy
 
-    from rl.packing import use_varlen_attention
+    from rl.update.packing import use_varlen_attention
 
     reference = tiny_model(family)                              # sdpa, padded: the reference
     model = copy.deepcopy(reference)

@@ -19,7 +19,7 @@ from dataflow import placement  # noqa: E402
 from dataflow.placement import NO_POOL, plan  # noqa: E402
 from tests.graphs.toy import Collect, Counter, Square  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 THIS = __file__  # declarations are located by file:line
 
 
@@ -322,7 +322,7 @@ def test_cpu_placement_is_unchanged():
 
 # ---- describe, the host's memory cap, and real Ray -------------------------------------------------------------
 def test_describe_prints_the_plan():
-    from dataflow.runtime import describe
+    from dataflow.driver.runtime import describe
 
     out = describe(build("ppo", placement="split", num_gpus=3))
     assert "generator    Generator        replicas=2 cpus=1 gpus=1 pool=rollout" in out
@@ -339,7 +339,7 @@ def test_a_fractional_gpu_caps_the_replicas_cuda_memory(monkeypatch):
     (CUDA is faked here: this machine has none)."""
     import torch
 
-    from dataflow import host
+    from dataflow.actor import host
 
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -398,7 +398,7 @@ def ray_instance():
 
 
 def test_cpu_only_graph_runs_on_ray(ray_instance, tmp_path):
-    from dataflow.runtime import RunOptions, run_graph
+    from dataflow.driver.runtime import RunOptions, run_graph
 
     g = toy(counter={"cpus": 0}, square={"cpus": 0.2, "replicas": 2}, collect={"cpus": 0.2})  # counter: no bundle
     g.validate()
@@ -410,7 +410,7 @@ def test_cpu_only_graph_runs_on_ray(ray_instance, tmp_path):
 def test_pools_on_ray_with_logical_gpus(ray_instance, tmp_path):
     """Pool 'a' (2 GPUs): counter 0.5 and square[1] 0.5 share GPU 0, square[0] 0.5 on GPU 1; pool
     'b' (1 GPU): collect alone. Each pool is its own placement group; every actor gets its share."""
-    from dataflow.runtime import RunOptions, run_graph
+    from dataflow.driver.runtime import RunOptions, run_graph
 
     g = Graph("t")
     g.pool("a", gpus=2)
@@ -436,7 +436,7 @@ def test_pools_on_ray_with_logical_gpus(ray_instance, tmp_path):
 
 
 def test_a_placement_the_cluster_cannot_hold_fails_before_anything_is_created(ray_instance, tmp_path):
-    from dataflow.runtime import RunOptions, run_graph
+    from dataflow.driver.runtime import RunOptions, run_graph
 
     g = toy(square={"pool": "p", "gpus": 0.5})
     g.pool("p", gpus=4)

@@ -1,4 +1,4 @@
-"""Inputs checked before Ray starts (dataflow/preflight.py, rl/preflight.py): model directories,
+"""Inputs checked before Ray starts (dataflow/driver/preflight.py, rl/preflight.py): model directories,
 datasets, prompt lengths against the model's positions, reward files against the data. No Ray:
 the checks run in the driver, and the CLI exits 2 before it would start Ray."""
 
@@ -10,16 +10,16 @@ import shutil
 
 import pytest
 
-from dataflow.loading import load_graph
-from dataflow.preflight import input_problems
+from dataflow.driver.loading import load_graph
+from dataflow.driver.preflight import input_problems
 from rl.preflight import model_dir_problems, safetensors_problem
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """The built-in tiny policy (64 positions) saved as a normal HF model directory."""
-    from rl import tasks
-    from rl.models import ModelConfig, build_policy, save_policy
+    from rl.data import tasks
+    from rl.model.causal_lm import ModelConfig, build_policy, save_policy
 
     path = tmp_path_factory.mktemp("model") / "policy"
     tokenizer = tasks.build_tokenizer()

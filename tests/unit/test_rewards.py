@@ -1,4 +1,4 @@
-"""rl/rewards.py and rl/reward_calls.py: reward files in each form users write (ours, verl's,
+"""rl/reward/reward_fn.py and rl/reward/runner.py: reward files in each form users write (ours, verl's,
 TRL's, async), their load errors, and running calls concurrently under a timeout with failures
 marked."""
 
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from rl import rewards
-from rl.reward_calls import Request, RewardRunner
+from rl.reward import reward_fn as rewards
+from rl.reward.runner import Request, RewardRunner
 
 
 def write(tmp_path, text, name="my_reward.py"):
@@ -173,7 +173,7 @@ def fails(prompt, response, **fields):
 
 
 def test_failures_are_marked_and_logged_once(caplog):
-    with caplog.at_level(logging.WARNING, logger="rl.reward_calls"):
+    with caplog.at_level(logging.WARNING, logger="rl.reward.runner"):
         assert score(rewards.RewardFn(fails), [("p", "r", {})] * 3) == [(None, "KeyError: 'answer'")] * 3
     assert sum("Traceback" in rec.getMessage() for rec in caplog.records) == 1   # logged once
     for value, word in [(float("nan"), "nan"), (math.inf, "inf"), ("0.5", "str"), (None, "None")]:

@@ -6,11 +6,11 @@ import random
 import pytest
 import torch
 
-from rl.advantages import gae_advantages, grpo_advantages
-from rl.kl import AdaptiveKLController, FixedKLController, kl_penalty, per_token_rewards
-from rl.logprobs import _compiled_fns, logprobs_from_logits, token_logprobs
-from rl.losses import ppo_policy_loss, value_loss
-from rl.masked import masked_mean, masked_whiten
+from rl.algorithm.advantages import gae_advantages, grpo_advantages
+from rl.algorithm.kl import AdaptiveKLController, FixedKLController, kl_penalty, per_token_rewards
+from rl.model.logprobs import _compiled_fns, logprobs_from_logits, token_logprobs
+from rl.algorithm.losses import ppo_policy_loss, value_loss
+from rl.algorithm.masked import masked_mean, masked_whiten
 
 
 def random_batch(seed, batch=6, num_tokens=9, left_pad=True):
@@ -373,11 +373,11 @@ def test_token_logprobs_compiled_kernel_matches_the_eager_chunks():
 
 # --- issue 20: loss aggregation, policy-loss variants, advantage estimators, shaping, schedule ----
 
-from rl.advantages import reinforce_pp_advantages, rloo_advantages  # noqa: E402
-from rl.kl import kl_shaped_rewards, sequence_kl  # noqa: E402
-from rl.losses import agg_loss, agg_row_weights, policy_loss  # noqa: E402
-from rl.schedule import lr_multiplier  # noqa: E402
-from rl.shaping import overlong_penalty  # noqa: E402
+from rl.algorithm.advantages import reinforce_pp_advantages, rloo_advantages  # noqa: E402
+from rl.algorithm.kl import kl_shaped_rewards, sequence_kl  # noqa: E402
+from rl.algorithm.losses import agg_loss, agg_row_weights, policy_loss  # noqa: E402
+from rl.algorithm.schedule import lr_multiplier  # noqa: E402
+from rl.algorithm.shaping import overlong_penalty  # noqa: E402
 
 AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
@@ -409,7 +409,7 @@ def test_agg_loss_matches_loop_and_splits_add_up_to_the_whole(mode, seed):
     weights = agg_row_weights(mask, mode, scale)
     perm = torch.randperm(7, generator=gen)
     parts = [perm[:3], perm[3:4], perm[4:]]
-    from rl.losses import weighted_token_sum
+    from rl.algorithm.losses import weighted_token_sum
     split = sum(weighted_token_sum(loss[p], mask[p], weights[p]) for p in parts)
     assert split.item() == pytest.approx(whole.item(), abs=1e-12)
     if mode != "token-mean":   # a per-part token mean differs: what the normaliser must avoid
@@ -608,7 +608,7 @@ def test_behaviour_weights_are_taken_per_token_by_the_version_that_sampled_it():
     """Partial rollouts: a response's tokens come from several weight versions. Decoupled PPO's
     weight min(exp(old - behaviour), trunc) applies to each token sampled before the step's
     weights (version < 4 here), 1 to those sampled by them; policy_loss uses it per token."""
-    from rl.losses import behaviour_weights
+    from rl.algorithm.losses import behaviour_weights
 
     adv, mask, gen = random_batch(7, batch=6, num_tokens=10)
     old = -torch.rand(adv.shape, generator=gen, dtype=torch.float64) * 3

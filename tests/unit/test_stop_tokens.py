@@ -1,4 +1,4 @@
-"""Stop and pad tokens (rl/policy.py, both decoders, stop strings, the reward model's pooling) on a
+"""Stop and pad tokens (rl/data/policy.py, both decoders, stop strings, the reward model's pooling) on a
 model dir built here: a chat tokenizer without a pad token whose eos (<|endoftext|>) is not the
 <|im_end|> that generation_config.json adds (tests/chat_model.py)."""
 
@@ -10,11 +10,11 @@ from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from nodes.reference import add_logprobs
 from nodes.reward_model import score_items
-from rl import policy
-from rl.decoding import decode_responses
-from rl.models import cut_at_stop_strings, sample_responses
-from rl.padded_batch import pad_batch, sequence_logprobs
-from rl.tasks import build_tokenizer
+from rl.data import policy
+from rl.generation.decoding import decode_responses
+from rl.model.causal_lm import cut_at_stop_strings, sample_responses
+from rl.model.padded_batch import pad_batch, sequence_logprobs
+from rl.data.tasks import build_tokenizer
 from tests.chat_model import EOT, IM_END, make_chat_model_dir
 
 

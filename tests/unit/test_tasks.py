@@ -1,4 +1,4 @@
-"""rl/tasks.py: the default task needs the prompt, determinism, tokenizer. (Datasets: tests/test_data.py.)"""
+"""rl/data/tasks.py: the default task needs the prompt, determinism, tokenizer. (Datasets: tests/unit/test_data.py.)"""
 
 import itertools
 import random
@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from rl import tasks
+from rl.data import tasks
 
 ALL_TASKS = [(name, k) for name in tasks.TASK_NAMES for k in (2, 3)]
 

@@ -24,7 +24,7 @@ from dataflow.trace.collector import TraceCollector, measure_clock_offset
 from dataflow.trace.intervals import idle_fraction, merge_intervals, union_length
 from dataflow.trace.tracer import Tracer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class FakeClock:

@@ -1,4 +1,4 @@
-"""rl/metrics.py: pass@k against the exact combinatorial definition, and the validation table."""
+"""rl/algorithm/metrics.py: pass@k against the exact combinatorial definition, and the validation table."""
 
 import itertools
 import math
@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from rl.metrics import PromptResult, pass_at_k, validation_metrics
+from rl.algorithm.metrics import PromptResult, pass_at_k, validation_metrics
 
 
 def exact_pass_at_k(n: int, c: int, k: int) -> Fraction:
