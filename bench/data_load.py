@@ -9,7 +9,7 @@ parquet. Tokenizer: a byte-level BPE (vocab 4096) trained here on the first 20k 
 ChatML template (no hub). Measured, each once, in this process:
   parse JSONL          rl.data.prompts.load_prompts (pyarrow), rows only
   parse parquet        the same from parquet
-  ready from JSONL     rl.data.prompts.open_prompts: parse + render the chat template + tokenize (what
+  ready from JSONL     rl.data.token_file.open_prompts: parse + render the chat template + tokenize (what
                        the prompt source does at setup without a token file)
   convert              python -m rl.data convert's work, once: parquet -> token file
   ready from tokens    open_prompts on the token file (maps arrays; nothing parsed)
@@ -35,7 +35,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # 
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from rl.data import prompts as data  # noqa: E402
-from rl.data.token_file import convert  # noqa: E402
+from rl.data.token_file import convert, open_prompts  # noqa: E402
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -97,9 +97,9 @@ def main() -> None:
     r: dict = {}
     timed("parse JSONL", lambda: data.load_prompts(jsonl), r)
     timed("parse parquet", lambda: data.load_prompts(parquet), r)
-    ready = timed("ready from JSONL", lambda: data.open_prompts(jsonl, None, tokenizer, tok_dir), r)
+    ready = timed("ready from JSONL", lambda: open_prompts(jsonl, None, tokenizer, tok_dir), r)
     timed("convert (once)", lambda: convert(parquet, token_file, tok_dir, data.DataConfig()), r)
-    mapped = timed("ready from tokens", lambda: data.open_prompts(token_file, None, tokenizer, tok_dir), r)
+    mapped = timed("ready from tokens", lambda: token_file.open_prompts(token_file, None, tokenizer, tok_dir), r)
     picks = random.Random(1).sample(range(args.num), 10_000)
     for name, ds in (("JSONL", ready), ("tokens", mapped)):
         t = time.perf_counter()

@@ -46,7 +46,8 @@ def rss_mb() -> float:
 
 def samples_for(digits: int, prompts: int = 16, group: int = 8) -> tuple:
     from nodes.reference import add_logprobs
-    from rl.model.causal_lm import ModelConfig, build_policy, sample_responses
+    from rl.model.causal_lm import ModelConfig, build_policy
+    from rl.generation.hf_sampling import sample_responses
     from rl.data.tasks import build_tokenizer, make_task, score
 
     tok = build_tokenizer()

@@ -15,7 +15,7 @@ weight version is announced: then admission stops, the slots drain, the weights 
 serving() blocks), and admission resumes, so no response or group mixes versions. Prompts already
 taken are generated, never lost. generator.backend=vllm runs a vLLM engine in the same loop
 (rl/generation/vllm_engine.VllmDecoder has the decoder's interface; the weight sync writes into this replica's
-HF copy, which is loaded into vLLM at each switch). The HF loop (rl/model/causal_lm.py:sample_responses)
+HF copy, which is loaded into vLLM at each switch). The HF loop (rl/generation/hf_sampling.py:sample_responses)
 runs in batches of up to prompts_per_call prompts, switching weights between batches.
 Generation runs in a worker thread so the actor keeps answering channel pulls and weight pushes.
 
@@ -58,7 +58,7 @@ from rl.generation.reports import Drain, ValidationSpan
 from rl.data import policy
 from rl.generation.decoder_slots import kv_bytes_per_slot, prompts_per_call, room_bytes
 from rl.generation.decoding import StaticDecoder, sample_key, unsupported_reason
-from rl.model.causal_lm import cut_at_stop_strings, sample_responses
+from rl.generation.hf_sampling import cut_at_stop_strings, sample_responses
 from rl.generation.vllm_engine import VllmConfig, choose_backend, missing_vllm, vllm_installed
 from dataflow.weights.sync import SYNC_EDGE, GeneratorWeightSync, WeightSyncConfig
 
@@ -80,7 +80,7 @@ class GeneratorConfig:
     trained response."""
     stop_strings: list[str] = field(default_factory=list)
     """Texts that end a response: after generation, a response is cut after the token that
-    completes the first one (rl/model/causal_lm.cut_at_stop_strings; the tokens past it were generated and
+    completes the first one (rl/generation/hf_sampling.cut_at_stop_strings; the tokens past it were generated and
     are dropped). Prefer stop_token_ids where the stop is one token: it saves that compute."""
     temperature: Annotated[float, NonNegative] = 1.0
     top_k: Annotated[int, NonNegative] = 0

@@ -54,8 +54,8 @@ import numpy as np
 from dataflow import Node, UserError
 from nodes.evaluator import VALIDATED, ValidationConfig
 from dataflow.checks import AtLeast, ExistingPath, NonNegative, OneOf
-from dataflow.driver.failures import wait_within
-from rl.data import prompts as data, policy
+from dataflow.timeouts import wait_within
+from rl.data import policy, token_file
 from rl.data.tasks import DEFAULT_NUM_DIGITS, DEFAULT_TASK, TASK_NAMES, make_task
 
 
@@ -117,7 +117,7 @@ class PromptSource(Node):
         if c.val.path:
             c.val.check()
             with self.ctx.span("read validation prompts"):
-                self.val = data.open_prompts(c.val.path, c, tokenizer, c.policy.path, setting="prompts")
+                self.val = token_file.open_prompts(c.val.path, c, tokenizer, c.policy.path, setting="prompts")
             self.val_rows = min(len(self.val), c.val.max_prompts or len(self.val))
             if self.val_rows == 0:
                 raise UserError(f"val.path={c.val.path}: no usable rows")
@@ -128,7 +128,7 @@ class PromptSource(Node):
         self.sent_rounds: list[int] = []
         if c.path:
             with self.ctx.span("read prompts"):
-                self.data = data.open_prompts(c.path, c, tokenizer, c.policy.path, setting="prompts")
+                self.data = token_file.open_prompts(c.path, c, tokenizer, c.policy.path, setting="prompts")
             if self.data.skipped:
                 self.ctx.log(f"skipped {self.data.skipped} bad rows of {c.path}")
             if self.data.truncated:

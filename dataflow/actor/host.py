@@ -34,7 +34,7 @@ from dataflow.actor.host_checkpoint import CheckpointCalls
 from dataflow.node import NodeContext
 from dataflow.trace.kernels import KernelRecorder
 from dataflow.trace.tracer import Tracer
-from dataflow.driver.failures import wait_within
+from dataflow.timeouts import wait_within
 
 
 @dataclass

@@ -38,7 +38,8 @@ from typing import Any
 
 from dataflow.actor.checkpoint import begin, checkpoints_dir, commit, prune, read_manifest, replica_state_dir, step_dir
 from dataflow.errors import NodeFailed
-from dataflow.driver.failures import awaitable, result_of, unless_the_run_ends, wait_within
+from dataflow.driver.failures import awaitable, result_of, unless_the_run_ends
+from dataflow.timeouts import wait_within
 
 
 class Checkpointer:

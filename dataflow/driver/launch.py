@@ -20,10 +20,10 @@ from dataflow.errors import UserError
 from dataflow.graph import Graph
 from dataflow.driver.loading import PROJECT_ROOT
 from dataflow.trace.collector import measure_clock_offset
-from dataflow.driver.failures import wait_within
+from dataflow.timeouts import wait_within
 
 if TYPE_CHECKING:
-    from dataflow.driver.runtime import RunOptions
+    from dataflow.driver.options import RunOptions
 
 STOP_GRACE_S = 5.0
 PROBE_TIMEOUT_S = 10.0  # a cluster address that does not accept a TCP connection within this is an error

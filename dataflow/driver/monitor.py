@@ -21,7 +21,7 @@ from dataflow.trace.collector import TraceCollector
 from dataflow.trace.tracer import Tracer
 
 if TYPE_CHECKING:
-    from dataflow.driver.runtime import RunOptions
+    from dataflow.driver.options import RunOptions
 
 
 @dataclass

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from dataflow.actor import checkpoint, snapshots
 from dataflow.errors import NodeFailed
-from dataflow.driver.failures import awaitable, death_summary, discard, failed, gather_named, raise_if_failed, wait_within
+from dataflow.driver.failures import awaitable, death_summary, discard, failed, gather_named, raise_if_failed
+from dataflow.timeouts import wait_within
 from dataflow.graph import Graph
 from dataflow.driver.launch import clock_offset, wiring
 

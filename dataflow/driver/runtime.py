@@ -9,12 +9,7 @@ host for events (progress, logs, trace data) and waits on the hosts' run() calls
 raises or dies is reported by name as soon as Ray tells of it, also while a poll, a restart or a
 checkpoint save is in progress (failures.unless_the_run_ends).
 
-Its parts: dataflow/driver/loading.py (graph files, --describe), dataflow/driver/launch.py (Ray, wiring, clocks,
-shutdown), dataflow/driver/monitor.py (events -> progress lines, metrics.jsonl, trace, summary),
-dataflow/driver/failures.py (call results -> the failure reported), dataflow/driver/restarts.py (a dead
-replica's process comes back), dataflow/driver/stall.py (no step for too long: what every node waits for,
-and the node at the root of the wait), dataflow/actor/checkpoint.py (checkpoints on disk) with
-dataflow/driver/checkpointer.py (saving them; in the background with async_checkpoint).
+Its parts are the other files of dataflow/driver/; docs/architecture.md maps every file of the engine.
 """
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +32,7 @@ from dataflow.actor.host import HostSpec, NodeHost
 from dataflow.driver.launch import clock_offset, shutdown, start_ray, stop_all, wiring
 from dataflow.driver.loading import describe, load_graph
 from dataflow.driver.monitor import Monitor, RunSummary
+from dataflow.driver.options import RunOptions
 from dataflow.driver.restarts import ends_the_run, refusals, restart, restartable
 from dataflow.driver.resume import checkpoint_to_resume
 from dataflow.driver.stall import StallWatch
@@ -46,19 +41,6 @@ __all__ = ["RunOptions", "RunSummary", "describe", "load_graph", "run_graph"]
 
 POLL_INTERVAL_S = 0.5
 LAST_LOGS_S = 1.0  # how long a failure's report waits for the hosts' last events
-
-
-@dataclass
-class RunOptions:
-    address: str | None = None
-    max_steps: int | None = None
-    trace_path: str | None = None
-    trace_kernels: bool = False
-    out_dir: str | None = None
-    verbose: bool = False
-    quiet: bool = False
-    resume: str | None = None
-    """A checkpoint directory (or a run directory: its latest checkpoint) to continue from."""
 
 
 async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> RunSummary:

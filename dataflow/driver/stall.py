@@ -46,7 +46,8 @@ from pathlib import Path
 
 from dataflow.actor import stacks as thread_stacks
 
-from dataflow.driver.failures import gather_named, wait_within
+from dataflow.driver.failures import gather_named
+from dataflow.timeouts import wait_within
 from dataflow.graph import Graph
 
 STALL_FLOOR_S = 300.0   # default stall timeout before the slowest step says more (start-up, first step)

@@ -73,7 +73,7 @@ from dataflow.errors import UserError
 from dataflow.weights import ipc as cuda_ipc
 from dataflow.weights.edges import SYNC_EDGE
 from dataflow.weights.rendezvous import device_info, tcp_store
-from dataflow.driver.failures import wait_within
+from dataflow.timeouts import wait_within
 
 
 @dataclass(kw_only=True)

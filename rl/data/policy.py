@@ -15,9 +15,11 @@ tokenizer may name a different eos than the model was tuned to emit), and the id
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Annotated
-
 
 from dataflow.checks import ExistingPath
 from dataflow.errors import UserError
@@ -36,8 +38,6 @@ class PolicySpec:
         """What is wrong with the model directory, before anything starts (dataflow/driver/preflight.py)."""
         if not self.path:
             return []
-        from rl.preflight import model_dir_problems
-
         return [f"path={self.path}: {why}" for why in model_dir_problems(self.path)]
 
 
@@ -106,3 +106,87 @@ def stop_token_ids(model, tokenizer, extra: list[int] | tuple[int, ...] = ()) ->
         raise UserError("no stop token: the tokenizer has no eos token and the model's generation config "
                         "names none; set generator.stop_token_ids=[ID]")
     return ids
+
+
+# ---- what is wrong with a model directory (PolicySpec.preflight; rl/preflight.py for a reward model's) -----
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def safetensors_problem(file: str) -> str | None:
+    """Why a .safetensors file cannot be read whole (None: its header parses and the file is as
+    long as the header says). Reads the header only, not the tensors."""
+    from dataflow.driver.resume import safetensors_extent   # the checkpoint reader's; not at import: nodes import this
+
+    name = os.path.basename(file)
+    try:
+        size, header_end, data_end = safetensors_extent(file)
+    except (OSError, ValueError) as e:
+        return f"{name} is not a readable safetensors file ({e})"
+    if header_end is None:
+        return f"{name} is truncated ({size} bytes, not even a header)"
+    if data_end is None:
+        return f"{name} is truncated ({size} bytes; its header alone is {header_end})"
+    if size < data_end:
+        return (f"{name} is truncated: {size} bytes, its header describes {data_end} "
+                "(an interrupted download or save: copy or save it again)")
+    return None
+
+
+def _weights_problems(path: str) -> list[str]:
+    present = [w for w in WEIGHT_FILES if os.path.isfile(os.path.join(path, w))]
+    if not present:
+        return ["missing weights (model.safetensors, its .index.json, or pytorch_model.bin); the save was "
+                "incomplete: save it again with save_pretrained"]
+    first = present[0]
+    if first == "model.safetensors":
+        why = safetensors_problem(os.path.join(path, first))
+        return [why] if why else []
+    if first == "model.safetensors.index.json":
+        try:
+            with open(os.path.join(path, first)) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            return [f"{first} is not a readable index ({e})"]
+        found = []
+        for shard in shards:
+            file = os.path.join(path, shard)
+            why = f"{shard} (listed in {first}) is missing" if not os.path.isfile(file) else safetensors_problem(file)
+            if why:
+                found.append(why)
+        return found
+    import zipfile   # pytorch_model.bin: torch.save's zip; a truncated one has no central directory
+
+    file = os.path.join(path, first)
+    if not zipfile.is_zipfile(file):
+        return [f"{first} is truncated or not a torch.save file ({os.path.getsize(file)} bytes)"]
+    return []
+
+
+@functools.lru_cache(maxsize=16)
+def _model_dir_problems(path: str, mtime: float, tokenizer: bool) -> tuple[str, ...]:
+    if not os.path.isdir(path):
+        return (f"{path} is not a directory" if os.path.exists(path) else "the model directory does not exist",)
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        return ("no config.json there: not a saved HF model directory (save it with save_pretrained)",)
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:   # unreadable JSON, an unknown model_type: whatever transformers says
+        return (f"config.json cannot be read: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",)
+    found = _weights_problems(path)
+    if tokenizer:
+        try:
+            load_tokenizer(PolicySpec(path=path))   # tokenizer.json, and a pad token (eos/unk)
+        except UserError as e:
+            found.append(str(e).removeprefix(f"policy.path={path}: ").removeprefix(f"{path}: "))
+        except Exception as e:
+            found.append(f"its tokenizer does not load: {type(e).__name__}: {e}")
+    return tuple(found)
+
+
+def model_dir_problems(path: str, tokenizer: bool = True) -> list[str]:
+    """What is wrong with a local HF model directory (reasons, without the path; [] = fine)."""
+    mtime = os.path.getmtime(path) if os.path.exists(path) else 0.0
+    return list(_model_dir_problems(str(path), mtime, tokenizer))

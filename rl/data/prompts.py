@@ -31,9 +31,6 @@ at once; bench/data_load.py measures it.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import sys
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
@@ -280,50 +277,3 @@ def encode_prompts(prompts: Prompts, tokenizer, tokenizer_dir: str = "", cfg=Non
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
     return EncodedPrompts(tokens, offsets, records, skipped=skipped, truncated=truncated, source=prompts.path)
-
-
-# ---------------------------------------------------------------------------------------------
-# Opening any dataset; the converter's command line
-# ---------------------------------------------------------------------------------------------
-
-def open_prompts(path: str, cfg=None, tokenizer=None, tokenizer_dir: str = "",
-                 setting: str = "prompts") -> EncodedPrompts:
-    """A dataset ready to send, from a file (read, rendered, tokenized now) or a token file
-    (mapped). The entry point for every dataset setting (training prompts, validation files)."""
-    cfg = cfg or DataConfig()
-    if file_format(path) == "tokens":
-        from rl.data.token_file import open_token_file
-        return open_token_file(path, tokenizer, tokenizer_dir, cfg, setting)
-    return encode_prompts(load_prompts(path, cfg, setting), tokenizer, tokenizer_dir, cfg, setting)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rl.data", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("convert", help="render and tokenize a dataset once into a memory-mapped token file")
-    p.add_argument("source", help=".jsonl, .json or .parquet file")
-    p.add_argument("out_dir")
-    p.add_argument("--tokenizer", required=True, help="the policy's model directory (its tokenizer.json)")
-    for f in dataclasses.fields(DataConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            p.add_argument(flag, action="store_true")
-        else:
-            p.add_argument(flag, type=int if f.type in ("int", int) else str, default=f.default)
-    args = parser.parse_args(argv)
-    cfg = DataConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DataConfig)})
-    if cfg.truncation not in ("error", "left", "right"):
-        parser.error(f"--truncation {cfg.truncation!r}: use error, left or right")
-    from rl.data.token_file import convert
-    try:
-        meta = convert(args.source, args.out_dir, args.tokenizer, cfg)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"{args.out_dir}: {meta['num_prompts']} prompts ({meta['skipped']} skipped, {meta['truncated']} "
-          f"truncated) from {args.source}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,18 +7,27 @@ rendered and tokenized once, as tokens.npy (int32, every prompt's ids back to ba
 prompt's text and fields as JSON) and meta.json (the tokenizer's path and the hashes of its
 tokenizer.json and chat template, the rendering settings, counts). Opening one maps the arrays
 (numpy mmap): nothing is parsed or tokenized until a prompt is sent. bench/data_load.py measures it.
+
+open_prompts(path, ...) opens any dataset setting's file: a token file is mapped, any other file is
+read, rendered and tokenized now (rl/data/prompts.py). It lives here, above both, so that the
+prompt reader needs no import of the token files.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import hashlib
 import json
 import os
+import sys
 import time
 from typing import Sequence
 
 import numpy as np
 
+from dataflow.errors import UserError
+from rl.data.files import file_format
 from rl.data.prompts import RENDER_KEYS, DataConfig, DatasetError, EncodedPrompts, encode_prompts, load_prompts
 
 TOKEN_FILE_FORMAT = "dataflow-prompt-tokens/1"
@@ -109,3 +118,48 @@ def convert(source: str, out_dir: str, tokenizer_dir: str, cfg: DataConfig) -> d
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     save_token_file(encoded, out_dir, meta)
     return {**meta, "num_prompts": len(encoded), "skipped": encoded.skipped, "truncated": encoded.truncated}
+
+
+# ---------------------------------------------------------------------------------------------
+# Opening any dataset; the converter's command line
+# ---------------------------------------------------------------------------------------------
+
+def open_prompts(path: str, cfg=None, tokenizer=None, tokenizer_dir: str = "",
+                 setting: str = "prompts") -> EncodedPrompts:
+    """A dataset ready to send, from a file (read, rendered, tokenized now) or a token file
+    (mapped). The entry point for every dataset setting (training prompts, validation files)."""
+    cfg = cfg or DataConfig()
+    if file_format(path) == "tokens":
+        return open_token_file(path, tokenizer, tokenizer_dir, cfg, setting)
+    return encode_prompts(load_prompts(path, cfg, setting), tokenizer, tokenizer_dir, cfg, setting)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rl.data", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("convert", help="render and tokenize a dataset once into a memory-mapped token file")
+    p.add_argument("source", help=".jsonl, .json or .parquet file")
+    p.add_argument("out_dir")
+    p.add_argument("--tokenizer", required=True, help="the policy's model directory (its tokenizer.json)")
+    for f in dataclasses.fields(DataConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            p.add_argument(flag, action="store_true")
+        else:
+            p.add_argument(flag, type=int if f.type in ("int", int) else str, default=f.default)
+    args = parser.parse_args(argv)
+    cfg = DataConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DataConfig)})
+    if cfg.truncation not in ("error", "left", "right"):
+        parser.error(f"--truncation {cfg.truncation!r}: use error, left or right")
+    try:
+        meta = convert(args.source, args.out_dir, args.tokenizer, cfg)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.out_dir}: {meta['num_prompts']} prompts ({meta['skipped']} skipped, {meta['truncated']} "
+          f"truncated) from {args.source}")
+    return 0
+
+
+if __name__ == "__main__":   # python -m rl.data.token_file; rl/data/__main__.py runs it as python -m rl.data
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """Fast sampling for Llama / Qwen2 policies: a static KV cache with slots, CUDA-graph decode steps,
 counter-based sampling noise.
 
-Why not the HF loop (rl/model/causal_lm.py:sample_responses): eager HF launches ~400 kernels per token and
+Why not the HF loop (rl/generation/hf_sampling.py:sample_responses): eager HF launches ~400 kernels per token and
 syncs to move probs to the CPU every token; on a GPU the decode step of a 0.5B model at batch 256 is
 ~1 ms of work, so launch and sync overhead dominated. Here one decode step (model + sampling + state
 update) is a fixed sequence of tensor ops on preallocated buffers, so on CUDA it is captured once per

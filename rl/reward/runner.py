@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rl.reward.reward_fn import BATCHED, BadResult, RewardFn
-from dataflow.driver.failures import wait_within
+from dataflow.timeouts import wait_within
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ import torch.multiprocessing as mp
 from dataflow.weights.layout import ParallelLayout, build_mesh
 from dataflow.weights.multirank import TrainRanks
 from nodes.learner import LearnerConfig, ppo_update, step_advantages
-from rl.model.causal_lm import ModelConfig, build_policy, sample_responses
+from rl.model.causal_lm import ModelConfig, build_policy
+from rl.generation.hf_sampling import sample_responses
 from nodes.reference import add_logprobs
 from rl.data.tasks import build_tokenizer, make_task, score
 from tests.gloo import join_world

@@ -28,7 +28,8 @@ from dataflow.channel.codec import Message, encode  # noqa: E402
 from dataflow.actor.host import HostSpec, NodeHost  # noqa: E402
 from dataflow.driver.runtime import RunOptions, load_graph  # noqa: E402
 from nodes.learner import Learner, LearnerConfig, ppo_update, step_advantages  # noqa: E402
-from rl.model.causal_lm import ModelConfig, build_policy, sample_responses  # noqa: E402
+from rl.model.causal_lm import ModelConfig, build_policy  # noqa: E402
+from rl.generation.hf_sampling import sample_responses  # noqa: E402
 from rl.data.policy import PolicySpec  # noqa: E402
 from nodes.reference import add_logprobs  # noqa: E402
 from rl.data.tasks import build_tokenizer, make_task  # noqa: E402

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rl.data import prompts as data, policy
+from rl.data import prompts as data, policy, token_file
 from tests.chat_model import EOT, IM_END, chat_tokenizer, make_chat_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,7 +113,7 @@ def test_chat_prompts_render_with_the_template_and_system_prompt(tmp_path, model
     tok = policy.load_tokenizer(policy.PolicySpec(path=model_dir))
     rows = [{"prompt": CHAT}, {"prompt": [{"role": "system", "content": "you are"}] + CHAT}, {"prompt": "copy 1 2 :"}]
     path = write_jsonl(tmp_path / "c.jsonl", rows)
-    enc = data.open_prompts(str(path), data.DataConfig(), tok, model_dir)
+    enc = token_file.open_prompts(str(path), data.DataConfig(), tok, model_dir)
     first = enc.message(0)
     assert first["prompt"] == "<|im_start|>user\nadd 1 + 2 =<|im_end|>\n<|im_start|>assistant\n"
     assert first["prompt_ids"] == tok.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True)["input_ids"]
@@ -121,9 +121,9 @@ def test_chat_prompts_render_with_the_template_and_system_prompt(tmp_path, model
     assert enc.message(2) == {"prompt": "copy 1 2 :", "prompt_ids": tok("copy 1 2 :")["input_ids"], "fields": {}}
 
     with pytest.raises(data.DatasetError, match=rf"^{path}:3: a system prompt is set but this prompt is a string"):
-        data.open_prompts(str(path), data.DataConfig(system_prompt="you are terse"), tok, model_dir)
+        token_file.open_prompts(str(path), data.DataConfig(system_prompt="you are terse"), tok, model_dir)
     cfg = data.DataConfig(system_prompt="you are terse", apply_chat_template=True)
-    enc = data.open_prompts(str(path), cfg, tok, model_dir)
+    enc = token_file.open_prompts(str(path), cfg, tok, model_dir)
     assert enc.message(0)["prompt"].startswith("<|im_start|>system\nyou are terse<|im_end|>\n<|im_start|>user")
     assert enc.message(1)["prompt"].count("system") == 1          # the row's own system message wins
     assert enc.message(2)["prompt"] == "<|im_start|>system\nyou are terse<|im_end|>\n<|im_start|>user\ncopy 1 2 :" \
@@ -132,8 +132,8 @@ def test_chat_prompts_render_with_the_template_and_system_prompt(tmp_path, model
     # a template's own check (e.g. "roles must alternate") rejects a row: a bad row like any other
     tok.chat_template = "{% if messages[0].role == 'system' %}{{ raise_exception('no system role') }}{% endif %}x"
     with pytest.raises(data.DatasetError, match=rf"^{path}:2: the chat template rejects this prompt \(no system role\)"):
-        data.open_prompts(str(path), data.DataConfig(), tok, model_dir)
-    assert len(data.open_prompts(str(path), data.DataConfig(skip_bad_lines=True), tok, model_dir)) == 2
+        token_file.open_prompts(str(path), data.DataConfig(), tok, model_dir)
+    assert len(token_file.open_prompts(str(path), data.DataConfig(skip_bad_lines=True), tok, model_dir)) == 2
 
 
 def test_chat_prompts_need_a_template_and_a_tokenizer(tmp_path):
@@ -142,10 +142,10 @@ def test_chat_prompts_need_a_template_and_a_tokenizer(tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", [{"prompt": "copy 1 :"}, {"prompt": CHAT}])
     tok = policy.load_tokenizer(policy.PolicySpec(path=str(bare)))
     with pytest.raises(data.UserError, match=rf"^{path}:2: a chat prompt, but the tokenizer at {bare} has no chat template"):
-        data.open_prompts(str(path), data.DataConfig(), tok, str(bare))
+        token_file.open_prompts(str(path), data.DataConfig(), tok, str(bare))
     with pytest.raises(data.DatasetError, match=rf"^{path}:2: a chat prompt needs the policy's tokenizer.*prompts.policy.path"):
-        data.open_prompts(str(path), data.DataConfig(), None)
-    enc = data.open_prompts(str(write_jsonl(tmp_path / "s.jsonl", [{"prompt": "copy 1 :"}])))
+        token_file.open_prompts(str(path), data.DataConfig(), None)
+    enc = token_file.open_prompts(str(write_jsonl(tmp_path / "s.jsonl", [{"prompt": "copy 1 :"}])))
     assert enc.message(0) == {"prompt": "copy 1 :", "fields": {}}   # no tokenizer: the generator tokenizes
 
 
@@ -154,15 +154,15 @@ def test_long_prompts_error_truncate_or_skip(tmp_path, model_dir):
     path = write_jsonl(tmp_path / "l.jsonl", [{"prompt": "copy 1 2 :"}, {"prompt": "copy 1 2 3 4 5 6 7 :"}])
     full = tok("copy 1 2 3 4 5 6 7 :")["input_ids"]
     with pytest.raises(data.DatasetError) as e:
-        data.open_prompts(str(path), data.DataConfig(max_prompt_tokens=5), tok, model_dir)
+        token_file.open_prompts(str(path), data.DataConfig(max_prompt_tokens=5), tok, model_dir)
     assert str(e.value).startswith(f"{path}:2: the prompt has 9 tokens, more than max_prompt_tokens=5")
     assert "--set prompts.truncation=left" in str(e.value) and "--set prompts.skip_bad_lines=true" in str(e.value)
-    left = data.open_prompts(str(path), data.DataConfig(max_prompt_tokens=5, truncation="left"), tok, model_dir)
-    right = data.open_prompts(str(path), data.DataConfig(max_prompt_tokens=5, truncation="right"), tok, model_dir)
+    left = token_file.open_prompts(str(path), data.DataConfig(max_prompt_tokens=5, truncation="left"), tok, model_dir)
+    right = token_file.open_prompts(str(path), data.DataConfig(max_prompt_tokens=5, truncation="right"), tok, model_dir)
     assert left.message(1)["prompt_ids"] == full[-5:] and right.message(1)["prompt_ids"] == full[:5]
     assert left.message(1)["prompt"] == "4 5 6 7 :" and left.truncated == right.truncated == 1
     assert left.message(0)["prompt_ids"] == tok("copy 1 2 :")["input_ids"]
-    skipped = data.open_prompts(str(path), data.DataConfig(max_prompt_tokens=5, skip_bad_lines=True), tok, model_dir)
+    skipped = token_file.open_prompts(str(path), data.DataConfig(max_prompt_tokens=5, skip_bad_lines=True), tok, model_dir)
     assert len(skipped) == 1 and skipped.skipped == 1
 
 
@@ -170,26 +170,26 @@ def test_token_file_matches_the_file_it_was_made_from(tmp_path, model_dir, capsy
     src = tmp_path / "d.parquet"
     pq.write_table(pa.Table.from_pylist(VERL_ROWS * 3), src)
     out = tmp_path / "tokens"
-    assert data.main(["convert", str(src), str(out), "--tokenizer", model_dir, "--system-prompt", "you are terse"]) == 0
+    assert token_file.main(["convert", str(src), str(out), "--tokenizer", model_dir, "--system-prompt", "you are terse"]) == 0
     assert "6 prompts (0 skipped, 0 truncated)" in capsys.readouterr().out
     meta = json.loads((out / "meta.json").read_text())
     assert meta["tokenizer"]["path"] == model_dir and meta["tokenizer"]["chat_template_sha256"]
     assert meta["settings"]["system_prompt"] == "you are terse" and meta["num_prompts"] == 6
     tok = policy.load_tokenizer(policy.PolicySpec(path=model_dir))
     cfg = data.DataConfig(system_prompt="you are terse")
-    mapped = data.open_prompts(str(out), cfg, tok, model_dir)
-    direct = data.open_prompts(str(src), cfg, tok, model_dir)
+    mapped = token_file.open_prompts(str(out), cfg, tok, model_dir)
+    direct = token_file.open_prompts(str(src), cfg, tok, model_dir)
     assert len(mapped) == 6 and [mapped.message(i) for i in range(6)] == [direct.message(i) for i in range(6)]
     assert isinstance(mapped.tokens, __import__("numpy").memmap)        # mapped, not read
     with pytest.raises(data.DatasetError, match="system_prompt='other' is set, but the token file was made with"):
-        data.open_prompts(str(out), data.DataConfig(system_prompt="other"), tok, model_dir)
+        token_file.open_prompts(str(out), data.DataConfig(system_prompt="other"), tok, model_dir)
     other = tmp_path / "other"
     make_chat_model_dir(other, chat_template=False)
     with pytest.raises(data.DatasetError, match="chat_template_sha256 differs.*python -m rl.data convert"):
-        data.open_prompts(str(out), cfg, policy.load_tokenizer(policy.PolicySpec(path=str(other))), str(other))
+        token_file.open_prompts(str(out), cfg, policy.load_tokenizer(policy.PolicySpec(path=str(other))), str(other))
     # the converter's own errors name its flags
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "x"}], raw_lines={1: b"{"})
-    assert data.main(["convert", str(bad), str(tmp_path / "t2"), "--tokenizer", model_dir]) == 2
+    assert token_file.main(["convert", str(bad), str(tmp_path / "t2"), "--tokenizer", model_dir]) == 2
     assert "skip such rows with --skip-bad-lines" in capsys.readouterr().err
 
 

@@ -8,6 +8,7 @@ import torch
 
 from rl.generation import decoding
 from rl.model import causal_lm as models, padded_batch
+from rl.generation import hf_sampling
 from rl.data import tasks
 
 
@@ -70,7 +71,7 @@ def test_behaviour_logprobs_equal_sequence_logprobs(tok, policy, temperature):
 def test_greedy_equals_hf_loop(tok, policy):
     ps = prompts(tok)
     ours = decoding.decode_responses(policy, tok, ps, 6, temperature=0)
-    ref = models.sample_responses(policy, tok, ps, 6, temperature=0)
+    ref = hf_sampling.sample_responses(policy, tok, ps, 6, temperature=0)
     assert [s["response_ids"] for s in ours] == [s["response_ids"] for s in ref]
     for a, b in zip(ours, ref):
         assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
@@ -138,7 +139,7 @@ def test_min_new_tokens_masks_eos(tok, policy):
     lp = torch.log_softmax(logits[:, :-1], -1).gather(2, b["input_ids"][:, 1:, None]).squeeze(2)
     mask = b["response_mask"][:, 1:]
     assert ((lp - b["logprobs"][:, 1:]).abs() * mask).max() < 1e-5
-    hf = models.sample_responses(policy, tok, ps, 8, seed=1, min_new_tokens=8)
+    hf = hf_sampling.sample_responses(policy, tok, ps, 8, seed=1, min_new_tokens=8)
     assert all(len(s["response_ids"]) == 8 for s in hf)
 
 

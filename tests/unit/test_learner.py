@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from nodes.learner import LearnerConfig, ppo_update, step_advantages
-from rl.model.causal_lm import ModelConfig, build_policy, sample_responses
+from rl.model.causal_lm import ModelConfig, build_policy
+from rl.generation.hf_sampling import sample_responses
 from nodes.reference import add_logprobs
 from rl.data.tasks import build_tokenizer, make_task, score
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rl.model import causal_lm as models, padded_batch
+from rl.generation import hf_sampling
 from rl.data import tasks
 
 
@@ -51,7 +52,7 @@ def test_build_policy_is_seeded_and_sized(tok, policy):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logprobs_match_fresh_forward(tok, policy, temperature):
     prompts = varied_prompts(tok)
-    samples = models.sample_responses(policy, tok, prompts, max_new_tokens=6,
+    samples = hf_sampling.sample_responses(policy, tok, prompts, max_new_tokens=6,
                                       temperature=temperature, seed=0)
     batch = padded_batch.pad_batch(samples, tok.pad_token_id)
     with torch.no_grad():
@@ -74,19 +75,19 @@ def test_sampled_logprobs_match_fresh_forward(tok, policy, temperature):
 
 def test_sampling_is_seeded_and_stops_at_eos(tok, policy):
     prompts = varied_prompts(tok, 64)
-    a = models.sample_responses(policy, tok, prompts, 5, seed=3)
-    b = models.sample_responses(policy, tok, prompts, 5, generator=torch.Generator().manual_seed(3))
+    a = hf_sampling.sample_responses(policy, tok, prompts, 5, seed=3)
+    b = hf_sampling.sample_responses(policy, tok, prompts, 5, generator=torch.Generator().manual_seed(3))
     assert a == b
-    assert a != models.sample_responses(policy, tok, prompts, 5, seed=4)
+    assert a != hf_sampling.sample_responses(policy, tok, prompts, 5, seed=4)
     for s, p in zip(a, prompts):
         assert s["prompt_ids"] == p
         assert 1 <= len(s["response_ids"]) <= 5 and len(s["logprobs"]) == len(s["response_ids"])
         assert s["finished"] == (s["response_ids"][-1] == tok.eos_token_id)
         assert tok.eos_token_id not in s["response_ids"][:-1]
     assert any(s["finished"] for s in a) and not all(s["finished"] for s in a)
-    greedy = models.sample_responses(policy, tok, prompts[:4], 5, temperature=0)
-    assert greedy == models.sample_responses(policy, tok, prompts[:4], 5, temperature=0)
-    top1 = models.sample_responses(policy, tok, prompts[:4], 5, top_k=1, seed=9)
+    greedy = hf_sampling.sample_responses(policy, tok, prompts[:4], 5, temperature=0)
+    assert greedy == hf_sampling.sample_responses(policy, tok, prompts[:4], 5, temperature=0)
+    top1 = hf_sampling.sample_responses(policy, tok, prompts[:4], 5, top_k=1, seed=9)
     assert [s["response_ids"] for s in top1] == [s["response_ids"] for s in greedy]
     assert all(abs(x) < 1e-6 for s in top1 for x in s["logprobs"])
 
@@ -95,7 +96,7 @@ def test_untrained_policy_scores_like_chance(tok):
     policy = models.build_policy(None, tok)
     task = tasks.make_task()
     records = task.take(256)
-    samples = models.sample_responses(policy, tok, [tok(r["prompt"])["input_ids"] for r in records],
+    samples = hf_sampling.sample_responses(policy, tok, [tok(r["prompt"])["input_ids"] for r in records],
                                       task.max_new_tokens, seed=0)
     scores = [task.score(r, tok.decode(s["response_ids"], skip_special_tokens=True))
               for r, s in zip(records, samples)]
@@ -120,7 +121,7 @@ def test_pad_batch_layout(tok):
 
 def test_value_model_alignment_and_checkpointing(tok, policy):
     critic = models.ValueModel.from_policy(policy, gradient_checkpointing=True)
-    samples = models.sample_responses(policy, tok, varied_prompts(tok, 6), 4, seed=0)
+    samples = hf_sampling.sample_responses(policy, tok, varied_prompts(tok, 6), 4, seed=0)
     b = padded_batch.pad_batch(samples, tok.pad_token_id)
     values = critic(b["input_ids"], b["attention_mask"])
     assert values.shape == b["input_ids"].shape and torch.all(values[:, 0] == 0)
@@ -164,14 +165,14 @@ def test_sample_responses_per_row_temperature(tok, policy):
     """Rows at temperature 0 are the greedy responses (the same twice) beside sampled rows."""
     prompts = varied_prompts(tok, 6)
     temps = [0.0, 1.0] * 3
-    a = models.sample_responses(policy, tok, prompts, 5, temperature=temps, seed=1)
-    b = models.sample_responses(policy, tok, prompts, 5, temperature=temps, seed=2)
-    greedy = models.sample_responses(policy, tok, prompts, 5, temperature=0)
+    a = hf_sampling.sample_responses(policy, tok, prompts, 5, temperature=temps, seed=1)
+    b = hf_sampling.sample_responses(policy, tok, prompts, 5, temperature=temps, seed=2)
+    greedy = hf_sampling.sample_responses(policy, tok, prompts, 5, temperature=0)
     for i in range(0, 6, 2):
         assert a[i]["response_ids"] == b[i]["response_ids"] == greedy[i]["response_ids"]
         assert a[i]["logprobs"] == pytest.approx(greedy[i]["logprobs"], abs=1e-5)
     assert [a[i]["response_ids"] for i in (1, 3, 5)] != [b[i]["response_ids"] for i in (1, 3, 5)]
-    same = models.sample_responses(policy, tok, prompts, 5, temperature=[1.0] * 6, seed=1)
-    assert same == models.sample_responses(policy, tok, prompts, 5, temperature=1.0, seed=1)
+    same = hf_sampling.sample_responses(policy, tok, prompts, 5, temperature=[1.0] * 6, seed=1)
+    assert same == hf_sampling.sample_responses(policy, tok, prompts, 5, temperature=1.0, seed=1)
     with pytest.raises(ValueError, match="temperatures for 6 prompts"):
-        models.sample_responses(policy, tok, prompts, 5, temperature=[0.0, 1.0])
+        hf_sampling.sample_responses(policy, tok, prompts, 5, temperature=[0.0, 1.0])

@@ -12,7 +12,7 @@ import pytest
 
 from dataflow.driver.loading import load_graph
 from dataflow.driver.preflight import input_problems
-from rl.preflight import model_dir_problems, safetensors_problem
+from rl.data.policy import model_dir_problems, safetensors_problem
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from nodes.reference import add_logprobs
 from nodes.reward_model import score_items
 from rl.data import policy
 from rl.generation.decoding import decode_responses
-from rl.model.causal_lm import cut_at_stop_strings, sample_responses
+from rl.generation.hf_sampling import cut_at_stop_strings, sample_responses
 from rl.model.padded_batch import pad_batch, sequence_logprobs
 from rl.data.tasks import build_tokenizer
 from tests.chat_model import EOT, IM_END, make_chat_model_dir
