@@ -1,9 +1,8 @@
-"""Graph validation, typed --set overrides and the CLI's user-error messages (no Ray needed)."""
+"""Graph validation and typed --set overrides, in this process (no Ray; the CLI in a process of its own:
+tests/integration/test_cli.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,57 +152,6 @@ def test_override_errors(item, expected):
     with pytest.raises(ConfigError) as e:
         apply_overrides(Outer(), [item])
     assert expected in str(e.value)
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dataflow.run", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-
-
-def test_cli_user_errors_are_short_and_exit_2(tmp_path, capsys):
-    """The first case through a real `python -m dataflow.run` process (its exit status); the others
-    through dataflow.run.main in this process (the same code and exit status, without ~2.5 s of
-    imports per case: see tests/integration/test_runtime.py's `main`)."""
-    from dataflow import run as cli
-
-    broken = tmp_path / "broken.py"
-    broken.write_text("from dataflow import Graph\n\ngraph = Graph(\n  'x'\nx = 1\n")
-    empty = tmp_path / "empty.py"
-    empty.write_text("x = 1\n")
-    cases = [
-        (["tests/graphs/squares.py", "--set", "square.fail_onn=3"], "unknown setting 'square.fail_onn'"),
-        (["tests/graphs/squares.py", "--set", "capacity=lots"], "--set capacity=lots: expected an integer"),
-        (["tests/graphs/squares.py", "--set", "capacity=0"], "channel 'numbers': capacity must be an integer >= 1"),
-        ([str(broken)], f"{broken}:3: syntax error"),
-        ([str(empty)], "defines neither `build(config) -> Graph` nor `graph = Graph(...)`"),
-        (["no/such/graph.py"], "no/such/graph.py: no such graph file"),
-    ]
-    r = run_cli(*cases[0][0])
-    assert r.returncode == 2, (cases[0][0], r.stderr)
-    assert cases[0][1] in r.stderr and "Traceback" not in r.stderr, r.stderr
-    for args, expected in cases[1:]:
-        capsys.readouterr()
-        rc = cli.main([str(ROOT / a) if a.startswith("tests/") else a for a in args])
-        err = capsys.readouterr().err
-        assert rc == 2, (args, err)
-        assert expected in err, (args, err)
-        assert "Traceback" not in err, err
-
-
-def test_cli_describe_lists_nodes_channels_placement_settings():
-    r = run_cli("tests/graphs/squares.py", "--describe", "--set", "square_replicas=3")
-    assert r.returncode == 0, r.stderr
-    out = r.stdout
-    assert "square" in out and "replicas=3" in out
-    assert "numbers" in out and "capacity=4" in out
-    assert "placement:" in out and "5 bundles" in out
-    assert "counter.count = 20" in out
-
-
-def test_cli_help_is_complete():
-    r = run_cli("--help")
-    for flag in ("--set", "--address", "--max-steps", "--describe", "--trace", "--out"):
-        assert flag in r.stdout
 
 
 @pytest.mark.parametrize("graph_file", ["graphs/grpo.py", "graphs/ppo.py", "graphs/dapo.py"])

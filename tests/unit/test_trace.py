@@ -1,4 +1,5 @@
-"""dataflow/trace/: interval math, accounting (tracer, collector), the Chrome file, report, CLI.
+"""dataflow/trace/: interval math, accounting (tracer, collector), the Chrome file, report (the CLI:
+tests/integration/test_cli.py).
 
 No Ray: tracers are driven directly, most with a fake clock so that every number is exact.
 """
@@ -6,11 +7,7 @@ No Ray: tracers are driven directly, most with a fake clock so that every number
 import asyncio
 import gzip
 import json
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -24,7 +21,6 @@ from dataflow.trace.collector import TraceCollector, measure_clock_offset
 from dataflow.trace.intervals import idle_fraction, merge_intervals, union_length
 from dataflow.trace.tracer import Tracer
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 class FakeClock:
@@ -421,21 +417,6 @@ def test_summary_and_report_table():
     assert "1. learner waiting for input on 'samples': 7.00 s (70.0% of its time)" in table
     metrics = trace_report.flat_metrics(summary)
     assert metrics["util/learner/wait_input"] == 0.7 and metrics["util/GPU h:0/idle"] == 0.5
-
-
-def test_cli_prints_report_and_plots(tmp_path):
-    collector, path = _run_traced(tmp_path)
-    png = tmp_path / "trace.png"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-m", "dataflow.trace", str(path), "--plot", str(png)],
-                         capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert collector.report() in out.stdout          # the same table as at the end of the run
-    assert "generator" in out.stdout and "wait-in" in out.stdout
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    bad = subprocess.run([sys.executable, "-m", "dataflow.trace", str(tmp_path / "missing.json")],
-                         capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
-    assert bad.returncode == 2 and "error" in bad.stderr
 
 
 def test_collector_plot_without_events(tmp_path):
