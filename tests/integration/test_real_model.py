@@ -59,7 +59,7 @@ def test_grpo_two_steps_on_the_real_model(smollm2_dir, tmp_path, ray_instance):
     train, _ = make_splits(seed=0, num_val=8, num_train=4)
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in train))
-    overrides = [f"policy.path={smollm2_dir}", f"prompts.path={data}", f"reward.path={ROOT / 'rl' / 'rewards.py'}",
+    overrides = [f"policy.path={smollm2_dir}", f"prompts.path={data}", f"reward.path={ROOT / 'rl' / 'reward' / 'reward_fn.py'}",
                  "reward.function=math_reward", "prompts_per_step=2", "group_size=2", "max_new_tokens=16",
                  "max_staleness=0", "learner.minibatch_size=4", "channel_capacity=4",
                  # At T=1 this 135M model mostly rambles to the cap; at T=0.3 it answers and stops.
