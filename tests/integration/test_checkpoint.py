@@ -19,7 +19,7 @@ import torch
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
-from dataflow.actor import checkpoint, snapshots
+from dataflow.actor import checkpoint, snapshots  # noqa: E402
 from dataflow.driver import checkpointer  # noqa: E402
 from dataflow.driver.runtime import RunOptions, load_graph, run_graph  # noqa: E402
 from tests.conftest import run_then_interrupt  # noqa: E402

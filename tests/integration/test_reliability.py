@@ -22,7 +22,7 @@ import torch
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
-from dataflow import Node
+from dataflow import Node  # noqa: E402
 from dataflow.actor import checkpoint  # noqa: E402
 from dataflow.channel.codec import Message, encode  # noqa: E402
 from dataflow.actor.host import HostSpec, NodeHost  # noqa: E402

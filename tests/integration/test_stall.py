@@ -19,7 +19,7 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from dataflow import Graph, Node
+from dataflow import Graph, Node  # noqa: E402
 from dataflow.driver import stall  # noqa: E402
 from dataflow import run as cli  # noqa: E402
 from dataflow.driver.runtime import RunOptions, run_graph  # noqa: E402
