@@ -27,8 +27,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 def one_run(graph_file: str, overrides: list[str], max_steps: int, out: Path) -> dict:
-    from dataflow import checkpoint
-    from dataflow.runtime import RunOptions, load_graph, run_graph
+    from dataflow.actor import checkpoint
+    from dataflow.driver.runtime import RunOptions, load_graph, run_graph
 
     graph, config = load_graph(graph_file, overrides)
     t = time.perf_counter()

@@ -1,5 +1,5 @@
 """Benchmark: how long a dataset of N chat prompts takes to be ready to send, from JSONL vs from a
-memory-mapped token file (rl/data.py).
+memory-mapped token file (rl/data/prompts.py).
 
     .venv/bin/python bench/data_load.py [--num 1000000] [--dir /tmp/data_load]
 
@@ -7,9 +7,9 @@ Data: N verl-layout rows ({"data_source", "prompt": [one user message], "reward_
 {"ground_truth"}, "extra_info"}), prompts like "what is 123 + 456 ?", written once as JSONL and
 parquet. Tokenizer: a byte-level BPE (vocab 4096) trained here on the first 20k prompts, with a
 ChatML template (no hub). Measured, each once, in this process:
-  parse JSONL          rl.data.load_prompts (pyarrow), rows only
+  parse JSONL          rl.data.prompts.load_prompts (pyarrow), rows only
   parse parquet        the same from parquet
-  ready from JSONL     rl.data.open_prompts: parse + render the chat template + tokenize (what
+  ready from JSONL     rl.data.token_file.open_prompts: parse + render the chat template + tokenize (what
                        the prompt source does at setup without a token file)
   convert              python -m rl.data convert's work, once: parquet -> token file
   ready from tokens    open_prompts on the token file (maps arrays; nothing parsed)
@@ -34,8 +34,8 @@ import pyarrow.parquet as pq  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from rl import data  # noqa: E402
-from rl.token_file import convert  # noqa: E402
+from rl.data import prompts as data  # noqa: E402
+from rl.data.token_file import convert, open_prompts  # noqa: E402
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -89,7 +89,7 @@ def main() -> None:
     pq.write_table(pa.Table.from_pylist(rows), parquet)
     make_tokenizer(rows, tok_dir)
     del rows
-    from rl.policy import PolicySpec, load_tokenizer
+    from rl.data.policy import PolicySpec, load_tokenizer
     tokenizer = load_tokenizer(PolicySpec(path=tok_dir))
     print(f"{args.num} prompts: JSONL {os.path.getsize(jsonl) / 2**20:.0f} MiB, "
           f"parquet {os.path.getsize(parquet) / 2**20:.0f} MiB", flush=True)
@@ -97,9 +97,9 @@ def main() -> None:
     r: dict = {}
     timed("parse JSONL", lambda: data.load_prompts(jsonl), r)
     timed("parse parquet", lambda: data.load_prompts(parquet), r)
-    ready = timed("ready from JSONL", lambda: data.open_prompts(jsonl, None, tokenizer, tok_dir), r)
+    ready = timed("ready from JSONL", lambda: open_prompts(jsonl, None, tokenizer, tok_dir), r)
     timed("convert (once)", lambda: convert(parquet, token_file, tok_dir, data.DataConfig()), r)
-    mapped = timed("ready from tokens", lambda: data.open_prompts(token_file, None, tokenizer, tok_dir), r)
+    mapped = timed("ready from tokens", lambda: token_file.open_prompts(token_file, None, tokenizer, tok_dir), r)
     picks = random.Random(1).sample(range(args.num), 10_000)
     for name, ds in (("JSONL", ready), ("tokens", mapped)):
         t = time.perf_counter()

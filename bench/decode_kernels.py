@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rl.decoding import StaticDecoder, sample_key  # noqa: E402
+from rl.generation.decoding import StaticDecoder, sample_key  # noqa: E402
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ W1: vocab 151936, hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864, tied em
    HF forward, and the behaviour log-probs of sampled responses against sequence_logprobs, at bf16
    tolerance; a second CUDA-graph run gives the same tokens as the first.
 2. Times, for the same prompts:
-   (a) with --hf-loop, our per-token HF loop (rl/models.py:sample_responses);
+   (a) with --hf-loop, our per-token HF loop (rl/generation/hf_sampling.py:sample_responses);
    (b) the static decoder eager;
    (c) the static decoder with CUDA graphs, compiled layers and a compiled sampler (the generator's
        default on CUDA); (c') the same with eager layers; (c'') eager layers and an eager sampler;
@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT))
 
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from rl.decoding import StaticDecoder, decode_responses  # noqa: E402
-from rl.models import sample_responses  # noqa: E402
-from rl.padded_batch import pad_batch, sequence_logprobs  # noqa: E402
+from rl.generation.decoding import StaticDecoder, decode_responses  # noqa: E402
+from rl.generation.hf_sampling import sample_responses  # noqa: E402
+from rl.model.padded_batch import pad_batch, sequence_logprobs  # noqa: E402
 
 W1 = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
           num_key_value_heads=2, intermediate_size=4864, max_position_embeddings=32768,

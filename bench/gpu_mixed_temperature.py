@@ -7,7 +7,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rl import decoding, models, tasks  # noqa: E402
+from rl.generation import decoding  # noqa: E402
+from rl.model import causal_lm as models  # noqa: E402
+from rl.data import tasks  # noqa: E402
 
 assert __import__("torch").cuda.is_available(), "gpu_mixed_temperature needs a CUDA device"
 tok = tasks.build_tokenizer()

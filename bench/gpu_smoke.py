@@ -4,7 +4,7 @@
 
 1. Sampling on CUDA gives the same log-probs as the model's own forward pass (fp32: 1e-4; bf16:
    5e-2 absolute, the rounding of bf16 logits), with the HF loop (sample_responses) and with the
-   static decoder replaying CUDA graphs (rl/decoding.py, what the generator node uses).
+   static decoder replaying CUDA graphs (rl/generation/decoding.py, what the generator node uses).
 2. The learner's update lowers the PPO loss on a fixed batch (several optimizer steps).
 3. A short PPO graph run with every model node on the GPU: weights arrive (the generators'
    samples carry increasing versions, within the staleness bound) and the run ends cleanly. Its
@@ -28,11 +28,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from rl.decoding import decode_responses  # noqa: E402
+from rl.generation.decoding import decode_responses  # noqa: E402
 from nodes.learner import LearnerConfig, ppo_update, step_advantages  # noqa: E402
-from rl.models import ModelConfig, build_policy, sample_responses  # noqa: E402
-from rl.padded_batch import pad_batch, sequence_logprobs  # noqa: E402
-from rl.tasks import build_tokenizer, make_task, score  # noqa: E402
+from rl.model.causal_lm import ModelConfig, build_policy  # noqa: E402
+from rl.generation.hf_sampling import sample_responses  # noqa: E402
+from rl.model.padded_batch import pad_batch, sequence_logprobs  # noqa: E402
+from rl.data.tasks import build_tokenizer, make_task, score  # noqa: E402
 
 
 def check_sampling_logprobs(dtype: torch.dtype, tol: float) -> float:
@@ -76,12 +77,12 @@ def check_loss_goes_down() -> tuple[float, float]:
 
 
 def check_graph_on_gpu() -> list[dict]:
-    from dataflow.runtime import RunOptions, load_graph, run_graph
+    from dataflow.driver.runtime import RunOptions, load_graph, run_graph
 
     # One GPU shared by generator, reference, critic and learner: a quarter each (memory capped).
     # The training nodes run eager here: on a cold machine (empty inductor cache) compiling their
     # layers at setup took this script from ~95 s to 109-121 s, past its 2 minutes. Compiled, they
-    # are checked equal to eager on CPU (tests/test_learner.py) and run on GPU in bench/gpu_step.py;
+    # are checked equal to eager on CPU (tests/unit/test_learner.py) and run on GPU in bench/gpu_step.py;
     # the generator's compiled decoding stays on, as in check 1.
     graph, config = load_graph(str(ROOT / "graphs/ppo.py"), [
         "placement=colocated", "num_gpus=1", "prompts_per_step=64",

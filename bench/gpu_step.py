@@ -141,7 +141,7 @@ def build_workload(work: Path, shape: dict, num_prompts: int, seed: int = 0) -> 
             f.write(json.dumps({"prompt": "".join(rng.choice(LETTERS) for _ in range(shape["prompt_len"])),
                                 "answer": ""}) + "\n")
     reward.write_text(REWARD_SOURCE)
-    # Check what a user would, loading it the way the nodes (rl/tasks.load_tokenizer) and TRL do:
+    # Check what a user would, loading it the way the nodes (rl/data/tasks.load_tokenizer) and TRL do:
     # exactly prompt_len ids per prompt, the specials where the model config says.
     check = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     for line in prompts.read_text().splitlines()[:8]:
@@ -376,7 +376,7 @@ def logprob_kernel_bench(micro_batches: list[int], cols: int, vocab: int) -> lis
     rl_math.token_logprobs); fused eager; fused compiled (the CUDA default). Median ms of 5, peak GB."""
     import torch
 
-    from rl.logprobs import token_logprobs
+    from rl.model.logprobs import token_logprobs
 
     def plain(logits, tokens):
         z = logits.float()
@@ -436,9 +436,9 @@ def learner_bench(args, shape: dict, paths: dict, out: Path) -> list[dict]:
     and peak memory. Tells whether the learner fits and how fast it can go without generation."""
     import torch
 
-    from rl import policy
+    from rl.data import policy
     from nodes.learner import LearnerConfig, ppo_update
-    from rl.precision import compile_layers, prepare_frozen, prepare_trained
+    from rl.model.precision import compile_layers, prepare_frozen, prepare_trained
     from nodes.reference import add_logprobs
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -26,12 +26,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rl.advantages import gae_advantages, grpo_advantages  # noqa: E402
-from rl.kl import kl_penalty, per_token_rewards  # noqa: E402
-from rl.losses import ppo_policy_loss, value_loss  # noqa: E402
-from rl.masked import masked_mean, masked_whiten  # noqa: E402
-from rl import models, padded_batch  # noqa: E402
-from rl import tasks  # noqa: E402
+from rl.algorithm.advantages import gae_advantages, grpo_advantages  # noqa: E402
+from rl.algorithm.kl import kl_penalty, per_token_rewards  # noqa: E402
+from rl.algorithm.losses import ppo_policy_loss, value_loss  # noqa: E402
+from rl.algorithm.masked import masked_mean, masked_whiten  # noqa: E402
+from rl.model import causal_lm as models, padded_batch  # noqa: E402
+from rl.generation import hf_sampling  # noqa: E402
+from rl.data import tasks  # noqa: E402
 
 
 def parse_args():
@@ -80,7 +81,7 @@ def sampling_bench(args):
         hand, hf = [], []
         for rep in range(12):
             t = time.perf_counter()
-            models.sample_responses(model, tok, prompt_ids, num_new, seed=rep)
+            hf_sampling.sample_responses(model, tok, prompt_ids, num_new, seed=rep)
             hand.append(time.perf_counter() - t)
             t = time.perf_counter()
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **gen_kwargs)
@@ -119,7 +120,7 @@ def main():
         t0 = time.perf_counter()
         records = [r for r in (next(prompts) for _ in range(args.batch // group)) for _ in range(group)]
         prompt_ids = [tok(r["prompt"])["input_ids"] for r in records]
-        samples = models.sample_responses(policy, tok, prompt_ids, task.max_new_tokens,
+        samples = hf_sampling.sample_responses(policy, tok, prompt_ids, task.max_new_tokens,
                                           temperature=args.temperature, generator=gen)
         t_gen = time.perf_counter() - t0
         for r, s in zip(records, samples):

@@ -75,7 +75,7 @@ def run_once(graph_file: str, overrides: list[str], max_steps: int, out_dir: str
     """One run's step records (and all records, rollouts). keep_going: a run that fails part way
     (e.g. a group filter that cannot fill a batch once nearly every group is all right) returns
     the steps it made, its status naming the error."""
-    from dataflow.runtime import RunOptions, load_graph, run_graph
+    from dataflow.driver.runtime import RunOptions, load_graph, run_graph
 
     graph, config = load_graph(graph_file, overrides)
     t0 = time.time()

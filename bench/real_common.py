@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from tools import heldout  # noqa: E402
+from examples.smollm2_arithmetic import heldout  # noqa: E402
 
 T0 = time.time()
 
@@ -35,12 +35,12 @@ def prepare(args, tag: str) -> tuple[str, str, str]:
     work = Path(args.work)
     model = args.model or str(work / "smollm2")
     if not os.path.isfile(os.path.join(model, "model.safetensors")):
-        from tools import smollm2
+        from examples.smollm2_arithmetic import smollm2
         log(tag, f"converting SmolLM2-135M-Instruct into {model}")
         smollm2.convert(model, check=True, log=lambda s: log(tag, s))
     data = Path(args.data or work / "arithmetic")
     if not (data / "train.jsonl").is_file():
-        from tools import make_arithmetic
+        from examples.smollm2_arithmetic import make_arithmetic
         train, val = make_arithmetic.make_splits(seed=0, num_val=500)
         data.mkdir(parents=True, exist_ok=True)
         make_arithmetic.write_jsonl(str(data / "train.jsonl"), train)
@@ -50,8 +50,8 @@ def prepare(args, tag: str) -> tuple[str, str, str]:
 
 
 # --reward: (file, function); both engines load the same function from the same file.
-REWARDS = {"last_number": (ROOT / "bench" / "last_number_reward.py", "last_number_reward"),
-           "math": (ROOT / "rl" / "rewards.py", "math_reward")}
+REWARDS = {"last_number": (ROOT / "examples" / "smollm2_arithmetic" / "last_number_reward.py", "last_number_reward"),
+           "math": (ROOT / "rl" / "reward" / "reward_fn.py", "math_reward")}
 
 
 def reward_function(name: str):
@@ -81,7 +81,7 @@ def add_common_args(p, tiny_defaults: dict) -> None:
     p.add_argument("--kl", type=float, default=0.0, help="KL coefficient (beta)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--reward", choices=tuple(REWARDS), default="last_number",
-                   help="last_number: bench/last_number_reward.py (the held-out judge's rule); math: rl/rewards.py's "
+                   help="last_number: examples/smollm2_arithmetic/last_number_reward.py (the held-out judge's rule); math: rl/reward/reward_fn.py's "
                         "math_reward, which this task games (math-verify evaluates a restated '47 + 38')")
     p.add_argument("--tiny", action="store_true", help="CPU smoke: " + ", ".join(f"{k}={v}" for k, v in tiny_defaults.items()))
     p.set_defaults(_tiny=tiny_defaults)
@@ -126,7 +126,7 @@ class GpuMemory:
 
 
 class Evaluator:
-    """Greedy held-out accuracy (tools/heldout.evaluate) of weight snapshots, in one model kept
+    """Greedy held-out accuracy (examples/smollm2_arithmetic/heldout.evaluate) of weight snapshots, in one model kept
     on the evaluation device, so every engine is judged by the same code on the same problems."""
 
     def __init__(self, model_dir: str, val_path: str, n: int, batch: int, max_new_tokens: int, device: str):
@@ -147,7 +147,7 @@ class Evaluator:
 
 
 def eval_fields(result: dict) -> dict:
-    """The held-out evaluation's numbers a curve point keeps (tools/heldout.evaluate's result)."""
+    """The held-out evaluation's numbers a curve point keeps (examples/smollm2_arithmetic/heldout.evaluate's result)."""
     return {k: result[k] for k in ("accuracy", "math_reward", "mean_length", "hit_cap", "eval_s")}
 
 

@@ -6,12 +6,12 @@ with a held-out accuracy curve (issue 18, items 3 and 5).
     python bench/real_rl.py --tiny --out /tmp/real_tiny               # CPU smoke (minutes)
     ... --set learner.lr=5e-6 --set max_staleness=1                   # any graph setting
 
-Model and data: --model / --data, or converted and written under --work (tools/smollm2.py,
-tools/make_arithmetic.py). The graph runs with the --reward file (default
-bench/last_number_reward.py; `--reward math` = rl/rewards.py's math_reward) and saves a
+Model and data: --model / --data, or converted and written under --work (examples/smollm2_arithmetic/smollm2.py,
+examples/smollm2_arithmetic/make_arithmetic.py). The graph runs with the --reward file (default
+examples/smollm2_arithmetic/last_number_reward.py; `--reward math` = rl/reward/reward_fn.py's math_reward) and saves a
 checkpoint every --eval-every steps (save_interval, every checkpoint kept). After the run every
 checkpoint's learner weights, and the base model (step 0), are evaluated greedily on the held-out
-split by tools/heldout.py (the same judge bench/real_trl.py uses): evaluating after the run keeps
+split by examples/smollm2_arithmetic/heldout.py (the same judge bench/real_trl.py uses): evaluating after the run keeps
 the training clock clean of evaluation. Saving the checkpoints is in the clock (their saves are
 timed from the checkpoint directories appearing and reported apart: train_s = wall_s minus saves
 so far).
@@ -118,7 +118,7 @@ def keep_actor_logs(dst: Path, session: Path = Path("/tmp/ray/session_latest/log
 def render_prompts(model_dir: str, src: str, dst: Path) -> str:
     """A copy of the JSONL `src` whose chat prompts are rendered with the model's template."""
     from transformers import AutoTokenizer
-    from tools import heldout
+    from examples.smollm2_arithmetic import heldout
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     with open(src) as f, open(dst, "w") as out:
         for line in f:
@@ -140,8 +140,8 @@ def main() -> int:
     args = p.parse_args()
     apply_tiny(args)
     import torch
-    from dataflow import checkpoint
-    from dataflow.runtime import RunOptions, load_graph, run_graph
+    from dataflow.actor import checkpoint
+    from dataflow.driver.runtime import RunOptions, load_graph, run_graph
 
     on_gpu = torch.cuda.is_available() and not args.tiny
     out = Path(args.out)

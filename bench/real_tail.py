@@ -7,7 +7,7 @@
     python bench/real_tail.py --prompts 0 --trace trace.json.gz --out /tmp/tail       # the trace only (CPU)
 
 Part 1, the decoder alone: one GRPO step's generation (--prompts held-out prompts x --group, T=1,
-stop at <|im_end|>) through rl/decoding.StaticDecoder, the generator node's decoder, with all
+stop at <|im_end|>) through rl/generation/decoding.StaticDecoder, the generator node's decoder, with all
 sequences admitted at once (a synchronous step). Every decode step is timed (synchronised) with
 the number of sequences still running, which gives: the time until half / 90% / all responses
 ended, the time spent with fewer than 10% of the slots busy ("waiting on the longest
@@ -33,14 +33,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_common import log, prepare  # noqa: E402
-from tools import heldout  # noqa: E402
+from examples.smollm2_arithmetic import heldout  # noqa: E402
 
 TINY = {"prompts": 2, "group": 2, "max_new_tokens": 16}
 
 
 def decode_tail(model, tokenizer, prompts: list, group: int, max_new_tokens: int, seed: int = 0) -> dict:
     import torch
-    from rl.decoding import StaticDecoder, sample_key
+    from rl.generation.decoding import StaticDecoder, sample_key
     ids = [tokenizer(heldout.render(tokenizer, p), add_special_tokens=False)["input_ids"] for p in prompts]
     slots = len(ids) * group
     dec = StaticDecoder(model, slots, max(len(i) for i in ids) + max_new_tokens, eos_id=tokenizer.eos_token_id,

@@ -12,11 +12,11 @@ gradient_accumulation_steps = the step's completions), --lr constant, AdamW weig
 --temperature with top_k 0 / top_p 1, --max-new-tokens as max_completion_length with EOS
 allowed (responses stop at <|im_end|>), fp32 master weights under bf16 autocast (as our
 learner), no gradient checkpointing (ours has none). Plain transformers generation (no vLLM).
-The reward is the --reward function (default bench/last_number_reward.py, as real_rl.py), called
+The reward is the --reward function (default examples/smollm2_arithmetic/last_number_reward.py, as real_rl.py), called
 on each completion's text with the row's "answer"; prompts are the rows' chat messages, which TRL renders with the model's template.
 
 Held-out accuracy: every --eval-every steps a callback copies the weights to CPU (the copy is
-timed and left out of train_s); after training each copy is evaluated by tools/heldout.py, the
+timed and left out of train_s); after training each copy is evaluated by examples/smollm2_arithmetic/heldout.py, the
 judge real_rl.py uses. Writes --out/curve.json, curve.md, curve.png.
 """
 

@@ -18,7 +18,7 @@ inside a run, over its model nodes by SHARES. The settings are bench/real_rl.py'
 temperature 1, KL 0, one optimizer step per step, max_staleness 0, colocated on GPU 0), with
 micro-batches sized to the smaller shares, no checkpoints and no final weights. Held-out accuracy
 is the built-in validation (val.path = the 500 val problems, greedy, val.n=0), scored by --reward
-(bench/last_number_reward.py: the last number of the response, tools/heldout.py's judge), before
+(examples/smollm2_arithmetic/last_number_reward.py: the last number of the response, examples/smollm2_arithmetic/heldout.py's judge), before
 the first step and every --val-every steps; max_steps is --steps + 1 so that the weights after
 step --steps are validated too (the run ends at its last step without publishing them).
 

@@ -49,7 +49,7 @@ def steps_done(metrics: Path) -> int:
 
 
 def one_run(overrides: list[str], steps: int, out_dir: str, trace: bool) -> dict:
-    from dataflow.runtime import RunOptions, load_graph, run_graph
+    from dataflow.driver.runtime import RunOptions, load_graph, run_graph
 
     graph, config = load_graph(str(ROOT / "graphs/ppo.py"), overrides)
     trace_path = f"{out_dir}/trace.json" if trace else None

@@ -1,6 +1,6 @@
 """W1-long: the learner's update and the reference pass on the W1 model with long-tailed response
-lengths, padded (today) vs token-budget micro-batches, padded or packed (rl/microbatch.py,
-rl/packing.py). In this process, no Ray, no generation: synthetic samples of the lengths below.
+lengths, padded (today) vs token-budget micro-batches, padded or packed (rl/update/microbatch.py,
+rl/update/packing.py). In this process, no Ray, no generation: synthetic samples of the lengths below.
 
     python3 bench/varlen.py --out OUT                       # GPU (W1 model shape, bf16 autocast)
     python3 bench/varlen.py --tiny --out /tmp/varlen_tiny   # CPU smoke (tiny model, fp32)
@@ -22,7 +22,7 @@ Reference variants: nodes.reference.add_logprobs (today) vs packed token-budget 
 Reported per variant: s/step (median of --reps after one warm-up), real tokens/s (prompt +
 response tokens of the samples per second), response tokens/s, padding % (padding_stats), passes,
 peak GB (torch.cuda.max_memory_allocated). And the bf16 agreement of packed vs padded log-probs on
-the same rows (max and mean |diff|; float64 equality is tests/test_packing.py).
+the same rows (max and mean |diff|; float64 equality is tests/unit/test_packing.py).
 Writes OUT/results.json (rewritten after every variant).
 """
 
@@ -93,16 +93,16 @@ def make_samples(shape: dict, lengths: list[int]) -> list[dict]:
 def bench_train_step(model, opt, samples, plan: list[list[int]], layout: str, amp, device,
                      full_width: bool = False) -> None:
     """One optimizer step: ppo_update's loss (policy + KL, token means over the minibatch) over
-    `plan`'s micro-batches (rl/packing.micro_batch), each weighted by its token share
-    (rl/microbatch.micro_batch_weights). full_width: padded micro-batches keep the whole batch's
+    `plan`'s micro-batches (rl/update/packing.micro_batch), each weighted by its token share
+    (rl/update/microbatch.micro_batch_weights). full_width: padded micro-batches keep the whole batch's
     columns, as ppo_update's slices do today."""
-    from rl.kl import kl_penalty
-    from rl.losses import ppo_policy_loss
-    from rl.masked import masked_mean
-    from rl.microbatch import micro_batch_weights
-    from rl.padded_batch import pad_batch, sequence_logprobs
-    from rl.packing import micro_batch, micro_batch_logprobs
-    from rl.precision import autocast
+    from rl.algorithm.kl import kl_penalty
+    from rl.algorithm.losses import ppo_policy_loss
+    from rl.algorithm.masked import masked_mean
+    from rl.update.microbatch import micro_batch_weights
+    from rl.model.padded_batch import pad_batch, sequence_logprobs
+    from rl.update.packing import micro_batch, micro_batch_logprobs
+    from rl.model.precision import autocast
 
     keys = ("logprobs", "ref_logprobs", "advantage_tokens")
     full = pad_batch(samples, 0, token_keys=keys, device=device)
@@ -132,9 +132,9 @@ def bench_train_step(model, opt, samples, plan: list[list[int]], layout: str, am
 
 
 def bench_reference(model, samples, plan, amp, device) -> None:
-    from rl.padded_batch import pad_batch
-    from rl.packing import micro_batch, micro_batch_logprobs
-    from rl.precision import autocast
+    from rl.model.padded_batch import pad_batch
+    from rl.update.packing import micro_batch, micro_batch_logprobs
+    from rl.model.precision import autocast
 
     full = pad_batch(samples, 0, token_keys=(), device=device)
     out = torch.zeros_like(full["response_mask"])
@@ -147,9 +147,9 @@ def bench_reference(model, samples, plan, amp, device) -> None:
 
 def bf16_agreement(model, samples, rows, amp, device) -> dict:
     """max / mean |packed - padded sdpa| of the response log-probs of `rows` under the run's autocast."""
-    from rl.padded_batch import pad_batch, sequence_logprobs
-    from rl.packing import pack_rows, packed_sequence_logprobs
-    from rl.precision import autocast
+    from rl.model.padded_batch import pad_batch, sequence_logprobs
+    from rl.update.packing import pack_rows, packed_sequence_logprobs
+    from rl.model.precision import autocast
 
     full = pad_batch([samples[i] for i in rows], 0, token_keys=(), device=device)
     packed_kind = model.config._attn_implementation
@@ -185,9 +185,9 @@ def main() -> None:
 
     from nodes.learner import LearnerConfig, ppo_update
     from nodes.reference import add_logprobs
-    from rl.microbatch import enable_gradient_checkpointing, padding_stats, plan_micro_batches, sample_lengths
-    from rl.packing import use_varlen_attention
-    from rl.precision import compute_dtype, micro_slices
+    from rl.update.microbatch import enable_gradient_checkpointing, padding_stats, plan_micro_batches, sample_lengths
+    from rl.update.packing import use_varlen_attention
+    from rl.model.precision import compute_dtype, micro_slices
 
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     shape = SHAPES["tiny" if args.tiny else "w1"]

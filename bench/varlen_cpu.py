@@ -3,7 +3,7 @@ peak memory for padded / token-budget / packed micro-batches and gradient checkp
 
     python3 bench/varlen_cpu.py --digits 2,24 --out /tmp/varlen_cpu.json
 
-Samples: the built-in copy task (rl/tasks.py) answered by the untrained built-in policy (rl/models
+Samples: the built-in copy task (rl/data/tasks.py) answered by the untrained built-in policy (rl/models
 ModelConfig defaults, 2 layers x 128), GRPO's default shape (16 prompts x group 8 = 128 samples),
 sampled at T=1 with <eos> allowed, so response lengths vary from 1 to the cap. One optimizer step
 over all 128 (one minibatch, GRPO advantages, KL in the loss). Each variant runs in a fresh
@@ -46,8 +46,9 @@ def rss_mb() -> float:
 
 def samples_for(digits: int, prompts: int = 16, group: int = 8) -> tuple:
     from nodes.reference import add_logprobs
-    from rl.models import ModelConfig, build_policy, sample_responses
-    from rl.tasks import build_tokenizer, make_task, score
+    from rl.model.causal_lm import ModelConfig, build_policy
+    from rl.generation.hf_sampling import sample_responses
+    from rl.data.tasks import build_tokenizer, make_task, score
 
     tok = build_tokenizer()
     model = build_policy(ModelConfig(), tok)
@@ -68,8 +69,8 @@ def child(digits: int, variant: str, budget: int, reps: int) -> dict:
     import torch
 
     from nodes.learner import LearnerConfig, ppo_update
-    from rl.microbatch import enable_gradient_checkpointing
-    from rl.packing import use_varlen_attention
+    from rl.update.microbatch import enable_gradient_checkpointing
+    from rl.update.packing import use_varlen_attention
 
     torch.set_num_threads(1)
     tok, model, samples = samples_for(digits)

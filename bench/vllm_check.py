@@ -6,9 +6,9 @@ run with vLLM's bundled FlashAttention (item 7).
         [--model-dir models/smollm2] [--parts correctness,speed,flash,grpo] [--grpo-steps 8]
 
 Parts (each writes into OUT/results.json as it finishes, so a cut-off call keeps what ran):
-  correctness  W1 (and --model-dir) through rl/vllm_engine.VllmDecoder, the generator's own path:
+  correctness  W1 (and --model-dir) through rl/generation/vllm_engine.VllmDecoder, the generator's own path:
                behaviour log-probs (processed, at the sampling temperature) against the learner's
-               recomputation (rl/padded_batch.sequence_logprobs on the generator's bf16 copy) on the same
+               recomputation (rl/model/padded_batch.sequence_logprobs on the generator's bf16 copy) on the same
                tokens, before and after a weight push (mean / max abs diff; the push is checked to
                have landed: the old samples' log-probs move); greedy responses against the static
                decoder's on the same weights (identical responses, mean agreeing prefix).
@@ -30,7 +30,7 @@ Parts (each writes into OUT/results.json as it finishes, so a cut-off call keeps
 Expect ~6-8 min for correctness+speed+flash (two vLLM engine starts, ~1 min each cold) and ~5 min
 for grpo: run them as two calls (--parts correctness,speed,flash then --parts grpo) under a
 10-minute limit. No CPU mode: vLLM's engine needs CUDA (the CPU-testable parts are in
-tests/test_vllm_backend.py).
+tests/integration/test_vllm_backend.py).
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import gpu_step  # noqa: E402  (bench/gpu_step.py: the W1 workload and the graph variant runner)
 import torch  # noqa: E402
 
-from rl import policy  # noqa: E402
-from rl.decoding import StaticDecoder, sample_key  # noqa: E402
-from rl.padded_batch import pad_batch, sequence_logprobs  # noqa: E402
-from rl.vllm_engine import VllmDecoder, sampling_params  # noqa: E402
+from rl.data import policy  # noqa: E402
+from rl.generation.decoding import StaticDecoder, sample_key  # noqa: E402
+from rl.model.padded_batch import pad_batch, sequence_logprobs  # noqa: E402
+from rl.generation.vllm_engine import VllmDecoder, sampling_params  # noqa: E402
 
 T0 = time.time()
 # vLLM's behaviour log-probs may differ from the learner's recomputation as much as our own
@@ -120,7 +120,7 @@ def engine(model_dir: str, model, slots: int, max_len: int, stop_ids, new: int, 
 
 @torch.no_grad()
 def recompute(model, samples: list[dict], temperature: float = 1.0, rows: int = 32) -> list[list[float]]:
-    """The learner's log-probs of each sample's response tokens (rl/padded_batch.sequence_logprobs)."""
+    """The learner's log-probs of each sample's response tokens (rl/model/padded_batch.sequence_logprobs)."""
     out = []
     for at in range(0, len(samples), rows):
         part = samples[at:at + rows]
@@ -243,7 +243,7 @@ def vllm_speed(name: str, prompts, stop_ids, new: int, min_new: int, group: int,
 
 def flash_adapter():
     """flash_attn_with_kvcache(q, k_cache, v_cache, k=, v=, cache_seqlens=, softmax_scale=, causal=)
-    as rl/decoding.py calls it, on vllm.vllm_flash_attn.flash_attn_varlen_func: append k/v at
+    as rl/generation/decoding.py calls it, on vllm.vllm_flash_attn.flash_attn_varlen_func: append k/v at
     cache_seqlens, then attend with the cache [S, L, kv, d] seen as pages of 16 tokens (the same
     memory; L must be a multiple of 16), one query token per row."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func
@@ -268,10 +268,10 @@ def flash_adapter():
 
 
 def flash_part(model, prompts, stop_ids, new: int) -> dict:
-    import rl.decoding as decoding
+    import rl.generation.decoding as decoding
 
-    # StaticDecoder takes its flash kernel from rl.decoding's name flash_with_kvcache (imported there
-    # from rl/decoder_forward.py): the decoder's own flash path runs with this adapter inside
+    # StaticDecoder takes its flash kernel from rl.generation.decoding's name flash_with_kvcache (imported there
+    # from rl/generation/decoder_forward.py): the decoder's own flash path runs with this adapter inside
     adapter, original = flash_adapter(), decoding.flash_with_kvcache
     decoding.flash_with_kvcache = lambda: adapter
     try:
@@ -314,7 +314,7 @@ def sleep_part(model_dir: str, model, prompts, stop_ids, new: int) -> dict:
     event (a push; sleep level 1 with a push while asleep; sleep level 2, weights freed, with a push
     while asleep) the behaviour log-probs are checked against the learner's recomputation on the
     same weights: a stale or garbage weight would show as a gap far above the awake one."""
-    from rl.vllm_engine import VllmConfig
+    from rl.generation.vllm_engine import VllmConfig
 
     batch, group, version = prompts[:32], 8, [0]
     t = time.time()
@@ -414,7 +414,7 @@ def table() -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--model-dir", default="", help="SmolLM2-135M-Instruct directory (tools/smollm2.py)")
+    p.add_argument("--model-dir", default="", help="SmolLM2-135M-Instruct directory (examples/smollm2_arithmetic/smollm2.py)")
     p.add_argument("--parts", default="correctness,speed,flash,grpo")
     p.add_argument("--workloads", default="W1,SmolLM2",
                    help="which workloads the correctness and speed parts run (SmolLM2 needs --model-dir)")
@@ -424,7 +424,7 @@ def main() -> int:
                    help="generator backends for the grpo part; vllm-sleepN: generator.vllm.sleep_level=N")
     args = p.parse_args()
     if not torch.cuda.is_available():
-        print("bench/vllm_check.py needs a CUDA GPU (vLLM's engine); the CPU parts are tests/test_vllm_backend.py")
+        print("bench/vllm_check.py needs a CUDA GPU (vLLM's engine); the CPU parts are tests/integration/test_vllm_backend.py")
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

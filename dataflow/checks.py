@@ -11,7 +11,7 @@ A setting's type says what it is; an `Annotated` constraint says which values ar
 `--set` conversion ignores the annotation (typing.get_type_hints drops it); `problems(config)`
 reads it back (include_extras=True) and returns one line per violated constraint, naming the
 setting by its dotted `--set` key, the value and what is allowed. The CLI prints them all and exits
-2 before Ray starts (dataflow/loading.py). A `Literal[...]` setting is checked to be one of its
+2 before Ray starts (dataflow/driver/loading.py). A `Literal[...]` setting is checked to be one of its
 choices too (a graph file may assign it in Python, past --set's conversion). A subclass that
 redeclares a field to change its default (`prompts_per_step: int = 16`) keeps the base class's
 constraints.

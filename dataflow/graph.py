@@ -126,17 +126,17 @@ class Graph:
     max_steps: int | None = None
     """Steps after which the run ends (the --max-steps flag overrides it)."""
     save_interval: int = 0
-    """Checkpoint every this many steps, and on Ctrl-C / SIGTERM (0 = never; dataflow/checkpoint.py)."""
+    """Checkpoint every this many steps, and on Ctrl-C / SIGTERM (0 = never; dataflow/actor/checkpoint.py)."""
     keep_checkpoints: int = 3
     """Committed checkpoints kept in the run directory; older ones are deleted once a newer one
     commits (0 = keep all)."""
     async_checkpoint: bool = True
-    """Write checkpoints in the background (dataflow/checkpointer.py): training waits only while
+    """Write checkpoints in the background (dataflow/driver/checkpointer.py): training waits only while
     every replica copies its state to CPU memory, not for the files to reach the disk. The copy
     lives until the files are written: host memory for the state is twice its size meanwhile
     (state already on the CPU is copied; state on a GPU is copied to CPU memory by either mode).
     False: training waits until the checkpoint has committed. On by default: a checkpoint holds
-    the same state either way (tests/test_checkpoint.py), and a state on the GPU is copied to CPU
+    the same state either way (tests/integration/test_checkpoint.py), and a state on the GPU is copied to CPU
     memory by the synchronous save too, so only the wait changes
     (bench/results/checkpoint_blocking_h200_2026-12-03.md)."""
     max_restarts: int = 0
@@ -146,10 +146,10 @@ class Graph:
     """Drop (and count) channel items that fail to decode instead of failing the consumer."""
     loggers: list[str] | str = field(default_factory=list)
     """Metric sinks besides metrics.jsonl: "tensorboard", "wandb" (a list or "tensorboard,wandb";
-    dataflow/loggers.py)."""
+    dataflow/driver/loggers.py)."""
     stall_timeout_s: float | None = None
     """Seconds without a step after which the run counts as stalled and the driver prints what
-    every node waits for (dataflow/stall.py). None = max(300 s, 5 x the slowest step so far);
+    every node waits for (dataflow/driver/stall.py). None = max(300 s, 5 x the slowest step so far);
     a negative value turns the check off. A deadlock (every node waiting, nothing moving) is
     reported after 20 s whatever this is."""
     stall_action: str = "stop"
@@ -159,11 +159,11 @@ class Graph:
     """Seconds without a step after which the driver prints, once per quiet spell, where every
     node is (what it waits for, the busy ones' Python stacks) and the run goes on: an early look
     at a start-up that hangs, before the stall timeout's 300 s floor. At least twice the slowest
-    step so far; only when shorter than the stall timeout; None = never (dataflow/stall.py)."""
+    step so far; only when shorter than the stall timeout; None = never (dataflow/driver/stall.py)."""
     alerts: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_ALERTS))
     """Counters of things that went wrong, by metric key (or a prefix ending in "/"): any that is
     non-zero is shown on every progress line and in the final summary, not only in metrics.jsonl
-    (dataflow/monitor.py). "total": a running total each replica reports (its latest value counts);
+    (dataflow/driver/monitor.py). "total": a running total each replica reports (its latest value counts);
     "count": an amount per report (they add up)."""
     config: Any = None
     """The graph's settings (the graph file's config). Given, its `rules` are applied now (shared

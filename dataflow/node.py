@@ -1,7 +1,7 @@
 """The node contract: what a node kind (nodes/*.py) subclasses and what it can ask of the engine.
 
 A node kind is a class with a typed `Config` dataclass, the names of its ports, and one `run()`
-loop. The engine builds it inside a NodeHost Ray actor (dataflow/host.py) and hands it a
+loop. The engine builds it inside a NodeHost Ray actor (dataflow/actor/host.py) and hands it a
 `NodeContext` for everything that crosses the process boundary: channels, versioned edges,
 metrics, trace spans.
 """
@@ -50,7 +50,7 @@ class Node:
         repeat it"): the driver shows it when the run ends before its max steps."""
         raise NotImplementedError
 
-    # State that a checkpoint saves and a resumed or restarted replica loads (dataflow/checkpoint.py).
+    # State that a checkpoint saves and a resumed or restarted replica loads (dataflow/actor/checkpoint.py).
     def state_dict(self) -> dict:
         """Tensors, arrays, numbers, strings, lists, tuples and dicts (saved as safetensors + JSON).
         Runs under `ctx.state_lock`; `ctx.checkpoint_step` is the step being saved."""
@@ -139,7 +139,7 @@ class NodeContext:
     async def wait_version(self, edge: str, min_version: int, why: str = "") -> int:
         """Wait until `edge` has reached `min_version`; returns the version reached. `why` says
         what the wait is for (e.g. "staleness admission, max_staleness=1"): a stalled run's wait
-        graph shows it (dataflow/stall.py)."""
+        graph shows it (dataflow/driver/stall.py)."""
         return await self._host.wait_version(edge, min_version, why)
 
     def checkpoint_due(self, step: int) -> bool:
@@ -147,9 +147,9 @@ class NodeContext:
         return self.save_interval > 0 and step > 0 and step % self.save_interval == 0
 
     async def checkpoint(self, step: int) -> str:
-        """Save every node's state for `step` (the driver asks each replica; dataflow/checkpoint.py)
+        """Save every node's state for `step` (the driver asks each replica; dataflow/actor/checkpoint.py)
         and return the checkpoint directory. Call it where the run's state is consistent: after
         step `step`'s update, before its new weights are published. Do not hold state_lock.
         With async_checkpoint it returns once every replica's state is copied, and the directory
-        is committed later (dataflow/checkpointer.py); a failed write then stops the run."""
+        is committed later (dataflow/driver/checkpointer.py); a failed write then stops the run."""
         return await self._host.checkpoint(step)

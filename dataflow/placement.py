@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 from dataflow.errors import GraphError, UserError
-from dataflow.failures import wait_within
+from dataflow.timeouts import wait_within
 
 NO_POOL = "no pool"
 STRATEGIES = ("STRICT_PACK", "PACK")

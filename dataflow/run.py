@@ -12,7 +12,7 @@ import signal
 import sys
 
 from dataflow.errors import NodeFailed, UserError
-from dataflow.stall import RunStalled
+from dataflow.driver.stall import RunStalled
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,8 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from dataflow.resume import load_for_resume
-    from dataflow.runtime import RunOptions, describe, load_graph, run_graph
+    from dataflow.driver.resume import load_for_resume
+    from dataflow.driver.runtime import RunOptions, describe, load_graph, run_graph
 
     try:
         if args.resume:  # the run's own settings, and a checkpoint that is intact
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_steps is not None and args.max_steps < 1:
         print("error: --max-steps must be >= 1", file=sys.stderr)
         return 2
-    from dataflow.preflight import input_problems
+    from dataflow.driver.preflight import input_problems
 
     try:
         found = input_problems(graph, config)   # model dirs, data, rewards: in seconds, before Ray starts

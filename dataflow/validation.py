@@ -19,7 +19,7 @@ def graph_problems(graph, source: str) -> list[str]:
     if not isinstance(graph.keep_checkpoints, int) or graph.keep_checkpoints < 0:
         problems.append(f"{source}: keep_checkpoints must be an integer >= 0 (got {graph.keep_checkpoints!r}); "
                         "0 keeps every checkpoint")
-    from dataflow import loggers
+    from dataflow.driver import loggers
 
     problems += [f"{source}: {p}" for p in loggers.problems(graph.loggers)]
     for spec in graph.nodes.values():

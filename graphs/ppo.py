@@ -11,7 +11,7 @@ Each arrow is a bounded channel: scoring, reference log-probs and critic values 
 they stream out of the generators, overlapping rollout. The learner trains step k on prompt batch
 k, then pushes version k+1 to the generators; the prompt source admits batch k only once version
 >= k - max_staleness exists (max_staleness=0: synchronous on-policy PPO). The settings the nodes
-share are declared once (graphs/rlhf.py). Out of the box: the built-in task (rl/tasks.py) on a
+share are declared once (graphs/rlhf.py). Out of the box: the built-in task (rl/data/tasks.py) on a
 tiny random-init Llama, on CPU. Yours: --set policy.path=/hf_model_dir --set prompts.path=data.jsonl
 --set reward.path=my_reward.py --set max_new_tokens=64. GPUs: --set placement=colocated (or split)
 --set num_gpus=N; --describe prints which node runs on which GPU.

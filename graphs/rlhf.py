@@ -22,8 +22,8 @@ from nodes.reference import Reference, ReferenceConfig
 from nodes.evaluator import VALIDATED, Evaluator, ValidationConfig
 from nodes.reward import Reward, RewardConfig, RewardWithValidation
 from nodes.reward_model import RewardModel, RewardModelConfig
-from rl.policy import PolicySpec
-from rl.tasks import make_task
+from rl.data.policy import PolicySpec
+from rl.data.tasks import make_task
 
 PROGRESS = ["reward/mean±reward/std", "kl", "entropy", "staleness/mean", "perf/samples_per_s"]
 """The metrics on each step's progress line."""
@@ -114,7 +114,7 @@ class RLHFConfig:
     val: ValidationConfig = field(default_factory=ValidationConfig)
     """Validation rounds on a held-out file (nodes/evaluator.py): val.path, val.every, val.n, val.k."""
     loggers: str = ""
-    """Metric sinks besides metrics.jsonl: tensorboard, wandb, or both (dataflow/loggers.py)."""
+    """Metric sinks besides metrics.jsonl: tensorboard, wandb, or both (dataflow/driver/loggers.py)."""
     max_steps: Annotated[int, AtLeast(1)] = 200
     """Stop after this many learner steps (--max-steps overrides)."""
     target_reward: Annotated[float, Finite] = 0.0
@@ -127,12 +127,12 @@ class RLHFConfig:
     async_checkpoint: bool = True
     """Write checkpoints in the background: training waits only while the state is copied to CPU
     memory (host memory for it doubles until the files are written); False waits for the commit
-    (dataflow/checkpointer.py)."""
+    (dataflow/driver/checkpointer.py)."""
     drop_bad_items: bool = False
     """Drop (and count) channel items that fail to decode, instead of failing the node reading them."""
     stall_timeout_s: float | None = None
     """Seconds without a learner step after which the driver prints what every node waits for and
-    the root of the wait (dataflow/stall.py); None = max(300 s, 5 x the slowest step), < 0 = off."""
+    the root of the wait (dataflow/driver/stall.py); None = max(300 s, 5 x the slowest step), < 0 = off."""
     stall_action: Literal["stop", "warn"] = "stop"
     """On a stall: stop the run (exit 1) naming the root, or warn and keep waiting."""
     stall_warn_s: float | None = 120.0

@@ -6,7 +6,7 @@
 
 Not a graph file: it reads them. A graph file here is one that defines `build(`.
 
-Each graph file is loaded as `--describe` loads it (dataflow.loading.load_graph: the graph's
+Each graph file is loaded as `--describe` loads it (dataflow.driver.loading.load_graph: the graph's
 `config` after build(), so a value is what runs when nothing is set) and its config tree walked
 as `--describe` walks it (dataflow.config.flatten). A setting's constraint is read as the
 pre-start checks read it (dataflow.checks.constraints_of), and a setting another one feeds is
@@ -31,7 +31,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from dataflow.checks import Each, ExistingPath, OneOf, Range, constraints_of
 from dataflow.config import flatten
-from dataflow.loading import load_graph
+from dataflow.driver.loading import load_graph
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAPHS = tuple(f"graphs/{p.name}" for p in sorted((ROOT / "graphs").glob("*.py")) if "\ndef build(" in p.read_text())

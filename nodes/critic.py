@@ -25,19 +25,20 @@ from typing import Annotated
 
 import torch
 
-from dataflow import Node, snapshots
+from dataflow import Node
+from dataflow.actor import snapshots
 from dataflow.checks import AtLeast, NonNegative, Positive, Range
 from dataflow.errors import UserError
 from dataflow.weights.multirank import CRITIC_RANKS_EDGE, RankCommands
-from rl import policy
-from rl.microbatch import check_micro_batch_settings, padding_metrics, rank_micro_batches, sample_lengths
-from rl.models import ValueModel
-from rl.padded_batch import COLUMN_MULTIPLE, pad_batch, unpad_tokens
-from rl.packing import micro_batch, micro_batch_values, use_varlen_attention
-from rl.precision import Precision, autocast, compile_layers, compile_setting, compute_dtype, prepare_trained
-from rl.advantages import gae_advantages
-from rl.masked import masked_mean
-from rl.losses import value_loss
+from rl.data import policy
+from rl.update.microbatch import check_micro_batch_settings, padding_metrics, rank_micro_batches, sample_lengths
+from rl.model.causal_lm import ValueModel
+from rl.model.padded_batch import COLUMN_MULTIPLE, pad_batch, unpad_tokens
+from rl.update.packing import micro_batch, micro_batch_values, use_varlen_attention
+from rl.model.precision import Precision, autocast, compile_layers, compile_setting, compute_dtype, prepare_trained
+from rl.algorithm.advantages import gae_advantages
+from rl.algorithm.masked import masked_mean
+from rl.algorithm.losses import value_loss
 
 
 @dataclass(kw_only=True)
@@ -67,10 +68,10 @@ class CriticConfig:
     """Run each pass packed, without padding (as learner.packing); "critic/padding_frac" reports
     the padding of the value and training passes since the last report."""
     precision: Precision = "auto"
-    """auto: bf16 autocast over fp32 master weights on CUDA, fp32 on CPU (rl/precision.py)."""
+    """auto: bf16 autocast over fp32 master weights on CUDA, fp32 on CPU (rl/model/precision.py)."""
     compile: bool | None = None
     """torch.compile each decoder layer of the trunk (None = on CUDA, one process, without
-    gradient_checkpointing or packing; rl/precision.compile_setting says why, compile_layers how)."""
+    gradient_checkpointing or packing; rl/model/precision.compile_setting says why, compile_layers how)."""
     seed: int = 0
     snapshot_interval: Annotated[int, AtLeast(-1, note='-1 = auto, 0 = off')] = -1
     """Every this many training passes, write the critic's state to <run>/snapshots/<replica>/:
@@ -222,7 +223,7 @@ class Critic(RankCommands, Node):
         with self.ctx.span("load model"):   # a start-up part (setup/critic/load model)
             base, self.tokenizer = policy.load(c.policy)
             self.model = ValueModel.from_policy(base, gradient_checkpointing=c.gradient_checkpointing)
-            prepare_trained(self.model, self.ctx.device, c.precision)  # fp32 masters (rl/precision.py)
+            prepare_trained(self.model, self.ctx.device, c.precision)  # fp32 masters (rl/model/precision.py)
         self.model.eval()
         if c.packing:  # before TP / FSDP and compile, which wrap the layers
             self.ctx.log(f"packed passes, attention: {use_varlen_attention(self.model, self.ctx.device)}")
@@ -286,7 +287,7 @@ class Critic(RankCommands, Node):
 
     async def _snapshot(self) -> None:
         """After a training pass (under the state lock): every snapshot_interval passes, the state
-        to <run>/snapshots/ (dataflow/snapshots.py), for a restart of this replica."""
+        to <run>/snapshots/ (dataflow/actor/snapshots.py), for a restart of this replica."""
         self.progress += 1
         every = self.config.snapshot_interval
         if every < 0:  # auto: decided once, from the size of what a snapshot writes

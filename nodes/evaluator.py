@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from dataflow import Node
 from dataflow.channel import EndOfChannel
 from dataflow.errors import UserError
-from rl.metrics import PromptResult, validation_metrics
+from rl.algorithm.metrics import PromptResult, validation_metrics
 
 VALIDATED = "validated"
 """Versioned edge evaluator -> prompt source: version r + 1 once round r is reported (0 = ready)."""

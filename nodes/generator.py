@@ -7,30 +7,30 @@ Waits for: prompts (admitted by the prompt source under the staleness bound).
 Unblocked by: the prompt source; new weights arrive on the versioned edge `policy` at any time
 (weight_sync.transport=collective: by the learner's HybridEngine push; dataflow/weights/sync.py).
 
-Llama / Qwen2 policies decode with rl/decoding.py (static KV cache, CUDA graphs on a GPU) by
+Llama / Qwen2 policies decode with rl/generation/decoding.py (static KV cache, CUDA graphs on a GPU) by
 continuous batching: prompts_per_call x group_size slots are refilled from the `prompts` channel as
 prompts arrive and sequences finish, and each prompt's item goes downstream as soon as its whole
 group finished, not after a batch. A prompt's group is admitted at once, and only while no newer
 weight version is announced: then admission stops, the slots drain, the weights switch (between
 serving() blocks), and admission resumes, so no response or group mixes versions. Prompts already
 taken are generated, never lost. generator.backend=vllm runs a vLLM engine in the same loop
-(rl/vllm_engine.VllmDecoder has the decoder's interface; the weight sync writes into this replica's
-HF copy, which is loaded into vLLM at each switch). The HF loop (rl/models.py:sample_responses)
+(rl/generation/vllm_engine.VllmDecoder has the decoder's interface; the weight sync writes into this replica's
+HF copy, which is loaded into vLLM at each switch). The HF loop (rl/generation/hf_sampling.py:sample_responses)
 runs in batches of up to prompts_per_call prompts, switching weights between batches.
 Generation runs in a worker thread so the actor keeps answering channel pulls and weight pushes.
 
 Partial rollouts (generator.partial_rollout; slime's and verl's name, AReaL's interruptible
 generation): on a newer version the live sequences are not drained: the loop leaves serving()
 between two decode steps, the weights switch, the sequences go on under them with their KV cache
-kept (rl/decoding.py), and admission resumes at once. Each sample carries "token_versions" (per
+kept (rl/generation/decoding.py), and admission resumes at once. Each sample carries "token_versions" (per
 response token, the version that sampled it; AReaL's per-token versions). The item's "version" is
 its oldest token's, the one its group was admitted under, so the prompt source's staleness bound
-holds for every token; the learner weights each token by its own (rl/losses.behaviour_weights). A
+holds for every token; the learner weights each token by its own (rl/algorithm/losses.behaviour_weights). A
 response then depends on when the weights switched. Every switch reports generator/drain_s (from
 seeing a newer version to leaving the old weights, admission stopped) and drain_free_slots.
 
 Validation prompts (data "val", nodes/evaluator.py) get 1 + val.n responses instead of a group:
-the first greedy (temperature 0, a per-slot setting of the decoder; rl/decoding.py), the others at
+the first greedy (temperature 0, a per-slot setting of the decoder; rl/generation/decoding.py), the others at
 the training temperature. In the continuous decoder they share decode steps with training prompts
 (the span "generate val" on the track "val" marks them); the HF loop decodes them in calls of their
 own (span "generate val").
@@ -54,12 +54,12 @@ from dataflow import Node
 from dataflow.channel import EndOfChannel, WouldBlock
 from dataflow.checks import AtLeast, Each, NonNegative
 from dataflow.errors import UserError
-from nodes.generator_reports import Drain, ValidationSpan
-from rl import policy
-from rl.decoder_slots import kv_bytes_per_slot, prompts_per_call, room_bytes
-from rl.decoding import StaticDecoder, sample_key, unsupported_reason
-from rl.models import cut_at_stop_strings, sample_responses
-from rl.vllm_engine import VllmConfig, choose_backend, missing_vllm, vllm_installed
+from rl.generation.reports import Drain, ValidationSpan
+from rl.data import policy
+from rl.generation.decoder_slots import kv_bytes_per_slot, prompts_per_call, room_bytes
+from rl.generation.decoding import StaticDecoder, sample_key, unsupported_reason
+from rl.generation.hf_sampling import cut_at_stop_strings, sample_responses
+from rl.generation.vllm_engine import VllmConfig, choose_backend, missing_vllm, vllm_installed
 from dataflow.weights.sync import SYNC_EDGE, GeneratorWeightSync, WeightSyncConfig
 
 
@@ -76,11 +76,11 @@ class GeneratorConfig:
     many tokens."""
     stop_token_ids: Annotated[list[int], Each(NonNegative)] = field(default_factory=list)
     """Ids that end a response, besides the tokenizer's eos and every eos id of the model's
-    generation_config.json (always on; rl/policy.stop_token_ids). The stop token stays in the
+    generation_config.json (always on; rl/data/policy.stop_token_ids). The stop token stays in the
     trained response."""
     stop_strings: list[str] = field(default_factory=list)
     """Texts that end a response: after generation, a response is cut after the token that
-    completes the first one (rl/models.cut_at_stop_strings; the tokens past it were generated and
+    completes the first one (rl/generation/hf_sampling.cut_at_stop_strings; the tokens past it were generated and
     are dropped). Prefer stop_token_ids where the stop is one token: it saves that compute."""
     temperature: Annotated[float, NonNegative] = 1.0
     top_k: Annotated[int, NonNegative] = 0
@@ -92,16 +92,16 @@ class GeneratorConfig:
     on CPU. On a GPU a decode step costs little more for 256 slots than for 32, so more slots are
     nearly free throughput (bench/results/w1_step_h200_2026-11-30a.md). Auto takes fewer slots
     when their KV cache would fill more than half of the GPU memory this replica has left, or on a
-    CPU a quarter of the machine's available memory (logged; rl/decoder_slots.py)."""
+    CPU a quarter of the machine's available memory (logged; rl/generation/decoder_slots.py)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and KV cache dtype (auto: bfloat16 on CUDA, float32 on CPU). The learner's weights
     are cast into it as they arrive."""
     backend: Literal["auto", "static", "hf", "vllm"] = "auto"
-    """static: our decoder (rl/decoding.py; llama / qwen2); hf: the plain transformers loop; vllm: a
-    vLLM engine per replica (rl/vllm_engine.py; CUDA, `pip install -e '.[vllm]'`). auto: static for
+    """static: our decoder (rl/generation/decoding.py; llama / qwen2); hf: the plain transformers loop; vllm: a
+    vLLM engine per replica (rl/generation/vllm_engine.py; CUDA, `pip install -e '.[vllm]'`). auto: static for
     the models it covers, else vllm on CUDA when installed, else hf. The choice and why: logged."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
-    """backend=vllm: the engine's memory share and sleep mode (rl/vllm_engine.VllmConfig)."""
+    """backend=vllm: the engine's memory share and sleep mode (rl/generation/vllm_engine.VllmConfig)."""
     max_prompt_tokens: Annotated[int, NonNegative] = 0
     """Static decoder: longest prompt (sizes the KV cache with max_new_tokens). 0 = the model's
     max_position_embeddings - max_new_tokens, within [256, 1024]. A longer prompt fails the node."""
@@ -109,7 +109,7 @@ class GeneratorConfig:
     """Static decoder on CUDA: replay each decode step as a CUDA graph (False: eager, to compare)."""
     compile: bool | None = None
     """Static decoder: torch.compile each layer's parts around attention (None = on CUDA;
-    rl/decoder_forward.attention_input / attention_output).
+    rl/generation/decoder_forward.attention_input / attention_output).
     Compiled at setup; a machine without a working compiler decodes with eager layers (logged)."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """How the learner's weights arrive (must match the learner's; dataflow/weights/sync.py)."""
@@ -176,7 +176,7 @@ class Generator(Node):
         max_pos = self.model.config.max_position_embeddings
         self.max_prompt = c.max_prompt_tokens or min(max(max_pos - c.max_new_tokens, 256), 1024)
         if backend == "vllm":
-            from rl.vllm_engine import build_decoder
+            from rl.generation.vllm_engine import build_decoder
             # a minute or so: in a thread, so the actor keeps answering (weight sync, channels)
             with self.ctx.span("build decoder"):
                 self.decoder = await asyncio.to_thread(

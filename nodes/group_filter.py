@@ -37,7 +37,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Annotated
 
-from dataflow import Node, snapshots
+from dataflow import Node
+from dataflow.actor import snapshots
 from dataflow.checks import AtLeast, NonNegative
 from nodes.prompts import DROPPED_EDGE
 
@@ -79,7 +80,7 @@ class GroupFilter(Node):
 
     def state_dict(self) -> dict:
         # A checkpoint: nothing (after --resume the source sends the untrained batches afresh);
-        # progress -1 so that a restarted filter loads its snapshot instead (dataflow/snapshots.py).
+        # progress -1 so that a restarted filter loads its snapshot instead (dataflow/actor/snapshots.py).
         return {"progress": -1, "surplus": self.surplus}
 
     def load_state_dict(self, state: dict) -> None:

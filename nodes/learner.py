@@ -8,7 +8,7 @@ Step k trains on exactly the prompts the source admitted for batch k (meta "batc
 staleness of every sample is k - sample.version <= max_staleness by construction (admission
 control in nodes/prompts.py); the learner reports it, and refuses a sample that breaks the bound.
 The step is a flat sequence of phases: collect -> old log-probs, advantages and PPO epochs over
-minibatches (rl/ppo_update.py) -> KL controller -> report -> checkpoint (every save_interval
+minibatches (rl/update/ppo_update.py) -> KL controller -> report -> checkpoint (every save_interval
 steps) -> publish. The algorithm variants (advantage estimators, policy losses, loss aggregation,
 KL placement, DAPO's shaping, the learning-rate schedule) are settings of LearnerConfig; their
 math is in rl/ (docs/algorithms.md). Collect keeps one copy of each prompt id (a prompt re-issued
@@ -34,16 +34,16 @@ from dataflow.checks import AtLeast, Each, Finite, NonNegative, Positive, Range
 from dataflow.errors import UserError
 from dataflow.weights.multirank import RANKS_EDGE, RankCommands
 from dataflow.weights.sync import SYNC_EDGE, LearnerWeightSync, WeightSyncConfig
-from rl import policy
-from rl.compile_warm_up import start_warm_up
-from rl.kl import AdaptiveKLController, FixedKLController, KLConfig
-from rl.losses import PolicyLoss
-from rl.microbatch import enable_gradient_checkpointing
-from rl.models import save_policy
-from rl.packing import use_varlen_attention
-from rl.ppo_update import check_config, ppo_update, step_advantages  # noqa: F401 (step_advantages: tests, bench)
-from rl.precision import Precision, compile_layers, compile_setting, prepare_trained
-from rl.schedule import ScheduleConfig, lr_multiplier
+from rl.data import policy
+from rl.update.compile_warm_up import start_warm_up
+from rl.algorithm.kl import AdaptiveKLController, FixedKLController, KLConfig
+from rl.algorithm.losses import PolicyLoss
+from rl.update.microbatch import enable_gradient_checkpointing
+from rl.model.causal_lm import save_policy
+from rl.update.packing import use_varlen_attention
+from rl.update.ppo_update import check_config, ppo_update, step_advantages  # noqa: F401 (step_advantages: tests, bench)
+from rl.model.precision import Precision, compile_layers, compile_setting, prepare_trained
+from rl.algorithm.schedule import ScheduleConfig, lr_multiplier
 
 
 @dataclass(kw_only=True)
@@ -73,18 +73,18 @@ class LearnerConfig:
     packing: bool = False
     """Run each pass packed: rows end to end without padding, attention kept within each row
     (flash-attn's varlen kernel when installed, else flex_attention on CUDA, sdpa's block mask on
-    CPU; rl/packing.py); the same gradients as padded. "learner/padding_frac" reports padding."""
+    CPU; rl/update/packing.py); the same gradients as padded. "learner/padding_frac" reports padding."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them (less memory,
-    about one more forward of time; rl/microbatch.enable_gradient_checkpointing)."""
+    about one more forward of time; rl/update/microbatch.enable_gradient_checkpointing)."""
     precision: Precision = "auto"
-    """auto: bf16 autocast over fp32 master weights on CUDA, fp32 on CPU; or bf16 / fp32 (rl/precision.py)."""
+    """auto: bf16 autocast over fp32 master weights on CUDA, fp32 on CPU; or bf16 / fp32 (rl/model/precision.py)."""
     compile: bool | None = None
     """torch.compile each decoder layer (None = on CUDA, one process, without gradient_checkpointing
-    or packing; rl/precision.compile_setting says why, compile_layers how)."""
+    or packing; rl/model/precision.compile_setting says why, compile_layers how)."""
     compile_warm_up: bool = True
     """With compiled layers: compile them during start-up, on a made-up step of the update
-    (rl/compile_warm_up.py), instead of in the first training step."""
+    (rl/update/compile_warm_up.py), instead of in the first training step."""
     weight_decay: Annotated[float, NonNegative] = 0.01
     """AdamW's decoupled weight decay."""
     betas: Annotated[list[float], Each(Range(0, 1, high_open=True), count=2)] = field(default_factory=lambda: [0.9, 0.999])
@@ -100,10 +100,10 @@ class LearnerConfig:
     """advantage=reinforce_pp: discount of the token rewards' returns."""
     policy_loss: PolicyLoss = "ppo"
     """ppo: clipped surrogate. dual_clip: also bounds negative-advantage tokens at dual_clip_c.
-    gspo: one sequence-level ratio. reinforce: importance-weighted, no clipping (rl/losses.policy_loss)."""
+    gspo: one sequence-level ratio. reinforce: importance-weighted, no clipping (rl/algorithm/losses.policy_loss)."""
     loss_agg_mode: Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                            "seq-mean-token-sum-norm"] = "auto"
-    """How token losses make a minibatch's loss (verl's names; rl/losses.agg_row_weights): token-mean,
+    """How token losses make a minibatch's loss (verl's names; rl/algorithm/losses.agg_row_weights): token-mean,
     seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO). auto:
     seq-mean-token-mean for gspo, seq-mean-token-sum-norm for dr_grpo, else token-mean."""
     loss_scale_factor: Annotated[float, NonNegative] = 0.0
@@ -131,7 +131,7 @@ class LearnerConfig:
     seq-mean-token-sum-norm's default divisor."""
     overlong_buffer: Annotated[int, NonNegative] = 0
     """DAPO's overlong shaping: over the last this many tokens before max_response_tokens the score
-    falls linearly by up to overlong_penalty (rl/shaping.overlong_penalty; 0 = off)."""
+    falls linearly by up to overlong_penalty (rl/algorithm/shaping.overlong_penalty; 0 = off)."""
     overlong_penalty: Annotated[float, NonNegative] = 1.0
     mask_truncated: bool = False
     """Leave responses that hit the length cap (no stop token) out of the loss (DAPO's overlong
@@ -177,7 +177,7 @@ class Learner(RankCommands, Node):
     async def setup(self):
         c = self.config
         self.ranks = None           # dataflow.weights.multirank.TrainRanks when dp x tp > 1
-        self._warm_up = None        # rl/compile_warm_up.start_warm_up's task (held: a task needs a reference)
+        self._warm_up = None        # rl/update/compile_warm_up.start_warm_up's task (held: a task needs a reference)
         if c.num_ranks > 1:
             from dataflow.weights.layout import ParallelLayout
             from dataflow.weights.multirank import join
@@ -375,7 +375,7 @@ class Learner(RankCommands, Node):
                 kl_coef = self.kl_ctl.value
                 # KL in the reward: the controller sees the rollout's KL (verl's apply_kl_penalty),
                 # in the loss: the policy's KL to the reference during the update.
-                # No KL stat without a reference node (KL coefficient 0, rl/ppo_update.with_reference).
+                # No KL stat without a reference node (KL coefficient 0, rl/update/ppo_update.with_reference).
                 kl = stats.get("kl/rollout" if c.kl.placement == "reward" else "losses/kl")
                 if kl is not None:
                     self.kl_ctl.update(kl, len(samples))

@@ -27,7 +27,7 @@ are sent again after --resume (none in synchronous mode). A restarted source (it
 under a filter starts at an estimated position (the learner's batch x prompts_per_step), so a few
 prompts may be sent twice; the filter still fills every batch with exactly prompts_per_step groups.
 
-Data (rl/data.py): a JSONL, JSON or parquet file, or a token file made by `python -m rl.data
+Data (rl/data/prompts.py): a JSONL, JSON or parquet file, or a token file made by `python -m rl.data
 convert`. Chat prompts are rendered with the policy tokenizer's chat template and every prompt is
 tokenized here, once, at setup (the generators take the ids as they are), so a bad row, a missing
 template or a prompt over max_prompt_tokens stops the run before it starts, naming the file and
@@ -54,20 +54,20 @@ import numpy as np
 from dataflow import Node, UserError
 from nodes.evaluator import VALIDATED, ValidationConfig
 from dataflow.checks import AtLeast, ExistingPath, NonNegative, OneOf
-from dataflow.failures import wait_within
-from rl import data, policy
-from rl.tasks import DEFAULT_NUM_DIGITS, DEFAULT_TASK, TASK_NAMES, make_task
+from dataflow.timeouts import wait_within
+from rl.data import policy, token_file
+from rl.data.tasks import DEFAULT_NUM_DIGITS, DEFAULT_TASK, TASK_NAMES, make_task
 
 
 @dataclass(kw_only=True)
 class PromptConfig:
     task: Annotated[str, OneOf(TASK_NAMES)] = DEFAULT_TASK
-    """Built-in task (see rl/tasks.py) used when `path` is empty."""
+    """Built-in task (see rl/data/tasks.py) used when `path` is empty."""
     num_digits: Annotated[int, AtLeast(1)] = DEFAULT_NUM_DIGITS
     """Size of the built-in task's problems."""
     path: Annotated[str, ExistingPath()] = ""
     """Dataset: a .jsonl, .json or .parquet file of rows {"prompt": text or [{"role", "content"}],
-    <fields the reward needs>}, or a token file directory (rl/data.py); empty = the built-in task."""
+    <fields the reward needs>}, or a token file directory (rl/data/prompts.py); empty = the built-in task."""
     policy: policy.PolicySpec = field(default_factory=policy.PolicySpec)
     """Whose tokenizer renders and tokenizes the prompts (the graph gives it the policy's). Empty
     path: the generator tokenizes the text, and chat prompts / max_prompt_tokens are errors."""
@@ -117,7 +117,7 @@ class PromptSource(Node):
         if c.val.path:
             c.val.check()
             with self.ctx.span("read validation prompts"):
-                self.val = data.open_prompts(c.val.path, c, tokenizer, c.policy.path, setting="prompts")
+                self.val = token_file.open_prompts(c.val.path, c, tokenizer, c.policy.path, setting="prompts")
             self.val_rows = min(len(self.val), c.val.max_prompts or len(self.val))
             if self.val_rows == 0:
                 raise UserError(f"val.path={c.val.path}: no usable rows")
@@ -128,7 +128,7 @@ class PromptSource(Node):
         self.sent_rounds: list[int] = []
         if c.path:
             with self.ctx.span("read prompts"):
-                self.data = data.open_prompts(c.path, c, tokenizer, c.policy.path, setting="prompts")
+                self.data = token_file.open_prompts(c.path, c, tokenizer, c.policy.path, setting="prompts")
             if self.data.skipped:
                 self.ctx.log(f"skipped {self.data.skipped} bad rows of {c.path}")
             if self.data.truncated:

@@ -18,11 +18,11 @@ import torch
 from dataflow import Node
 from dataflow.errors import UserError
 from dataflow.checks import AtLeast, NonNegative, Positive
-from rl import policy
-from rl.microbatch import check_micro_batch_settings, padding_metrics, rank_micro_batches, sample_lengths
-from rl.padded_batch import COLUMN_MULTIPLE, pad_batch, unpad_tokens
-from rl.packing import micro_batch, micro_batch_logprobs, use_varlen_attention
-from rl.precision import Precision, compile_layers, compile_setting, prepare_frozen
+from rl.data import policy
+from rl.update.microbatch import check_micro_batch_settings, padding_metrics, rank_micro_batches, sample_lengths
+from rl.model.padded_batch import COLUMN_MULTIPLE, pad_batch, unpad_tokens
+from rl.update.packing import micro_batch, micro_batch_logprobs, use_varlen_attention
+from rl.model.precision import Precision, compile_layers, compile_setting, prepare_frozen
 
 
 @dataclass(kw_only=True)
@@ -43,7 +43,7 @@ class ReferenceConfig:
     precision: Precision = "auto"
     """auto: bf16 weights on CUDA (frozen, so no fp32 master copy is needed), fp32 on CPU."""
     compile: bool | None = None
-    """torch.compile each decoder layer (None = on CUDA without packing; rl/precision.compile_setting
+    """torch.compile each decoder layer (None = on CUDA without packing; rl/model/precision.compile_setting
     says why, compile_layers how)."""
     temperature: Annotated[float, Positive] = 1.0
     """Temperature of the log-probs: the generators' sampling temperature, as the learner's (the
@@ -54,8 +54,8 @@ def add_logprobs(model, pad_id: int, items: list[dict], key: str, micro_batch_si
                  temperature: float = 1.0, max_tokens: int = 0, packing: bool = False) -> dict:
     """Set samples[key] = per-token log-probs of softmax(logits / temperature) under `model` for
     every response of `items`, in the model's own dtype: `micro_batch_size` samples per forward
-    pass (0 = all at once), or passes of at most `max_tokens` tokens (rl/microbatch.py), each
-    packed or padded to its own rows' columns (`packing`, rl/packing.py). Returns the passes'
+    pass (0 = all at once), or passes of at most `max_tokens` tokens (rl/update/microbatch.py), each
+    packed or padded to its own rows' columns (`packing`, rl/update/packing.py). Returns the passes'
     padding ("reference/padding_frac", tokens processed and real)."""
     samples = [s for item in items for s in item["samples"]]
     device = next(model.parameters()).device

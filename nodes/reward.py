@@ -6,9 +6,9 @@ task gives per-position credit) and "failed" (bool).
 Waits for: generated samples.  Unblocked by: the generator.
 
 A user reward file defines `reward(prompt, response, **fields)`, verl's `compute_score(...)` or
-TRL's batched `f(prompts, completions, **kwargs)`, plain or async (rl/rewards.py). Responses are
+TRL's batched `f(prompts, completions, **kwargs)`, plain or async (rl/reward/reward_fn.py). Responses are
 decoded without special tokens. The calls of a batch run concurrently (`max_concurrency`), each
-under `timeout_s` (rl/reward_calls.py: a timed-out thread is abandoned and counted). An exception,
+under `timeout_s` (rl/reward/runner.py: a timed-out thread is abandoned and counted). An exception,
 a timeout, or a non-finite / non-number result marks that response failed (score 0, excluded from
 the loss by the learner), is counted, and the run goes on; a line on screen reports failures and
 timeouts (at most every `log_every_s`). A reward that fails for every response of
@@ -19,7 +19,7 @@ Validation items (data "val", nodes/evaluator.py) are scored the same way, keep 
 decoded "text", and go out on the port `validation` to the evaluator, never on `scored`: the
 reference, critic and learner never see them. That port exists on RewardWithValidation, the kind a
 graph with validation declares. Every `rollouts_every` learner steps, a few training rollouts
-(prompt, response, reward) go to the driver for rollouts.jsonl and TensorBoard (dataflow/loggers.py).
+(prompt, response, reward) go to the driver for rollouts.jsonl and TensorBoard (dataflow/driver/loggers.py).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Annotated
 
 from dataflow import Node, UserError
 from dataflow.checks import AtLeast, ExistingPath, NonNegative, Positive
-from rl import tasks
-from rl.reward_calls import Request, RewardRunner
-from rl.rewards import load_reward_fn
+from rl.data import tasks
+from rl.reward.runner import Request, RewardRunner
+from rl.reward.reward_fn import load_reward_fn
 
 
 @dataclass(kw_only=True)
@@ -47,7 +47,7 @@ class RewardConfig:
     timeout_s: Annotated[float, Positive] = 10.0
     """Longest one reward call may take before its response is marked failed (a batched
     function: the whole call). Calls run concurrently: a reward that hangs costs about one
-    timeout per batch. Above rl/math_reward.py's own 6 s per comparison."""
+    timeout per batch. Above rl/reward/math_reward.py's own 6 s per comparison."""
     max_concurrency: Annotated[int, AtLeast(1)] = 32
     """Reward calls running at once (threads, or coroutines of an async function)."""
     max_failed_batches: Annotated[int, NonNegative] = 3

@@ -22,7 +22,7 @@ import torch
 
 from dataflow import Node, UserError
 from dataflow.checks import AtLeast, ExistingPath, Finite
-from rl.padded_batch import pad_batch
+from rl.model.padded_batch import pad_batch
 
 
 @dataclass(kw_only=True)
@@ -52,7 +52,7 @@ def load_reward_model(path: str):
 def last_token_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """[B] logit of each row at its last real token, found from the attention mask. transformers'
     own pooling takes the last token that is not pad_token_id, which misses a response's final
-    eos when pad == eos (a pad-less tokenizer given its eos as pad, rl/policy.py): so models with
+    eos when pad == eos (a pad-less tokenizer given its eos as pad, rl/data/policy.py): so models with
     the usual `score` head run trunk + head here and pick the column themselves."""
     mask = attention_mask.long()
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)

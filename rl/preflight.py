@@ -1,4 +1,4 @@
-"""What the RLHF nodes will read, checked in the driver before Ray starts (dataflow/preflight.py).
+"""What the RLHF nodes will read, checked in the driver before Ray starts (dataflow/driver/preflight.py).
 
 Each check returns one line per problem, naming the setting, the file and what to do; the CLI
 prints them and exits 2. The nodes would find the same mistakes after start-up (26-45 s in, and
@@ -6,9 +6,10 @@ the message would depend on which node reads the input first); here they come in
 
     model_dir_problems(path)          a policy / reward model directory: config.json readable, its
                                       weights complete (a truncated safetensors file is named), the
-                                      tokenizer loads and can pad (not for a reward model)
+                                      tokenizer loads and can pad (not for a reward model); it is
+                                      rl/data/policy.py's, which PolicySpec.preflight calls
     pipeline_problems(...)            the prompts as the prompt source reads them (the same loader,
-                                      rl/data.py: the same messages), at least one usable row, prompt
+                                      rl/data/prompts.py: the same messages), at least one usable row, prompt
                                       length + max_new_tokens within the model's positions, and the
                                       reward (built-in scorer, or a reward file) against the rows' fields
 
@@ -22,101 +23,16 @@ FIELD_ROWS rows.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import json
 import os
 import re
 
 from dataflow.errors import UserError
-from dataflow.resume import safetensors_extent
+from rl.data.policy import model_dir_problems
 
 FIELD_ROWS = 100_000
 """Rows whose fields are checked against the reward's signature (a token file decodes each)."""
-
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-
-
-# ---- model directories ----------------------------------------------------------------------------
-
-def safetensors_problem(file: str) -> str | None:
-    """Why a .safetensors file cannot be read whole (None: its header parses and the file is as
-    long as the header says). Reads the header only, not the tensors."""
-    name = os.path.basename(file)
-    try:
-        size, header_end, data_end = safetensors_extent(file)
-    except (OSError, ValueError) as e:
-        return f"{name} is not a readable safetensors file ({e})"
-    if header_end is None:
-        return f"{name} is truncated ({size} bytes, not even a header)"
-    if data_end is None:
-        return f"{name} is truncated ({size} bytes; its header alone is {header_end})"
-    if size < data_end:
-        return (f"{name} is truncated: {size} bytes, its header describes {data_end} "
-                "(an interrupted download or save: copy or save it again)")
-    return None
-
-
-def _weights_problems(path: str) -> list[str]:
-    present = [w for w in WEIGHT_FILES if os.path.isfile(os.path.join(path, w))]
-    if not present:
-        return ["missing weights (model.safetensors, its .index.json, or pytorch_model.bin); the save was "
-                "incomplete: save it again with save_pretrained"]
-    first = present[0]
-    if first == "model.safetensors":
-        why = safetensors_problem(os.path.join(path, first))
-        return [why] if why else []
-    if first == "model.safetensors.index.json":
-        try:
-            with open(os.path.join(path, first)) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError) as e:
-            return [f"{first} is not a readable index ({e})"]
-        found = []
-        for shard in shards:
-            file = os.path.join(path, shard)
-            why = f"{shard} (listed in {first}) is missing" if not os.path.isfile(file) else safetensors_problem(file)
-            if why:
-                found.append(why)
-        return found
-    import zipfile   # pytorch_model.bin: torch.save's zip; a truncated one has no central directory
-
-    file = os.path.join(path, first)
-    if not zipfile.is_zipfile(file):
-        return [f"{first} is truncated or not a torch.save file ({os.path.getsize(file)} bytes)"]
-    return []
-
-
-@functools.lru_cache(maxsize=16)
-def _model_dir_problems(path: str, mtime: float, tokenizer: bool) -> tuple[str, ...]:
-    if not os.path.isdir(path):
-        return (f"{path} is not a directory" if os.path.exists(path) else "the model directory does not exist",)
-    config_file = os.path.join(path, "config.json")
-    if not os.path.isfile(config_file):
-        return ("no config.json there: not a saved HF model directory (save it with save_pretrained)",)
-    try:
-        from transformers import AutoConfig
-
-        AutoConfig.from_pretrained(path, local_files_only=True)
-    except Exception as e:   # unreadable JSON, an unknown model_type: whatever transformers says
-        return (f"config.json cannot be read: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",)
-    found = _weights_problems(path)
-    if tokenizer:
-        try:
-            from rl.policy import PolicySpec, load_tokenizer
-
-            load_tokenizer(PolicySpec(path=path))   # tokenizer.json, and a pad token (eos/unk)
-        except UserError as e:
-            found.append(str(e).removeprefix(f"policy.path={path}: ").removeprefix(f"{path}: "))
-        except Exception as e:
-            found.append(f"its tokenizer does not load: {type(e).__name__}: {e}")
-    return tuple(found)
-
-
-def model_dir_problems(path: str, tokenizer: bool = True) -> list[str]:
-    """What is wrong with a local HF model directory (reasons, without the path; [] = fine)."""
-    mtime = os.path.getmtime(path) if os.path.exists(path) else 0.0
-    return list(_model_dir_problems(str(path), mtime, tokenizer))
 
 
 def model_config(path: str) -> dict:
@@ -146,11 +62,11 @@ class _Rows:
 
 def _open_rows(prompts, tokenizer) -> _Rows:
     """Read `prompts.path` with the prompt source's loader; raises its DatasetError/UserError."""
-    from rl import data, dataset_files, tasks
+    from rl.data import prompts as data, files as dataset_files, tasks, token_file
 
     fmt = dataset_files.file_format(prompts.path)
     if fmt == "tokens":
-        encoded = data.open_prompts(prompts.path, prompts, tokenizer, prompts.policy.path, setting="prompts")
+        encoded = token_file.open_prompts(prompts.path, prompts, tokenizer, prompts.policy.path, setting="prompts")
         n = len(encoded)
         lengths = (encoded.offsets[1:] - encoded.offsets[:-1]).tolist()
         fields = [encoded.records[i][1] for i in range(min(n, FIELD_ROWS))]
@@ -169,7 +85,7 @@ def _open_rows(prompts, tokenizer) -> _Rows:
 
 def _builtin_rows(prompts, tokenizer) -> _Rows:
     """A few of the built-in task's prompts (all of one task and size have the same length)."""
-    from rl import tasks
+    from rl.data import tasks
 
     records = tasks.make_task(prompts.task, prompts.num_digits, seed=prompts.seed).take(4)
     tok = tokenizer or tasks.build_tokenizer()
@@ -180,14 +96,14 @@ def _builtin_rows(prompts, tokenizer) -> _Rows:
 
 def _no_usable_rows(prompts, tokenizer, error: UserError) -> str:
     """The line for a dataset with no usable row: how many were skipped, and why the first was."""
-    from rl import data
+    from rl.data import token_file
 
     skipped = re.search(r"\((\d+) skipped\)", str(error))
     if not skipped or skipped.group(1) == "0":
         return f"prompts.path={prompts.path}: no rows at all (an empty file?); give a dataset with prompts"
     try:   # read again without skipping: the first bad row's own message says why
         strict = dataclasses.replace(prompts, skip_bad_lines=False)
-        data.open_prompts(prompts.path, strict, tokenizer, prompts.policy.path, setting="prompts")
+        token_file.open_prompts(prompts.path, strict, tokenizer, prompts.policy.path, setting="prompts")
         why = ""
     except UserError as first:
         why = f"; the first: {str(first).split('; fix it')[0]}"
@@ -227,7 +143,7 @@ def _of(k: int, n: int) -> str:
 
 def _reward_problems(reward, rows: _Rows, data_path: str) -> list[str]:
     """The reward (built-in scorer, or reward.path's function) against the fields of the rows."""
-    from rl.rewards import BATCHED, SAMPLE, VERL, load_reward_fn
+    from rl.reward.reward_fn import BATCHED, SAMPLE, VERL, load_reward_fn
 
     source = f"prompts.path={data_path}" if data_path else "the built-in task"
     if not reward.path:
@@ -265,7 +181,7 @@ def pipeline_problems(prompts, generator, reward=None, reward_model=None,
     """The inputs of a prompts -> generator -> reward pipeline (PromptConfig, GeneratorConfig,
     RewardConfig or None, RewardModelConfig or None), one line per problem. Policy directory
     problems are PolicySpec.preflight's: with a broken policy the checks needing it are skipped."""
-    from rl import policy as policy_lib
+    from rl.data import policy as policy_lib
 
     found = []
     if reward_model is not None:

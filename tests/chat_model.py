@@ -1,6 +1,6 @@
 """A small chat model directory built in the test, as a user's instruct model looks (no hub):
 a ChatML chat template, NO pad token, and a generation_config.json listing two eos ids of which
-the tokenizer names only one (SmolLM2-Instruct's situation). Used by tests/test_data.py."""
+the tokenizer names only one (SmolLM2-Instruct's situation). Used by tests/unit/test_data.py."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ def ray_instance(request):
     if ray.is_initialized():  # another module left one running
         ray.shutdown()
     # Workers inherit PYTHONPATH (and RAY_AUTH_MODE, above) from this process, as in
-    # dataflow/launch.start_ray: a runtime_env would cost every actor a start through Ray's agent.
+    # dataflow/driver/launch.start_ray: a runtime_env would cost every actor a start through Ray's agent.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)
     # address="local": never join a cluster another test module started meanwhile (test_multinode's
     # ray.cluster_utils.Cluster publishes its address, which ray.init() with no address would join).
@@ -50,7 +50,7 @@ def run_then_interrupt(graph_file: str, overrides: list[str], run_dir: Path, aft
     Ctrl-C / SIGTERM do in the CLI (the runtime saves an interrupt checkpoint)."""
     import asyncio
 
-    from dataflow.runtime import RunOptions, load_graph, run_graph
+    from dataflow.driver.runtime import RunOptions, load_graph, run_graph
 
     def steps() -> int:
         metrics = run_dir / "metrics.jsonl"
@@ -77,7 +77,7 @@ def run_in_thread(graph, config, options) -> tuple:
     import threading
     import time
 
-    from dataflow.runtime import run_graph
+    from dataflow.driver.runtime import run_graph
 
     outcome: dict = {}
 

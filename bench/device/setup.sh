@@ -21,5 +21,5 @@ if [ ! -f /tmp/site/.done ]; then
   echo "setup: parts checked and installed in $((SECONDS - t0)) s"
 fi
 export PYTHONPATH=/tmp/site:$R VLLM_USE_FLASHINFER_SAMPLER=0 RAY_DEDUP_LOGS=0 PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
-[ -f /tmp/real/smollm2/config.json ] || { python3 tools/smollm2.py /tmp/real/smollm2 2>&1 | tail -2; echo "setup: SmolLM2 converted at $((SECONDS - t0)) s"; }
-[ -d /tmp/real/arithmetic ] || python3 tools/make_arithmetic.py /tmp/real/arithmetic --seed 0 2>&1 | tail -1
+[ -f /tmp/real/smollm2/config.json ] || { python3 examples/smollm2_arithmetic/smollm2.py /tmp/real/smollm2 2>&1 | tail -2; echo "setup: SmolLM2 converted at $((SECONDS - t0)) s"; }
+[ -d /tmp/real/arithmetic ] || python3 examples/smollm2_arithmetic/make_arithmetic.py /tmp/real/arithmetic --seed 0 2>&1 | tail -1

@@ -11,7 +11,7 @@ import ray
 
 from dataflow.channel.errors import BadItem, ChannelError, ClosedChannel, EndOfChannel, WouldBlock
 from dataflow.channel.waiting import Signal, no_span
-from dataflow.codec import DEFAULT_MAX_BYTES, DecodeError, Message, decode
+from dataflow.channel.codec import DEFAULT_MAX_BYTES, DecodeError, Message, decode
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ import ray
 
 from dataflow.channel.errors import BrokenChannel, ChannelError, ClosedChannel, WouldBlock
 from dataflow.channel.waiting import Signal, no_span
-from dataflow.codec import DEFAULT_OOB_THRESHOLD, Message, encode
+from dataflow.channel.codec import DEFAULT_OOB_THRESHOLD, Message, encode
 
 _META_TYPES = (int, float, str, bool, type(None))
 

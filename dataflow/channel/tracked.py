@@ -1,6 +1,6 @@
 """The ReceiveEnd a hosted node reads (ctx.inputs[port]): the same calls, and the meta of the last
 item handed out kept per channel, so a node's failure names the item it was processing
-(dataflow/host.py)."""
+(dataflow/actor/host.py)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ cost of a few additions per span, the aggregates behind the end-of-run table:
     within ~1 point; NVML 2x too busy on launch-bound tiny kernels (22.6% vs 10.6%) and a few
     points too idle on back-to-back matmuls; span events count launch gaps as busy.
 It also knows which spans are open right now (open_spans()): what the process is doing or waiting
-for at this instant, which the driver's stall diagnosis reads (dataflow/stall.py).
+for at this instant, which the driver's stall diagnosis reads (dataflow/driver/stall.py).
 With `enabled=True` (`--trace`) it also records Chrome trace events: X slices on named tracks
 ("compute" for work, "io" for waits), C counters and instants.
 
@@ -148,7 +148,7 @@ class Tracer:
 
     def open_spans(self) -> list[tuple[str, str, str | None, int]]:
         """(kind, name, channel | None, since us) of every span open now, oldest first: what this
-        process is doing or waiting for at this instant (dataflow/stall.py)."""
+        process is doing or waiting for at this instant (dataflow/driver/stall.py)."""
         return sorted(((KIND_NAMES[s._kind], s._name, s._channel, s._t0) for s in self._live), key=lambda s: s[3])
 
     def drain(self) -> dict:

@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from dataflow.errors import UserError
-from dataflow.failures import wait_within
-
-if TYPE_CHECKING:
-    from dataflow.weights.sync import GeneratorWeightSync, WeightSyncConfig
+from dataflow.timeouts import wait_within
 
 IPC_ALIGN = 128
 """Elements: each tensor of the flat buffer starts at a multiple of this (256 bytes in bf16)."""
@@ -156,9 +153,11 @@ def write_version(shared: dict[str, Any], state: dict[str, torch.Tensor], versio
 class IpcReceiver:
     """A generator's cuda_ipc end: a task that, for each version announced on the edge, opens the
     learner's buffer (once per buffer) and copies it into a private staging buffer right away,
-    checking the seqlock header around the copy; apply() copies staging into the model."""
+    checking the seqlock header around the copy; apply() copies staging into the model.
+    `config` is sync.py's WeightSyncConfig (its timeout_s), `owner` its GeneratorWeightSync (its
+    version): read by attribute, not imported, so sync.py alone imports the other."""
 
-    def __init__(self, ctx, config: WeightSyncConfig, model: torch.nn.Module, edge: str, device_index: int):
+    def __init__(self, ctx, config, model: torch.nn.Module, edge: str, device_index: int):
         self.ctx, self.config, self.model, self.edge, self.index = ctx, config, model, edge, device_index
         self.staged = -1                  # the version staging holds whole (-1: none)
         self.seen = -1                    # the newest version announced that was looked at
@@ -172,7 +171,7 @@ class IpcReceiver:
         self.stream = None
         self.task: asyncio.Task | None = None
 
-    def start(self, owner: GeneratorWeightSync) -> None:
+    def start(self, owner) -> None:
         self.owner = owner
         self.task = asyncio.ensure_future(self._receive())
 

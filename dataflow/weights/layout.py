@@ -172,7 +172,7 @@ def _require_no_pp(layout: ParallelLayout) -> None:
 
 def _decoder(model: nn.Module) -> nn.Module:
     """The Llama/Qwen2 decoder stack (the module holding embed_tokens and layers): model.model
-    for a causal LM, model.backbone for rl.models.ValueModel."""
+    for a causal LM, model.backbone for rl.model.causal_lm.ValueModel."""
     for module in model.modules():
         if hasattr(module, "embed_tokens") and isinstance(getattr(module, "layers", None),
                                                           nn.ModuleList):

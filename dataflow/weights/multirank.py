@@ -40,7 +40,7 @@ import torch.distributed as dist
 from dataflow.errors import UserError
 from dataflow.weights.layout import ParallelLayout, apply_training_layout, build_mesh
 from dataflow.weights.rendezvous import device_info, tcp_store
-from dataflow.failures import wait_within
+from dataflow.timeouts import wait_within
 
 RANKS_EDGE = "ranks"
 """Versioned edge (the learner -> itself) carrying its replica 0's rendezvous address."""

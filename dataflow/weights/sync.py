@@ -67,13 +67,13 @@ from typing import Annotated, Any, Literal
 
 import torch
 
-from dataflow import codec
+from dataflow.channel import codec
 from dataflow.checks import Positive
 from dataflow.errors import UserError
 from dataflow.weights import ipc as cuda_ipc
 from dataflow.weights.edges import SYNC_EDGE
 from dataflow.weights.rendezvous import device_info, tcp_store
-from dataflow.failures import wait_within
+from dataflow.timeouts import wait_within
 
 
 @dataclass(kw_only=True)

@@ -20,7 +20,7 @@ BIG_COPY = 4 << 20               # bytes: copies at least this large get their o
 class WeightPushError(RuntimeError):
     """A push failed or stalled; the message names the learner end and the generator end.
     `peer_gone`: the other end closed the connection (its process died): the report then names
-    the dead node, not this echo of it (dataflow/failures.is_echo)."""
+    the dead node, not this echo of it (dataflow/driver/failures.is_echo)."""
 
     peer_gone = False
 

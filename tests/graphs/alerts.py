@@ -1,4 +1,4 @@
-"""A sink that reports trouble counters as the real nodes do (tests/test_stall.py): a running total
+"""A sink that reports trouble counters as the real nodes do (tests/integration/test_stall.py): a running total
 in a metrics record (like the reward node's reward/failed_total) and one in each step's record
 (like the learner's prompts/duplicates_dropped)."""
 

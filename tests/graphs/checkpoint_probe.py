@@ -1,5 +1,5 @@
 """counter -> probe, checkpointing every step: what an async_checkpoint write must not see is the
-training that goes on while it writes (tests/test_checkpoint.py); and a save that takes long
+training that goes on while it writes (tests/integration/test_checkpoint.py); and a save that takes long
 (counter.slow_save_at), for a node to die during.
 
 The probe keeps a 16 MB tensor `w` that it updates in place every step, as an optimizer does, so

@@ -1,5 +1,5 @@
 """counter (slow) -> tally, with checkpoints: the smallest graph whose interrupt checkpoint can be
-taken (tests/test_signals.py: SIGTERM to the CLI's whole process group)."""
+taken (tests/integration/test_signals.py: SIGTERM to the CLI's whole process group)."""
 
 from dataclasses import dataclass, field
 
@@ -42,7 +42,7 @@ class Config:
 
 
 config = Config()
-# What a resumed run may not change without --allow-changed-settings (dataflow/resume.py).
+# What a resumed run may not change without --allow-changed-settings (dataflow/driver/resume.py).
 defines_the_run = ("counter.count",)
 
 

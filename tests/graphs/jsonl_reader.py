@@ -1,4 +1,4 @@
-"""One node that reads a JSONL file at setup: `--set reader.path=...` (tests/test_runtime.py)."""
+"""One node that reads a JSONL file at setup: `--set reader.path=...` (tests/integration/test_runtime.py)."""
 
 from dataclasses import dataclass, field
 

@@ -1,4 +1,4 @@
-"""One node that logs which event loop its actor runs on (tests/test_runtime.py)."""
+"""One node that logs which event loop its actor runs on (tests/integration/test_runtime.py)."""
 
 from dataflow import Graph
 from tests.graphs.probes import LoopProbe

@@ -1,4 +1,4 @@
-"""Node kinds that probe engine behaviour (tests/test_runtime.py): event loops, setup errors,
+"""Node kinds that probe engine behaviour (tests/integration/test_runtime.py): event loops, setup errors,
 large items, versioned edges. Importable by the actors (the project root is on their path)."""
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ class Samples(Node):
     outputs = ("samples",)
 
     async def run(self):
-        from rl.tasks import build_tokenizer
+        from rl.data.tasks import build_tokenizer
 
         tok = build_tokenizer()
         for i in range(self.config.num_items):

@@ -1,5 +1,5 @@
 """A learner and two generators with weight_transport=collective, whose generator[1] joins the push
-group but never receives a push (its receive thread is blocked): tests/test_weight_sync.py checks
+group but never receives a push (its receive thread is blocked): tests/integration/test_weight_sync.py checks
 that the learner's first push times out as the learner's failure, naming both ends. The learner
 fails before it needs any rollout, so the graph has no reward / reference / critic."""
 

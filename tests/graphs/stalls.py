@@ -1,4 +1,4 @@
-"""Graphs made to stall on purpose (tests/test_stall.py), and the real prompt source running out.
+"""Graphs made to stall on purpose (tests/integration/test_stall.py), and the real prompt source running out.
 
     never_sends:  silent (never sends) -> sink            root: silent, running its own code
     blocks_loop:  blocking (time.sleep in run()) -> sink  root: blocking, not answering

@@ -1,0 +1,192 @@
+"""Where a policy comes from: a local HF model directory, or a random-init model for the built-in
+tasks. Generator, reference, learner and critic all load the same PolicySpec, so they start equal.
+
+Pad token. Many Llama-family tokenizers ship without one, and every node that batches sequences
+(generator's HF loop, reference, critic, learner) pads. A tokenizer without a pad token gets its
+eos token as pad (what verl's `set_pad_token_id` and TRL's examples do), else its unk token. This
+is safe here because no mask is ever taken from `ids == pad_id`: rl/model/padded_batch.pad_batch builds the
+attention and response masks from the sequence lengths, so a real eos at the end of a response
+stays a trained token even where it equals the pad id (tests/unit/test_data.py checks it).
+
+Stop tokens. Generation stops at every id of `stop_token_ids`: the tokenizer's eos, every eos id
+of the model's generation_config.json (Llama 3 and Qwen2.5-Instruct list several; a converted
+tokenizer may name a different eos than the model was tuned to emit), and the ids a user adds.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from dataflow.checks import ExistingPath
+from dataflow.errors import UserError
+from rl.data import tasks
+from rl.model.model_config import ModelConfig
+
+
+@dataclass(kw_only=True)
+class PolicySpec:
+    path: Annotated[str, ExistingPath(kind="dir")] = ""
+    """Local HF model directory (config.json, safetensors, tokenizer.json). Empty: build `model`."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Shape of the random-init model used when `path` is empty (built-in tasks)."""
+
+    def preflight(self) -> list[str]:
+        """What is wrong with the model directory, before anything starts (dataflow/driver/preflight.py)."""
+        if not self.path:
+            return []
+        return [f"path={self.path}: {why}" for why in model_dir_problems(self.path)]
+
+
+def ensure_pad_token(tokenizer) -> str | None:
+    """Give `tokenizer` a pad token if it has none (eos, else unk; module docstring); returns the
+    token chosen, None if it had one. Raises UserError if it has neither eos nor unk."""
+    if tokenizer.pad_token_id is not None:
+        return None
+    for name in ("eos_token", "unk_token"):
+        token = getattr(tokenizer, name)
+        if token is not None:
+            tokenizer.pad_token = token
+            return token
+    raise UserError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no pad, eos or unk token to pad "
+                    "with; add \"pad_token\" to its tokenizer_config.json")
+
+
+def load_tokenizer(spec: PolicySpec):
+    """The policy's tokenizer (the built-in one for an empty path), with a pad token."""
+    if not spec.path:
+        return tasks.build_tokenizer()
+    try:
+        tokenizer = tasks.load_tokenizer(spec.path)
+    except (FileNotFoundError, OSError, ValueError) as e:
+        raise UserError(f"policy.path={spec.path}: {e}") from None
+    ensure_pad_token(tokenizer)
+    return tokenizer
+
+
+def load(spec: PolicySpec):
+    """(model, tokenizer), the tokenizer with a pad token. Never downloads; a missing or
+    incomplete directory is a UserError."""
+    from rl.model.causal_lm import build_policy, load_policy  # torch: the prompts node imports this module without it
+
+    if spec.path:
+        try:
+            model, tokenizer = load_policy(spec.path)
+        except (FileNotFoundError, OSError, ValueError) as e:
+            raise UserError(f"policy.path={spec.path}: {e}") from None
+        ensure_pad_token(tokenizer)
+        return model, tokenizer
+    tokenizer = tasks.build_tokenizer()
+    return build_policy(spec.model, tokenizer), tokenizer
+
+
+def _as_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def stop_token_ids(model, tokenizer, extra: list[int] | tuple[int, ...] = ()) -> list[int]:
+    """Every id generation stops at, in order, without repeats: the tokenizer's eos, the eos ids of
+    the model's generation config (generation_config.json when the directory has one, else
+    config.json's eos_token_id) and `extra`. Ids outside the model's vocabulary are a UserError."""
+    generation_config = getattr(model, "generation_config", None)
+    ids = _as_ids(tokenizer.eos_token_id) + _as_ids(getattr(generation_config, "eos_token_id", None)) \
+        + _as_ids(list(extra))
+    ids = list(dict.fromkeys(ids))
+    vocab = model.get_output_embeddings().weight.shape[0]
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise UserError(f"stop token ids {bad} are outside the model's vocabulary of {vocab} "
+                        "(generation_config.json eos_token_id or generator.stop_token_ids)")
+    if not ids:
+        raise UserError("no stop token: the tokenizer has no eos token and the model's generation config "
+                        "names none; set generator.stop_token_ids=[ID]")
+    return ids
+
+
+# ---- what is wrong with a model directory (PolicySpec.preflight; rl/preflight.py for a reward model's) -----
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def safetensors_problem(file: str) -> str | None:
+    """Why a .safetensors file cannot be read whole (None: its header parses and the file is as
+    long as the header says). Reads the header only, not the tensors."""
+    from dataflow.driver.resume import safetensors_extent   # the checkpoint reader's; not at import: nodes import this
+
+    name = os.path.basename(file)
+    try:
+        size, header_end, data_end = safetensors_extent(file)
+    except (OSError, ValueError) as e:
+        return f"{name} is not a readable safetensors file ({e})"
+    if header_end is None:
+        return f"{name} is truncated ({size} bytes, not even a header)"
+    if data_end is None:
+        return f"{name} is truncated ({size} bytes; its header alone is {header_end})"
+    if size < data_end:
+        return (f"{name} is truncated: {size} bytes, its header describes {data_end} "
+                "(an interrupted download or save: copy or save it again)")
+    return None
+
+
+def _weights_problems(path: str) -> list[str]:
+    present = [w for w in WEIGHT_FILES if os.path.isfile(os.path.join(path, w))]
+    if not present:
+        return ["missing weights (model.safetensors, its .index.json, or pytorch_model.bin); the save was "
+                "incomplete: save it again with save_pretrained"]
+    first = present[0]
+    if first == "model.safetensors":
+        why = safetensors_problem(os.path.join(path, first))
+        return [why] if why else []
+    if first == "model.safetensors.index.json":
+        try:
+            with open(os.path.join(path, first)) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            return [f"{first} is not a readable index ({e})"]
+        found = []
+        for shard in shards:
+            file = os.path.join(path, shard)
+            why = f"{shard} (listed in {first}) is missing" if not os.path.isfile(file) else safetensors_problem(file)
+            if why:
+                found.append(why)
+        return found
+    import zipfile   # pytorch_model.bin: torch.save's zip; a truncated one has no central directory
+
+    file = os.path.join(path, first)
+    if not zipfile.is_zipfile(file):
+        return [f"{first} is truncated or not a torch.save file ({os.path.getsize(file)} bytes)"]
+    return []
+
+
+@functools.lru_cache(maxsize=16)
+def _model_dir_problems(path: str, mtime: float, tokenizer: bool) -> tuple[str, ...]:
+    if not os.path.isdir(path):
+        return (f"{path} is not a directory" if os.path.exists(path) else "the model directory does not exist",)
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        return ("no config.json there: not a saved HF model directory (save it with save_pretrained)",)
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:   # unreadable JSON, an unknown model_type: whatever transformers says
+        return (f"config.json cannot be read: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",)
+    found = _weights_problems(path)
+    if tokenizer:
+        try:
+            load_tokenizer(PolicySpec(path=path))   # tokenizer.json, and a pad token (eos/unk)
+        except UserError as e:
+            found.append(str(e).removeprefix(f"policy.path={path}: ").removeprefix(f"{path}: "))
+        except Exception as e:
+            found.append(f"its tokenizer does not load: {type(e).__name__}: {e}")
+    return tuple(found)
+
+
+def model_dir_problems(path: str, tokenizer: bool = True) -> list[str]:
+    """What is wrong with a local HF model directory (reasons, without the path; [] = fine)."""
+    mtime = os.path.getmtime(path) if os.path.exists(path) else 0.0
+    return list(_model_dir_problems(str(path), mtime, tokenizer))

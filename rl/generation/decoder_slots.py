@@ -1,0 +1,49 @@
+"""How many decoder slots a generator replica takes (generator.prompts_per_call = 0, auto): a
+slot holds one response's KV cache over every layer, so a real model's slot is large, and auto
+takes fewer where they do not fit the room the replica has (its GPU share, or on a CPU half of
+the machine's available memory)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+AUTO_SLOTS = 256
+
+
+def prompts_per_call(c, device, slot_bytes: int = 0, room_bytes: int = 0) -> int:
+    """c.prompts_per_call (c: nodes.generator.GeneratorConfig), or for 0 (auto) AUTO_SLOTS decoder
+    slots' worth on CUDA, 32 prompts elsewhere. Given a slot's KV-cache bytes and the bytes this replica may still allocate, auto
+    also keeps the cache within half of that room (activations, the sampler and CUDA graphs need
+    the rest), down to one prompt's group."""
+    if c.prompts_per_call:
+        return c.prompts_per_call
+    slots = AUTO_SLOTS if torch.device(device).type == "cuda" else 32 * c.group_size
+    if slot_bytes and room_bytes:
+        slots = min(slots, room_bytes // 2 // slot_bytes)
+    return max(1, slots // c.group_size)
+
+
+def room_bytes(device, gpu_share: float) -> int:
+    """What this replica may still allocate: its share of the GPU less what it holds, or on a CPU
+    half of the machine's available memory (the other nodes' models live there too)."""
+    if torch.device(device).type == "cuda":
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return max(1, int(gpu_share * total - torch.cuda.memory_allocated()))
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(1, available // 2)
+
+
+def kv_bytes_per_slot(model, max_len: int) -> int:
+    """Bytes of one decoder slot's K and V cache over every layer (rl/generation/decoding.StaticDecoder)."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    elem = next(model.parameters()).element_size()
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * max_len * elem

@@ -1,0 +1,394 @@
+"""Fast sampling for Llama / Qwen2 policies: a static KV cache with slots, CUDA-graph decode steps,
+counter-based sampling noise.
+
+Why not the HF loop (rl/generation/hf_sampling.py:sample_responses): eager HF launches ~400 kernels per token and
+syncs to move probs to the CPU every token; on a GPU the decode step of a 0.5B model at batch 256 is
+~1 ms of work, so launch and sync overhead dominated. Here one decode step (model + sampling + state
+update) is a fixed sequence of tensor ops on preallocated buffers, so on CUDA it is captured once per
+slot-count bucket in a CUDA graph and replayed (one launch per token); the host syncs only every
+`sync_every` steps to collect finished sequences.
+
+Layout. `num_slots` slots, each holding one sequence of up to `max_len` tokens; per layer a K and a V
+cache [num_slots, max_len, n_kv_head, head_dim] in the model dtype (this is flash-attn's layout, so
+its kernel can read it directly). Per-slot lengths: slots hold sequences of different lengths, no
+left padding. Prefill (eager, right-padded, causal) writes a set of slots; a decode step advances the
+first B slots (B = a power-of-two bucket covering every active slot) with torch sdpa and a mask
+built from the lengths; rows that are free or finished compute but change nothing.
+
+Weights are read from the HF model's own modules at every call (no copies), so in-place updates
+(load_state_dict, the collective receiver) are seen at once. CUDA graphs, however, bake in tensor
+addresses: `refresh()` (called before each serving period) re-captures when a parameter's storage
+was replaced (e.g. rehome() in dataflow/weights/adapters.py sets `p.data`).
+
+Sampling noise is counter-based: token t of sample j of prompt id p under seed s uses Gumbel noise
+hashed from (s, p, j, t, vocab index) (Gumbel-max == sampling from the softmax), so a response does
+not depend on which batch, slot, replica or restart produced it. The behaviour log-probs are those of
+the distribution actually sampled (temperature, top_k, <eos> masked before min_new_tokens).
+
+Stop tokens: `eos_id` is one id or several (a Llama 3 / Qwen2.5-Instruct generation_config.json
+lists a few); a sequence ends at the first of any of them, and "<eos>" in this file means any.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rl.generation.decoder_forward import (attention_input, attention_output, compile_layer_halves, decode_logits,
+                                           flash_with_kvcache, prefill, teacher_forced_logits, unsupported_reason)
+from rl.generation.sampling import M32, _fmix32, gumbel_noise, sample_key, sample_tokens  # noqa: F401 (decoding.sample_key)
+
+
+class StaticDecoder:
+    """Slots of a static KV cache, continuously refilled. Not thread-safe: one caller at a time.
+
+        dec = StaticDecoder(model, num_slots=256, max_len=384, eos_id=[2, 7], max_new_tokens=256)
+        dec.add([(prompt_ids, tag, key), ...])   # prefill into free slots (key: sample_key(...))
+        while dec.active: done = dec.step(8)     # [(tag, sample dict)] of the finished sequences
+
+    A sample dict is {"prompt_ids", "response_ids", "logprobs", "finished"} as sample_responses',
+    plus "token_versions" with `token_versions=True`: per response token, the weight version that
+    sampled it (set_version; partial rollouts, below).
+    `eos_id`: the stop token id, or a list of them (every one ends a sequence).
+    `attention`: "auto" (flash-attn when importable on CUDA, else sdpa), "sdpa" or "flash".
+    `cuda_graphs`: None = on CUDA. `compile_sampler`: torch.compile the sampling ops (CUDA; falls
+    back to eager if compiling fails): unfused, the per-vocab noise costs ~15 passes over [B, V].
+    `compile_layers`: torch.compile each layer's parts before and after attention (None = on CUDA),
+    here, on a dummy step; if that fails, the layers run eagerly and one line is printed.
+
+    Partial rollouts (nodes/generator.py, generator.partial_rollout): the weights may change
+    between two step() calls while sequences are live; set_version(v) then tags the tokens sampled
+    from there on with v. The live slots keep their KV cache: the keys and values of their earlier
+    tokens were computed by the old weights and are not recomputed (AReaL's interruptible
+    generation and slime's partial rollout keep them too), so a token sampled after the switch sees
+    the old weights' cache of its prefix. Its behaviour log-prob is that of the distribution that
+    sampled it, so the learner's per-token importance weight (rl/algorithm/losses.behaviour_weights) corrects
+    for both.
+    """
+
+    def __init__(self, model: nn.Module, num_slots: int, max_len: int, *, eos_id: int | list[int],
+                 max_new_tokens: int, min_new_tokens: int = 0, temperature: float = 1.0,
+                 top_k: int = 0, seed: int = 0, cuda_graphs: bool | None = None,
+                 attention: str = "auto", compile_sampler: bool | None = None,
+                 compile_layers: bool | None = None, sync_every: int | None = None,
+                 token_versions: bool = False):
+        reason = unsupported_reason(model)
+        if reason:
+            raise ValueError(f"StaticDecoder: unsupported model: {reason}")
+        self.model = model
+        self.num_slots, self.max_len = num_slots, max_len
+        self.stop_ids = [int(eos_id)] if isinstance(eos_id, int) else [int(i) for i in eos_id]
+        if not self.stop_ids:
+            raise ValueError("StaticDecoder: eos_id is an empty list; give at least one stop id")
+        self.eos_id, self.max_new_tokens = self.stop_ids[0], max_new_tokens
+        self.min_new_tokens = min(min_new_tokens, max_new_tokens)
+        self.temperature, self.top_k, self.seed = temperature, top_k or 0, seed
+        self._cuda_graphs, self._compile, self._sync_every = cuda_graphs, compile_sampler, sync_every
+        self._attention, self._compile_layers = attention, compile_layers
+        self._device = self._dtype = None
+        self.token_versions, self.version = token_versions, 0
+        self.refresh()
+
+    # ----- buffers, weights -------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Call after the weights may have changed storage, device or dtype (cheap otherwise):
+        reallocates the cache on a device/dtype change, drops captured graphs on a storage change."""
+        p = next(self.model.parameters())
+        if (p.device, p.dtype) != (self._device, self._dtype):
+            self._allocate(p.device, p.dtype)
+        ptrs = tuple(t.data_ptr() for t in self.model.parameters())
+        if ptrs != getattr(self, "_ptrs", None):
+            self._graphs = {}
+            self._ptrs = ptrs
+
+    def _allocate(self, device: torch.device, dtype: torch.dtype) -> None:
+        cfg, S, L = self.model.config, self.num_slots, self.max_len
+        self._device, self._dtype = device, dtype
+        cuda = device.type == "cuda"
+        attn = self.model.model.layers[0].self_attn
+        self.n_head = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_head
+        self.head_dim = attn.head_dim
+        flash = flash_with_kvcache() if cuda and dtype in (torch.float16, torch.bfloat16) else None
+        if self._attention == "flash" and flash is None:
+            raise ValueError("StaticDecoder(attention='flash'): flash_attn is not importable here "
+                             "(or the device/dtype is not CUDA fp16/bf16)")
+        self._flash = flash if self._attention in ("auto", "flash") else None
+        # sdpa reads [S, kv, L, d] (each head's keys contiguous; a transposed view is much slower
+        # on CPU); flash_attn_with_kvcache wants [S, L, kv, d].
+        shape = (S, L, self.n_kv, self.head_dim) if self._flash else (S, self.n_kv, L, self.head_dim)
+        n_layer = len(self.model.model.layers)
+        self.k_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.v_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        z = dict(device=device, dtype=torch.long)
+        self.lengths = torch.zeros(S, **z)          # tokens in the cache (= next write position)
+        self.last = torch.zeros(S, **z)             # token to feed at the next step
+        self.n_gen = torch.zeros(S, **z)            # tokens generated so far
+        self.keys = torch.zeros(S, **z)
+        self.temps = torch.full((S,), float(self.temperature), device=device, dtype=torch.float32)
+        self.alive = torch.zeros(S, device=device, dtype=torch.bool)
+        self.caps = torch.full((S,), self.max_new_tokens, **z)   # per-slot response cap (add())
+        self.out_tokens = torch.zeros(S, self.max_new_tokens, **z)
+        self.out_logp = torch.zeros(S, self.max_new_tokens, device=device, dtype=torch.float32)
+        self.slot_ids = torch.arange(S, **z)
+        self.positions = torch.arange(L, **z)
+        vocab = self.model.lm_head.weight.shape[0]     # the logits' width (config.vocab_size may differ)
+        self.vocab_hash = _fmix32(_fmix32(torch.arange(vocab, **z) ^ 0x9E3779B9))
+        if max(self.stop_ids) >= vocab or min(self.stop_ids) < 0:
+            raise ValueError(f"StaticDecoder: stop ids {self.stop_ids} outside the vocabulary of {vocab}")
+        self.stop_tensor = torch.tensor(self.stop_ids, **z)
+        self.is_stop = torch.zeros(vocab, device=device, dtype=torch.bool)   # a lookup: capturable
+        self.is_stop[self.stop_tensor] = True
+        self.slots: list = [None] * S              # (tag, prompt_ids) per busy slot
+        self._versions: list = [None] * S          # per busy slot [(first token index, version)]
+        # Slots whose request asked for another temperature than the decoder's (0 = greedy). While
+        # there are any, steps sample with the per-slot tensor `temps` (one more graph per bucket);
+        # else with the decoder's one temperature, as before (no per-row work).
+        self._odd_temps = set()
+        # host-side upper bound of each slot's length, without reading the device: prompt length
+        # at admission + decode steps since (slots that finished early only stay below it)
+        self._prompt_len, self._added_at, self._steps = [0] * S, [0] * S, 0
+        self.cuda_graphs = cuda if self._cuda_graphs is None else (self._cuda_graphs and cuda)
+        self.sync_every = self._sync_every or (8 if cuda else 1)
+        self.exact_lengths = not cuda
+        self._compiled = None
+        if cuda if self._compile is None else self._compile:
+            # default dynamic=None: a second batch size recompiles once with a dynamic batch
+            # dimension, not once per bucket
+            self._compiled = torch.compile(sample_tokens)
+        self._graphs = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self._attention_input, self._attention_output = attention_input, attention_output
+        self.layers_compiled = False
+        if cuda if self._compile_layers is None else self._compile_layers:
+            compile_layer_halves(self)
+
+    @property
+    def active(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    def free_slots(self) -> int:
+        return self.slots.count(None)
+
+    # ----- model pieces (rl/generation/decoder_forward.py) ---------------------------------------------------
+    _prefill, _decode_logits = prefill, decode_logits
+    teacher_forced_logits = teacher_forced_logits   # dec.teacher_forced_logits(prompts, continuations)
+
+    def _sampler(self, *args):
+        if self._compiled is not None:
+            try:
+                return self._compiled(*args)
+            except Exception as e:    # e.g. no compiler toolchain: eager is correct, just slower
+                if torch.cuda.is_current_stream_capturing():
+                    raise
+                print(f"StaticDecoder: torch.compile of the sampler failed ({type(e).__name__}: "
+                      f"{str(e)[:200]}); sampling eagerly", flush=True)
+                self._compiled = None
+        return sample_tokens(*args)
+
+    def _record(self, rows: torch.Tensor, logits: torch.Tensor, live: torch.Tensor,
+                sampler=None) -> None:
+        """Sample for `rows` and advance their state where `live` (all tensor ops)."""
+        steps = self.n_gen[rows]
+        temperature = self.temps[rows] if self._odd_temps else self.temperature
+        tok, lp = (sampler or self._sampler)(logits, self.keys[rows], steps, self.vocab_hash,
+                                             temperature, self.top_k, self.stop_tensor,
+                                             self.min_new_tokens)
+        col = steps.clamp(max=self.max_new_tokens - 1)
+        self.out_tokens[rows, col] = torch.where(live, tok, self.out_tokens[rows, col])
+        self.out_logp[rows, col] = torch.where(live, lp, self.out_logp[rows, col])
+        self.last[rows] = torch.where(live, tok, self.last[rows])
+        n_gen = steps + live.long()
+        self.n_gen[rows] = n_gen
+        self.alive[rows] = live & ~self.is_stop[tok] & (n_gen < self.caps[rows])
+
+    def _step(self, B: int, L: int | None = None) -> None:
+        rows, live = self.slot_ids[:B], self.alive[:B].clone()
+        logits = self._decode_logits(B, L)
+        # the token fed this step is now in the cache (capped: a full slot stops being alive anyway)
+        self.lengths[:B] = torch.where(live, (self.lengths[:B] + 1).clamp(max=self.max_len - 1),
+                                       self.lengths[:B])
+        self._record(rows, logits, live)
+
+    def _run_step(self, B: int, L: int) -> None:
+        if not self.cuda_graphs:
+            # CPU: reading the lengths costs nothing; attend only over the filled positions
+            self._step(B, int(self.lengths[:B].max()) + 1 if self.exact_lengths else L)
+            return
+        graph = self._graphs.get((B, L, bool(self._odd_temps)))
+        if graph is None:
+            graph = self._capture(B, L)
+        graph.replay()
+
+    def _capture(self, B: int, L: int):
+        """Capture _step(B, L). The warm-up steps capture needs (on a side stream: cuBLAS
+        workspaces, the compiled sampler) really run, so the state they advance is saved before
+        and restored after: the live sequences must not move or see extra K/V."""
+        state = [self.lengths, self.last, self.n_gen, self.alive, self.out_tokens, self.out_logp]
+        saved = [t.clone() for t in state] + [[c.clone() for c in cs] for cs in (self.k_cache, self.v_cache)]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step(B, L)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the weight receiver's thread may use CUDA (NCCL) while this one captures
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self._step(B, L)
+        for t, s in zip(state, saved):   # capture ran nothing, but the warm-ups did
+            t.copy_(s)
+        for cs, ss in zip((self.k_cache, self.v_cache), saved[len(state):]):
+            for c, s in zip(cs, ss):
+                c.copy_(s)
+        self._graphs[B, L, bool(self._odd_temps)] = graph
+        return graph
+
+    # ----- public API -------------------------------------------------------------------------
+    @torch.no_grad()
+    def add(self, requests: list[tuple]) -> None:
+        """Prefill requests (prompt_ids, tag, key[, temperature[, max_new_tokens]]) into free slots
+        (lowest first, so the decode bucket stays small); a request's own temperature (0 = greedy)
+        overrides the decoder's for that sequence, its own max_new_tokens (None = the decoder's)
+        caps its response below the decoder's. Raises ValueError if they do not fit."""
+        if not requests:
+            return
+        temps = [float(r[3]) if len(r) > 3 and r[3] is not None else float(self.temperature) for r in requests]
+        caps = [max(1, min(int(r[4]), self.max_new_tokens)) if len(r) > 4 and r[4] is not None
+                else self.max_new_tokens for r in requests]
+        requests = [r[:3] for r in requests]
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        if len(requests) > len(free):
+            raise ValueError(f"StaticDecoder.add: {len(requests)} requests, {len(free)} free slots")
+        longest = max(len(p) for p, _, _ in requests)
+        if longest + self.max_new_tokens > self.max_len:
+            raise ValueError(f"prompt of {longest} tokens + max_new_tokens={self.max_new_tokens} "
+                             f"exceeds the decoder's max_len={self.max_len}")
+        was_training = self.model.training
+        self.model.eval()
+        dev = self._device
+        slots = free[:len(requests)]
+        ids = torch.zeros(len(requests), longest, dtype=torch.long)
+        for r, (p, _, _) in enumerate(requests):
+            ids[r, :len(p)] = torch.tensor(p, dtype=torch.long)
+        lens = torch.tensor([len(p) for p, _, _ in requests], dtype=torch.long)
+        keys = torch.tensor([k for _, _, k in requests], dtype=torch.long)
+        rows = torch.tensor(slots, dtype=torch.long).to(dev)
+        ids, lens, keys = ids.to(dev), lens.to(dev), keys.to(dev)
+        logits = self._prefill(ids, lens, rows)
+        self.lengths[rows], self.keys[rows], self.n_gen[rows] = lens, keys, 0
+        self.temps[rows] = torch.tensor(temps, dtype=torch.float32).to(dev)
+        self.caps[rows] = torch.tensor(caps, dtype=torch.long).to(dev)
+        self._odd_temps.update(s for s, t in zip(slots, temps) if t != self.temperature)
+        # eager sampler: prefill sizes vary, and each new shape would recompile a compiled one
+        self._record(rows, logits, torch.ones(len(slots), dtype=torch.bool, device=dev), sample_tokens)
+        for s, (p, tag, _) in zip(slots, requests):
+            self.slots[s] = (tag, list(p))
+            self._versions[s] = [(0, self.version)]
+            self._prompt_len[s], self._added_at[s] = len(p), self._steps
+        self.model.train(was_training)
+
+    def set_version(self, version: int) -> None:
+        """The weights are now `version` (call between step() calls): the live sequences' next
+        tokens are tagged with it; their cache is kept (class docstring, partial rollouts)."""
+        if version == self.version:
+            return
+        busy = [i for i, s in enumerate(self.slots) if s is not None]
+        n_gen = self.n_gen.tolist() if busy else []     # one read per weight switch
+        for s in busy:
+            spans = self._versions[s]
+            if spans[-1][0] == n_gen[s]:   # no token under the previous version yet
+                spans.pop()
+            spans.append((n_gen[s], version))
+        self.version = version
+
+    @torch.no_grad()
+    def step(self, num_steps: int | None = None) -> list[tuple[object, dict]]:
+        """Up to `num_steps` (default sync_every) decode steps, then [(tag, sample)] for the
+        sequences that finished (their slots are free again)."""
+        busy = [i for i, s in enumerate(self.slots) if s is not None]
+        if not busy:
+            return []
+        # power-of-two bucket covering the busy slots; at least 8 so there are few graphs to capture
+        B = min(self.num_slots, max(8, 1 << busy[-1].bit_length()))
+        was_training = self.model.training
+        self.model.eval()
+        # on CPU checking costs nothing and saves whole steps; on CUDA it would sync every token
+        alive = self.alive[:B].any() if self._device.type != "cuda" else None
+        num_steps = num_steps or self.sync_every
+        # Attend over a 64-aligned bound of the longest sequence over these steps (a graph per
+        # (B, L) pair): with 128-token prompts and 256 new tokens, ~1/3 less KV read than max_len.
+        bound = max(self._prompt_len[s] + self._steps - self._added_at[s] for s in busy) + num_steps
+        L = min(self.max_len, -(-bound // 64) * 64)
+        for _ in range(num_steps):
+            if alive is not None and not bool(alive):
+                break
+            self._run_step(B, L)
+            self._steps += 1
+            if alive is not None:
+                alive = self.alive[:B].any()
+        self.model.train(was_training)
+        return self._collect(busy)
+
+    def _collect(self, busy: list[int]) -> list[tuple[object, dict]]:
+        alive = self.alive.tolist()
+        done = [i for i in busy if not alive[i]]
+        if not done:
+            return []
+        idx = torch.tensor(done, device=self._device)
+        n_gen = self.n_gen[idx].tolist()
+        tokens, logp = self.out_tokens[idx].tolist(), self.out_logp[idx].tolist()
+        out = []
+        for i, s in enumerate(done):
+            tag, prompt = self.slots[s]
+            response = tokens[i][:n_gen[i]]
+            sample = {"prompt_ids": prompt, "response_ids": response, "logprobs": logp[i][:n_gen[i]],
+                      "finished": bool(response) and response[-1] in self.stop_ids}
+            if self.token_versions:
+                sample["token_versions"] = expand_versions(self._versions[s], n_gen[i])
+            out.append((tag, sample))
+            self.slots[s] = None
+            if s in self._odd_temps:
+                self._odd_temps.discard(s)
+                self.temps[s] = float(self.temperature)
+        self.lengths[idx] = 0      # free slots decode harmlessly at position 0 until refilled
+        return out
+
+
+
+def expand_versions(spans: list[tuple[int, int]], length: int) -> list[int]:
+    """Per token, the version of the last span [(first token index, version), ...] starting at or
+    before it: ([(0, 3), (5, 4)], 7) -> [3, 3, 3, 3, 3, 4, 4]."""
+    bounds = [start for start, _ in spans[1:]] + [length]
+    return [v for (start, v), end in zip(spans, bounds) for _ in range(max(0, min(end, length) - start))]
+
+
+@torch.no_grad()
+def decode_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int]],
+                     max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                     seed: int = 0, keys: list[tuple[int, int]] | None = None,
+                     min_new_tokens: int = 0, num_slots: int | None = None,
+                     decoder: StaticDecoder | None = None, stop_ids: list[int] | None = None,
+                     **decoder_kwargs) -> list[dict]:
+    """sample_responses' result with a StaticDecoder: one sample per prompt, in order.
+    stop_ids: every id that ends a response (default the tokenizer's eos).
+    keys[i] = (prompt id, sample index) names prompt i's noise (default (i, 0)); with fewer
+    slots than prompts, slots are refilled as sequences finish. `decoder`: reuse one (its
+    sampling settings win; it must be idle)."""
+    keys = keys or [(i, 0) for i in range(len(prompt_ids_list))]
+    if decoder is None:
+        decoder = StaticDecoder(
+            model, num_slots or len(prompt_ids_list),
+            max(len(p) for p in prompt_ids_list) + max_new_tokens, eos_id=stop_ids or tokenizer.eos_token_id,
+            max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+            temperature=temperature, top_k=top_k or 0, seed=seed, **decoder_kwargs)
+    decoder.refresh()
+    queue = [(p, i, sample_key(decoder.seed, *keys[i])) for i, p in enumerate(prompt_ids_list)]
+    queue.reverse()
+    out: list[dict | None] = [None] * len(queue)
+    while queue or decoder.active:
+        take = min(decoder.free_slots(), len(queue))
+        decoder.add([queue.pop() for _ in range(take)])
+        for i, sample in decoder.step():
+            out[i] = sample
+    return out

@@ -1,0 +1,103 @@
+"""Compile the learner's layers while the rest of the graph starts, not in its first step.
+
+Compiled layers (rl/model/precision.compile_layers) build their graphs on first use. Without a warm-up
+that first use is the first training step, which then waits for the compile after the generator's
+own set-up and first batch, on the critical path of a short run
+(bench/results/trl_smollm2_h200_2026-12-03a.md).
+The warm-up runs the learner's real update (rl/update/ppo_update.ppo_update: the same passes, grad modes,
+masks, column alignment and micro-batch split as a training step) on made-up samples shaped like
+a step's, with an optimizer that never steps, on a thread started in the learner's set-up; the
+first real step waits for it. The weights, the optimizer state and the learner's rng are
+untouched; the gradients are dropped.
+
+Why this and not a made-up forward: an earlier warm-up (removed in af94277) ran hand-built passes
+and compiled four graphs the real batches never used: its batch was under inductor's fusion-size
+guard (576*B*T < 5242880), and it ran without an attention mask and in the other grad mode. The
+real update on a step-sized batch takes the real batches' guards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import torch
+
+
+class _NoStep:
+    """An optimizer for ppo_update that clears gradients and never changes a weight."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        pass
+
+
+def made_up_samples(c, vocab_size: int, prompt_tokens: tuple[int, int] = (16, 64), seed: int = 0) -> list[dict]:
+    """A step's samples as the learner receives them (c: LearnerConfig): prompts_per_step x
+    group_size of them, prompt lengths in `prompt_tokens`, response lengths spread from 1 to the
+    generators' cap (learner.max_response_tokens; 64 when unset), random tokens and scores, with
+    the per-token fields the configured advantage and KL need. Prompts are short (chat-templated
+    arithmetic questions for SmolLM2 are ~50 tokens): the warm-up should be no bigger than a real
+    step, whose memory its passes reserve: prompts wider than the real ones raised the learner's
+    peak GPU memory for the whole run (bench/results/trl_smollm2_h200_2026-12-03a.md)."""
+    from rl.update.ppo_update import resolved_advantage
+
+    rng = random.Random(seed)
+    cap = c.max_response_tokens or 64
+    kind = resolved_advantage(c)
+    samples = []
+    for i in range(c.prompts_per_step * c.group_size):
+        prompt = [rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_tokens))]
+        n = rng.randint(1, cap)
+        sample = {"prompt_ids": prompt, "response_ids": [rng.randrange(vocab_size) for _ in range(n)],
+                  "logprobs": [-rng.random() for _ in range(n)], "score": float(rng.random() < 0.5),
+                  "failed": False, "finished": n < cap}
+        if c.kl.coef > 0:
+            sample["ref_logprobs"] = [-rng.random() for _ in range(n)]
+        if kind == "gae":
+            sample["advantages"] = [rng.gauss(0, 1) for _ in range(n)]
+        if kind == "reinforce_pp":
+            sample["token_rewards"] = [0.0] * (n - 1) + [sample["score"]]
+        samples.append(sample)
+    return samples
+
+
+def warm_up_update(model: torch.nn.Module, c, pad_id: int) -> float:
+    """One ppo_update on made_up_samples with an optimizer that never steps; returns its seconds.
+    The model is left in eval mode with no gradients, as ppo_update leaves it."""
+    from rl.update.ppo_update import ppo_update
+
+    t = time.perf_counter()
+    vocab = model.get_input_embeddings().weight.shape[0]
+    samples = made_up_samples(c, vocab)
+    try:
+        ppo_update(model, _NoStep(model), samples, c.kl.coef, pad_id, c, random.Random(0), stale=False)
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.eval()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()   # give the made-up step's blocks back to the GPU's other processes
+    return time.perf_counter() - t
+
+
+def start_warm_up(ctx, model: torch.nn.Module, c, pad_id: int) -> asyncio.Task:
+    """warm_up_update on a thread, as a task of the learner's event loop (call it in setup), under
+    the node's state lock: a resumed run's weights load after it, and the first training step,
+    which takes the lock too, waits for it. A failure is logged, not raised: the first step then
+    compiles the layers, or fails with its own error."""
+    async def run():
+        async with ctx.state_lock:
+            with ctx.span("compile warm-up"):
+                try:
+                    seconds = await asyncio.to_thread(warm_up_update, model, c, pad_id)
+                    ctx.log(f"compile warm-up: {seconds:.1f} s (rl/update/compile_warm_up.py)")
+                except Exception as e:
+                    ctx.log(f"compile warm-up failed ({type(e).__name__}: {str(e)[:200]}); "
+                            "the layers compile in the first step")
+    return asyncio.create_task(run())

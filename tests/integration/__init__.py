@@ -1,0 +1,1 @@
+"""Integration tests: Ray, graphs, processes and the CLI (`pytest tests/integration`)."""

@@ -1,0 +1,72 @@
+"""Two Ray nodes: the weight push crosses raylets, not only processes of one.
+
+ray.cluster_utils.Cluster starts a second raylet on this machine (its own object store, workers
+and scheduler), which is what a second machine is to Ray; each node gets one logical GPU. With
+placement=split on 2 GPUs the generator's pool (one GPU) and the learner's pool (one GPU) cannot
+share a node that has one GPU, so the generator and the learner run on different Ray nodes. Both
+transports that work across nodes must then deliver the learner's exact weights at every version.
+What this cannot cover: two IP addresses (both raylets have this machine's), and NCCL (no GPU here;
+the collective push uses gloo, whose rendezvous goes through the same published node address).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+SMALL = ["prompts_per_step=4", "group_size=2", "learner.micro_batch_size=0", "weight_checksums=true",
+         "max_staleness=0", "placement=split", "num_gpus=2"]
+
+
+@pytest.fixture(scope="module")
+def two_ray_nodes():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 1})
+    cluster.add_node(num_cpus=4, num_gpus=1)
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}})
+    cluster.wait_for_nodes()
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_weights_reach_a_generator_on_another_ray_node(two_ray_nodes, tmp_path, transport):
+    import ray
+
+    from dataflow.placement import plan
+    from dataflow.driver.runtime import RunOptions, load_graph, run_graph
+
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    assert len(nodes) == 2 and all(n["Resources"].get("GPU") == 1 for n in nodes)
+    graph, config = load_graph(str(ROOT / "graphs/grpo.py"), SMALL + [f"weight_transport={transport}"])
+    pools = plan(graph, cluster=[1, 1]).groups
+    assert [b["GPU"] for b in pools["rollout"].bundles] == [1.0] and [b["GPU"] for b in pools["train"].bundles] == [1.0]
+    before = set(ray.util.placement_group_table())
+    summary = asyncio.run(run_graph(graph, RunOptions(max_steps=3, out_dir=str(tmp_path), quiet=True), config))
+    assert summary.status in ("done", "max steps reached"), summary.status
+    # The run's placement groups (kept in the table after removal): the two GPU pools on two nodes.
+    groups = [g for k, g in ray.util.placement_group_table().items() if k not in before]
+    gpu_nodes = {g["bundles_to_node_id"][i] for g in groups for i, b in g["bundles"].items() if b.get("GPU")}
+    assert len(gpu_nodes) == 2, groups
+    records = [json.loads(line) for line in Path(summary.metrics_path).read_text().splitlines()]
+    assert [r["version"] for r in records if "step" in r] == [1, 2, 3]
+    sums: dict[str, dict[int, float]] = {}
+    for r in records:
+        if "weights/checksum" in r:
+            sums.setdefault(r["node"], {})[r["weights/version"]] = r["weights/checksum"]
+    learner, generator = sums.pop("learner"), sums.pop("generator")
+    assert len(set(learner.values())) == len(learner) >= 3, "the weights should change at every version"
+    assert set(generator) >= {1, 2}
+    for version, checksum in generator.items():
+        assert checksum == pytest.approx(learner[version], rel=1e-12, abs=0), version

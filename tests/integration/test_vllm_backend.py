@@ -1,0 +1,224 @@
+"""generator.backend and the vLLM backend's CPU-testable parts (rl/generation/vllm_engine.py).
+
+Always run: the backend choice (real code, this machine's real vllm status), the one-line error for
+backend=vllm where vllm is not installed (preflight, before Ray), and the weight names handed to
+vLLM's load_weights (against the checkpoint names save_pretrained writes, which is what vLLM loads
+from disk). Run only where vllm imports (CI does not install it; the GPU machine runs the engine
+itself in bench/vllm_check.py): the SamplingParams mapping, and log-probs taken from vLLM's own
+output classes, made by vLLM's own OutputProcessor from the sampler's per-step output. On a CPU
+machine, vllm 0.26.0 installs beside torch 2.13 for these with no dependencies resolved:
+
+    pip download vllm==0.26.0 --no-deps -d /tmp/w && pip install --no-deps --target /tmp/vllm_site \\
+      /tmp/w/vllm-0.26.0-*.whl msgspec cbor2 pyzmq aiohttp multidict yarl propcache aiohappyeyeballs \\
+      aiosignal frozenlist openai openai_harmony cloudpickle pybase64 cachetools py-cpuinfo \\
+      prometheus_client einops
+    PYTHONPATH=/tmp/vllm_site:$PWD python -m pytest tests/integration/test_vllm_backend.py
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dataflow.errors import UserError
+from rl.generation.decoding import unsupported_reason
+from rl.generation.vllm_engine import (INSTALL, auto_memory_utilization, choose_backend, engine_weights, missing_vllm,
+                                       vllm_installed)
+
+
+def _vllm_importable() -> str | None:
+    """Why vLLM's output-side classes do not import here (None: they do)."""
+    if not vllm_installed():
+        return f"vllm is not installed ({INSTALL}; CI does not install it)"
+    try:
+        for name in ("vllm.sampling_params", "vllm.outputs", "vllm.logprobs", "vllm.v1.engine.output_processor"):
+            importlib.import_module(name)
+    except Exception as e:   # installed but broken here (e.g. a missing dependency)
+        return f"vllm is installed but does not import here: {type(e).__name__}: {e}"
+    return None
+
+
+_WHY_NOT = _vllm_importable()
+needs_vllm = pytest.mark.skipif(_WHY_NOT is not None, reason=str(_WHY_NOT))
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+def tiny(family: str):
+    """A real, tiny random-init transformers model of `family` (tied embeddings)."""
+    import transformers
+
+    names = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
+             "mistral": ("MistralConfig", "MistralForCausalLM")}[family]
+    config = getattr(transformers, names[0])(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, max_position_embeddings=64, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return getattr(transformers, names[1])(config)
+
+
+# ---- the backend choice ----------------------------------------------------------------------------
+def test_auto_picks_static_for_the_models_it_covers_on_any_device():
+    for device in ("cpu", "cuda"):
+        assert choose_backend("auto", unsupported_reason(tiny("qwen2")), device)[0] == "static"
+
+
+def test_auto_for_other_models_vllm_on_cuda_when_installed_else_hf():
+    reason = unsupported_reason(tiny("mistral"))
+    assert reason and "mistral" in reason
+    backend, why = choose_backend("auto", reason, "cpu")
+    assert backend == "hf" and "needs CUDA" in why
+    backend, why = choose_backend("auto", reason, "cuda")       # this machine's real vllm status
+    if vllm_installed():
+        assert backend == "vllm"
+    else:
+        assert backend == "hf" and "not installed" in why and "pip install -e '.[vllm]'" in why
+
+
+def test_explicit_backends():
+    assert choose_backend("hf", None, "cpu")[0] == "hf"
+    assert choose_backend("static", None, "cpu")[0] == "static"
+    with pytest.raises(UserError, match="static decoder cannot run this model.*model_type 'mistral'"):
+        choose_backend("static", unsupported_reason(tiny("mistral")), "cuda")
+    with pytest.raises(UserError, match="needs a CUDA GPU"):
+        choose_backend("vllm", None, "cpu", vllm_ok=True)
+
+
+@pytest.mark.skipif(vllm_installed(), reason="vllm is installed here: the missing-vllm error cannot occur")
+def test_vllm_backend_without_vllm_is_one_line_naming_the_install():
+    with pytest.raises(UserError) as e:
+        choose_backend("vllm", None, "cuda")
+    assert str(e.value) == missing_vllm()
+    assert "\n" not in str(e.value) and "pip install -e '.[vllm]'" in str(e.value) and "vllm==0.26.0" in str(e.value)
+
+
+@pytest.mark.skipif(vllm_installed(), reason="vllm is installed here: the missing-vllm error cannot occur")
+def test_cli_refuses_backend_vllm_before_ray_starts():
+    proc = subprocess.run([sys.executable, "-m", "dataflow.run", "graphs/grpo.py", "--set", "generator.backend=vllm",
+                           "--max-steps", "1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    lines = proc.stderr.splitlines() + proc.stdout.splitlines()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert [line for line in lines if line.startswith("error:")] == [f"error: generator.{missing_vllm('backend=vllm')}"]
+    assert not any("running:" in line for line in lines), "the graph started"
+
+
+def test_importing_the_project_never_imports_vllm():
+    code = ("import sys, nodes.generator, graphs.grpo, rl.generation.vllm_engine, rl.preflight; "
+            "print('vllm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_auto_memory_utilization_leaves_room_for_the_received_copy():
+    gib = 2**30
+    assert auto_memory_utilization(1.0, 0, 100 * gib) == 0.9
+    assert auto_memory_utilization(0.25, 1 * gib, 100 * gib) == pytest.approx(0.215)
+    assert auto_memory_utilization(0.05, 10 * gib, 100 * gib) == 0.05        # never below 5%
+
+
+# ---- the weights handed to vLLM's load_weights ---------------------------------------------------------
+@pytest.mark.parametrize("family", ["qwen2", "llama", "mistral"])
+def test_engine_weights_are_the_checkpoint_names_and_tensors(family, tmp_path):
+    """vLLM's load_weights reads HF checkpoint names (it fuses q/k/v, gate/up itself and skips a
+    tied lm_head): what we hand it must be exactly what save_pretrained writes to disk."""
+    from safetensors.torch import load_file
+
+    model = tiny(family)
+    model.save_pretrained(str(tmp_path))
+    on_disk = load_file(str(tmp_path / "model.safetensors"))
+    ours = dict(engine_weights(model))
+    assert sorted(ours) == sorted(on_disk) and "lm_head.weight" not in ours
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, on_disk[name]), name
+
+
+# ---- vLLM's own classes (where vllm imports) ----------------------------------------------------------
+@needs_vllm
+def test_sampling_params_mapping():
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from rl.generation.vllm_engine import sampling_params
+
+    p = sampling_params(temperature=0.7, top_k=5, max_new_tokens=32, min_new_tokens=4, stop_ids=[2, 7], seed=123)
+    assert isinstance(p, SamplingParams)
+    assert (p.n, p.temperature, p.top_k, p.top_p, p.max_tokens, p.min_tokens) == (1, 0.7, 5, 1.0, 32, 4)
+    assert p.stop_token_ids == [2, 7] and p.stop == [] and not p.ignore_eos and p.seed == 123
+    assert p.logprobs == 0 and p.flat_logprobs and p.output_kind == RequestOutputKind.FINAL_ONLY
+    assert not p.detokenize and not p.skip_special_tokens      # no text needed without stop strings
+    assert sampling_params(temperature=1.0, top_k=0, max_new_tokens=8, min_new_tokens=99,
+                           stop_ids=[2]).min_tokens == 8          # clipped to max, as the static decoder
+    s = sampling_params(temperature=1.0, top_k=0, max_new_tokens=8, min_new_tokens=0, stop_ids=[2],
+                        stop_strings=["</answer>"], n=8, logprobs=False)
+    assert s.stop == ["</answer>"] and s.detokenize and s.include_stop_str_in_output and s.n == 8
+    assert s.logprobs is None and s.top_k == 0                     # 0 = the whole vocabulary in both
+    greedy = sampling_params(temperature=0.0, top_k=5, max_new_tokens=8, min_new_tokens=0, stop_ids=[2])
+    assert greedy.temperature == 0.0 and greedy.top_k == 0          # vLLM's greedy normalisation
+
+
+def _engine_outputs(params, prompt, tokens, logprobs, finish_at):
+    """Feed vLLM's OutputProcessor (what LLMEngine.step runs) the per-step outputs its engine core
+    sends for one request (a sampled token, its log-prob and rank from the sampler): the
+    RequestOutputs it returns after each step."""
+    import numpy as np
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
+    from vllm.v1.engine.output_processor import OutputProcessor
+    from vllm.v1.outputs import LogprobsLists
+
+    processor = OutputProcessor(None, log_stats=False)
+    processor.add_request(EngineCoreRequest(
+        request_id="r0", prompt_token_ids=list(prompt), mm_features=None, sampling_params=params,
+        pooling_params=None, arrival_time=time.time(), lora_request=None, cache_salt=None,
+        data_parallel_rank=None, external_req_id="r0"), None)
+    steps = []
+    for i, (token, lp) in enumerate(zip(tokens, logprobs)):
+        out = EngineCoreOutput(
+            request_id="r0", new_token_ids=[token],
+            new_logprobs=LogprobsLists(np.array([[token]]), np.array([[lp]], dtype=np.float32), np.array([1])),
+            finish_reason=(FinishReason.STOP if finish_at == "stop" else FinishReason.LENGTH)
+            if i == len(tokens) - 1 else None)
+        steps.append(processor.process_outputs([out]).request_outputs)
+    return steps
+
+
+@needs_vllm
+@pytest.mark.parametrize("flat", [True, False])
+def test_logprobs_from_vllms_output_classes(flat):
+    from vllm.logprobs import FlatLogprobs
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    from rl.generation.vllm_engine import sampling_params, to_sample
+
+    params = sampling_params(temperature=0.7, top_k=0, max_new_tokens=3, min_new_tokens=0, stop_ids=[2], seed=5)
+    params.flat_logprobs = flat
+    tokens, lps = [9, 11, 2], [-0.25, -1.5, -0.125]
+    steps = _engine_outputs(params, [5, 6, 7], tokens, lps, "stop")
+    assert steps[0] == [] and steps[1] == []             # FINAL_ONLY: one output, when it finished
+    (ro,) = steps[2]
+    assert isinstance(ro, RequestOutput) and ro.finished and isinstance(ro.outputs[0], CompletionOutput)
+    assert isinstance(ro.outputs[0].logprobs, FlatLogprobs) == flat
+    sample = to_sample(ro.prompt_token_ids, ro.outputs[0], stop_ids=[2, 4])
+    assert sample == {"prompt_ids": [5, 6, 7], "response_ids": tokens, "logprobs": lps, "finished": True}
+
+    steps = _engine_outputs(params, [5], [9, 11, 3], lps, "length")     # cut at max tokens
+    assert to_sample([5], steps[-1][0].outputs[0], stop_ids=[2])["finished"] is False
+
+
+@needs_vllm
+def test_logprobs_missing_or_misaligned_are_errors():
+    from vllm.logprobs import create_sample_logprobs, append_logprobs_for_next_position
+
+    from rl.generation.vllm_engine import token_logprobs
+
+    with pytest.raises(ValueError, match="no log-probs"):
+        token_logprobs([1, 2], None)
+    lp = create_sample_logprobs(False)
+    append_logprobs_for_next_position(lp, [7], [-0.5], [None], 1, 0)
+    with pytest.raises(ValueError, match="1 positions, 2 tokens"):
+        token_logprobs([7, 8], lp)
+    with pytest.raises(ValueError, match="do not include the sampled token 8"):
+        token_logprobs([8], lp)

@@ -1,0 +1,197 @@
+"""Inputs checked before Ray starts (dataflow/driver/preflight.py, rl/preflight.py): model directories,
+datasets, prompt lengths against the model's positions, reward files against the data. No Ray:
+the checks run in the driver, and the CLI exits 2 before it would start Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from dataflow.driver.loading import load_graph
+from dataflow.driver.preflight import input_problems
+from rl.data.policy import model_dir_problems, safetensors_problem
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The built-in tiny policy (64 positions) saved as a normal HF model directory."""
+    from rl.data import tasks
+    from rl.model.causal_lm import ModelConfig, build_policy, save_policy
+
+    path = tmp_path_factory.mktemp("model") / "policy"
+    tokenizer = tasks.build_tokenizer()
+    save_policy(build_policy(ModelConfig(), tokenizer), tokenizer, str(path))
+    return path
+
+
+def copy_of(model_dir, tmp_path, name="copy"):
+    return shutil.copytree(model_dir, tmp_path / name)
+
+
+def check(graph: str, *overrides: str) -> list[str]:
+    return input_problems(*load_graph(graph, list(overrides)))
+
+
+def jsonl(path, *rows) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def test_a_good_model_dir_and_the_graphs_defaults_pass(model_dir, tmp_path):
+    assert model_dir_problems(str(model_dir)) == []
+    for graph in ("graphs/ppo.py", "graphs/grpo.py", "graphs/dapo.py"):
+        assert check(graph) == []
+    data = jsonl(tmp_path / "d.jsonl", {"prompt": "copy 1 2 :", "answer": "1 2"})
+    assert check("graphs/grpo.py", f"policy.path={model_dir}", f"prompts.path={data}", "max_new_tokens=4") == []
+
+
+def test_a_truncated_safetensors_file_is_named_as_such(model_dir, tmp_path):
+    broken = copy_of(model_dir, tmp_path)
+    weights = broken / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size - 100)
+    assert safetensors_problem(str(weights)) == (
+        f"model.safetensors is truncated: {size - 100} bytes, its header describes {size} "
+        "(an interrupted download or save: copy or save it again)")
+    # every node loads the policy: one line, under the setting a user sets
+    assert check("graphs/ppo.py", f"policy.path={broken}") == [
+        f"policy.path={broken}: model.safetensors is truncated: {size - 100} bytes, its header describes {size} "
+        "(an interrupted download or save: copy or save it again)"]
+    with open(weights, "r+b") as f:
+        f.truncate(5)
+    assert "truncated (5 bytes, not even a header)" in safetensors_problem(str(weights))
+
+
+def test_incomplete_model_dirs(model_dir, tmp_path):
+    no_config = copy_of(model_dir, tmp_path, "a")
+    os.remove(no_config / "config.json")
+    assert model_dir_problems(str(no_config)) == [
+        "no config.json there: not a saved HF model directory (save it with save_pretrained)"]
+    bad_config = copy_of(model_dir, tmp_path, "b")
+    (bad_config / "config.json").write_text("{not json")
+    assert model_dir_problems(str(bad_config))[0].startswith("config.json cannot be read")
+    no_weights = copy_of(model_dir, tmp_path, "c")
+    os.remove(no_weights / "model.safetensors")
+    assert model_dir_problems(str(no_weights))[0].startswith("missing weights")
+    sharded = copy_of(model_dir, tmp_path, "d")
+    os.rename(sharded / "model.safetensors", sharded / "model-00001-of-00002.safetensors")
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    assert model_dir_problems(str(sharded)) == [
+        "model-00002-of-00002.safetensors (listed in model.safetensors.index.json) is missing"]
+    no_tokenizer = copy_of(model_dir, tmp_path, "e")
+    os.remove(no_tokenizer / "tokenizer.json")
+    assert model_dir_problems(str(no_tokenizer)) == [
+        "no tokenizer.json; save one with tokenizer.save_pretrained(path)"]
+
+
+def test_cli_gives_one_line_and_exit_2_without_starting_ray(model_dir, tmp_path, capsys):
+    """A missing or broken policy dir: the same one line every time, whichever node would have
+    loaded it first (before: a traceback from some node, exit 1, after Ray's start-up)."""
+    import ray
+
+    from dataflow.run import main
+
+    broken = copy_of(model_dir, tmp_path)
+    with open(broken / "model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    outputs = []
+    for _ in range(2):
+        assert main(["graphs/ppo.py", "--max-steps", "1", "--set", f"policy.path={broken}"]) == 2
+        outputs.append(capsys.readouterr().err)
+    assert outputs[0] == outputs[1] and len(outputs[0].splitlines()) == 1
+    assert outputs[0].startswith(f"error: policy.path={broken}: model.safetensors is truncated (1000 bytes; its header alone is")
+    assert main(["graphs/ppo.py", "--set", "max_new_tokens=100000"]) == 2
+    assert capsys.readouterr().err == (
+        "error: max_new_tokens=100000: the model has 64 positions (policy.model.max_position_embeddings) for "
+        "prompt and response together; set it below 64\n")
+    assert not ray.is_initialized()
+
+
+def test_datasets_that_give_no_usable_row(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert check("graphs/ppo.py", f"prompts.path={empty}", "max_new_tokens=4") == [
+        f"prompts.path={empty}: no rows at all (an empty file?); give a dataset with prompts"]
+    bad = tmp_path / "bad.jsonl"   # malformed JSON, a non-UTF-8 byte, no "prompt" field
+    bad.write_bytes(b'{"prompt": "copy 1 :"\n{"prompt": "copy \xff :"}\n{"text": "copy 1 :"}\n')
+    found = check("graphs/ppo.py", f"prompts.path={bad}", "max_new_tokens=4", "prompts.skip_bad_lines=true")
+    assert len(found) == 1 and found[0].startswith(
+        f"prompts.path={bad}: no usable rows: all 3 were skipped (prompts.skip_bad_lines=true); the first: {bad}:1:")
+    assert found[0].endswith("invalid JSON (Expecting ',' delimiter); write one JSON object per line")
+    # without skipping: the loader's own message for the first bad row (what the prompt source says)
+    found = check("graphs/ppo.py", f"prompts.path={bad}", "max_new_tokens=4")
+    assert len(found) == 1 and found[0].startswith(f"{bad}:1:") and "prompts.skip_bad_lines=true" in found[0]
+
+
+def test_prompt_lengths_against_the_models_positions(model_dir, tmp_path):
+    """Before: the message advised raising generator.max_prompt_tokens (already 4x the context), and
+    raised further the run trained on 5,004-token sequences with the 64-position model."""
+    long = jsonl(tmp_path / "long.jsonl", {"prompt": "copy 1 :", "answer": "1"},
+                 {"prompt": "copy " + "1 " * 100 + ":", "answer": "1"})
+    assert check("graphs/ppo.py", f"policy.path={model_dir}", f"prompts.path={long}", "max_new_tokens=4") == [
+        f"prompts up to 103 tokens (the longest: {long}:2) + max_new_tokens 4 > the model's 64 positions "
+        f"({model_dir}/config.json max_position_embeddings); cut the prompts with prompts.max_prompt_tokens=60 and "
+        "prompts.truncation=left, or lower max_new_tokens"]
+    # cut as advised, it fits
+    assert check("graphs/ppo.py", f"policy.path={model_dir}", f"prompts.path={long}", "max_new_tokens=4",
+                 "prompts.max_prompt_tokens=60", "prompts.truncation=left") == []
+    # the built-in task's prompts too (no data file): num_digits=70 makes 73-token prompts
+    assert check("graphs/grpo.py", "prompts.num_digits=70", "max_new_tokens=4") == [
+        "prompts up to 73 tokens (the longest: prompts.task=copy with prompts.num_digits=70) + max_new_tokens 4 > "
+        "the model's 64 positions (policy.model.max_position_embeddings); lower max_new_tokens"]
+
+
+def test_the_reward_against_the_rows_fields(tmp_path):
+    no_answer = jsonl(tmp_path / "q.jsonl", {"prompt": "copy 1 :"}, {"prompt": "copy 2 :", "answer": "2"})
+    assert check("graphs/ppo.py", f"prompts.path={no_answer}", "max_new_tokens=4") == [
+        f"prompts.path={no_answer}: 1 of 2 rows have no `answer` field (a string; the first: {no_answer}:1); the "
+        "built-in scorer (reward.path empty) needs one: set reward.path to your reward file, or prompts.answer_key "
+        "to the field that holds the answer"]
+    verl = tmp_path / "verl.py"
+    verl.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    assert check("graphs/ppo.py", f"prompts.path={no_answer}", "max_new_tokens=4", f"reward.path={verl}",
+                 "reward.function=compute_score") == [
+        f"prompts.path={no_answer}: 1 of 2 rows have neither reward_model.ground_truth nor an `answer` field (the "
+        f"first: {no_answer}:1), which compute_score ({verl}), verl's compute_score, needs as its ground_truth; set "
+        "prompts.answer_key to the field that holds it"]
+    needs = tmp_path / "needs.py"
+    needs.write_text("def reward(prompt, response, answer, difficulty, bonus=0.0):\n    return 0.0\n")
+    ok = jsonl(tmp_path / "ok.jsonl", {"prompt": "copy 1 :", "answer": "1"})
+    assert check("graphs/ppo.py", f"prompts.path={ok}", "max_new_tokens=4", f"reward.path={needs}") == [
+        f"reward.path={needs}: reward ({needs}) takes `difficulty`, which the one row of prompts.path={ok} lack "
+        f"(the first: {ok}:1); give the parameter a default or add the field to the data"]
+    broken = tmp_path / "broken.py"
+    broken.write_text("def reward(prompt, response:\n")
+    assert check("graphs/ppo.py", f"reward.path={broken}") == [
+        f"reward.path: {broken}:1: syntax error: '(' was never closed"]
+    batched = tmp_path / "trl.py"
+    batched.write_text("def reward(prompts, completions, answer, **kwargs):\n    return [0.0] * len(completions)\n")
+    assert check("graphs/ppo.py", f"prompts.path={ok}", "max_new_tokens=4", f"reward.path={batched}") == []
+
+
+def test_a_reward_model_dir_must_be_a_one_label_classifier(model_dir, tmp_path):
+    assert check("graphs/ppo.py", "reward_kind=model") == [
+        "reward_model.path is empty: set --set reward_model.path=/dir/of/a/sequence/classifier"]
+    assert check("graphs/ppo.py", "reward_kind=model", f"reward_model.path={model_dir}") == [
+        f"reward_model.path={model_dir}: num_labels=2, a reward model has 1 (a sequence classifier with one output)"]
+
+
+def test_a_user_node_kind_brings_its_own_preflight(tmp_path):
+    graph_file = tmp_path / "own.py"
+    graph_file.write_text(
+        "from dataclasses import dataclass, field\n"
+        "from dataflow import Graph\nfrom tests.graphs.toy import Collect, Counter\n"
+        "@dataclass\nclass Source:\n    path: str = ''\n"
+        "    def preflight(self):\n        return [] if self.path.endswith('.txt') else [f'path={self.path}: not a .txt']\n"
+        "@dataclass\nclass Cfg:\n    source: Source = field(default_factory=Source)\n"
+        "config = Cfg()\n"
+        "class Reading(Counter):\n    Config = Source\n"
+        "def build(cfg):\n    g = Graph('own')\n    g.node('read', Reading, cfg.source)\n"
+        "    g.node('sink', Collect, Collect.Config(), ends_run=True)\n    g.channel('read.numbers', 'sink.squares', capacity=4)\n    return g\n")
+    assert check(str(graph_file), "source.path=a.csv") == ["source.path=a.csv: not a .txt"]
+    assert check(str(graph_file), "source.path=a.txt") == []
