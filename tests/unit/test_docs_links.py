@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md")),
          *sorted((ROOT / "bench" / "results").glob("*.md"))]
 # Pages that other branches of the same change add (issue 35: docs/rewards.md, docs/agents.md). Once
