@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from dataflow.checks import AtLeast, ExistingPath, NonNegative, Positive
+from dataflow.errors import UserError
+
+
+class EnvLoadError(UserError, ValueError):
+    """An environment file or setting that cannot be used; the message names the file."""
 
 
 @dataclass(kw_only=True)

@@ -17,17 +17,12 @@ import inspect
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from dataflow.errors import UserError
 from rl.agent import tools as T
-from rl.agent.config import EnvConfig
+from rl.agent.config import EnvConfig, EnvLoadError
 from rl.agent.envs import GymSession, ToolSession
 from rl.agent.episode import Episode
 from rl.agent.render import Renderer
 from rl.rewards import import_user_file
-
-
-class EnvLoadError(UserError, ValueError):
-    """An environment file or setting that cannot be used; the message names the file."""
 
 
 class EnvFactory:
