@@ -1,8 +1,8 @@
 """rl/agent: gym-style environments run turn by turn (pure library, no Ray).
 
 Trajectories are checked token by token against a full render of the final chat by the chat
-template (the tiny chat model's word-level ChatML, a byte-level BPE with a Qwen2.5-like template,
-and the real SmolLM2-135M-Instruct tokenizer); masks against the hand-built layout; limits,
+template (the tiny chat model's word-level ChatML, a byte-level BPE with a Qwen2.5-like template;
+SmolLM2's real tokenizer: tests/test_agent_smollm2.py); masks against the hand-built layout; limits,
 timeouts, failures and bad files each end with one line.
 """
 
@@ -16,7 +16,7 @@ import time
 import pytest
 
 from rl.agent import EnvConfig, EnvLoadError, load_environment
-from tests.agent_tokenizers import THINK_DROPPING, bpe_tokenizer, smollm2_tokenizer
+from tests.agent_tokenizers import THINK_DROPPING, bpe_tokenizer
 from tests.chat_model import IM_END, chat_tokenizer
 
 GUESS_ENV = """
@@ -65,11 +65,6 @@ async def play(factory, row, replies, tok, end_token=IM_END):
     return ep, turns
 
 
-@pytest.fixture(scope="module")
-def smollm2_tok():
-    return smollm2_tokenizer()
-
-
 @pytest.mark.parametrize("make_tok", [chat_tokenizer, bpe_tokenizer], ids=["tiny-chatml", "bpe-qwen-like"])
 def test_trajectory_equals_a_full_render_token_for_token(tmp_path, make_tok):
     tok = make_tok()
@@ -92,27 +87,6 @@ def test_trajectory_equals_a_full_render_token_for_token(tmp_path, make_tok):
     assert r.prompt_ids == full_render(tok, r.messages[:1])
     if make_tok is bpe_tokenizer:          # (word-level decoding joins words with spaces)
         assert tok.decode(r.prompt_ids + r.response_ids) == tok.apply_chat_template(r.messages, tokenize=False)[:-1]
-
-
-def test_real_smollm2_tokenizer_stop_and_cut_turns(tmp_path, smollm2_tok):
-    """SmolLM2's template adds a default system prompt and a newline after every <|im_end|>: the
-    newline after a sampled <|im_end|> is the environment's (verl PR #6921's dropped separator);
-    a turn cut by the token limit gets the <|im_end|> from the environment too."""
-    tok = smollm2_tok
-    factory = load_environment(EnvConfig(path=write(tmp_path, GUESS_ENV)), tok)
-    ep, turns = run(play(factory, {"prompt": "Guess my number from 1 to 9."}, ["It is 5", "It is 7"], tok))
-    r = ep.result()
-    assert r.ended_by == "done" and r.reward == 1.0
-    assert tok.convert_ids_to_tokens(turns[0].append_ids)[:3] == ["Ċ", "<|im_start|>", "user"]
-    t2 = tok.encode("It is 7", add_special_tokens=False) + [tok.eos_token_id]
-    assert r.response_ids[-len(t2):] == t2 and r.loss_mask[-len(t2):] == [1] * len(t2)
-    assert r.prompt_ids + r.response_ids[:-len(t2)] == full_render(tok, r.messages[:3])
-    assert tok.decode(r.prompt_ids + r.response_ids) == tok.apply_chat_template(r.messages, tokenize=False)[:-1]
-    # Cut by the length limit: no <|im_end|> sampled, so the environment writes it.
-    ep, turns = run(play(factory, {"prompt": "Guess my number from 1 to 9."}, ["It is"], tok, end_token=None))
-    assert tok.convert_ids_to_tokens(turns[0].append_ids)[:4] == ["<|im_end|>", "Ċ", "<|im_start|>", "user"]
-    assert ep.result().counters["truncated_turns"] == 1
-    assert ep.prompt_ids + ep.response_ids == full_render(tok, ep.messages)
 
 
 def test_a_turn_ending_on_another_stop_token_gets_the_templates_end_of_turn(tmp_path):

@@ -28,13 +28,15 @@ from rl.rewards import import_user_file
 class EnvFactory:
     """Starts episodes of one loaded environment; owns the thread pool its sync code runs in.
 
-    form: "gym", "tools" or "trl"; reward_mode: env | function | sum (EnvConfig.reward);
+    form: "gym", "tools" or "trl" (TRL's environment_factory class); reward_mode: env | function | sum (EnvConfig.reward);
     uses_function: the reward node's function scores the final chat (function, sum).
     """
 
     def __init__(self, cfg: EnvConfig, tokenizer: Any, renderer: Renderer, session: Callable,
-                 form: str, stop_ids: tuple[int, ...] = ()):
+                 form: str, tool_schemas: list[dict], stop_ids: tuple[int, ...] = ()):
         self.cfg, self.tokenizer, self.renderer, self.form = cfg, tokenizer, renderer, form
+        self.tool_schemas = tool_schemas
+        """The tools' OpenAI function schemas ([] for a gym-style class)."""
         self._session = session
         self.reward_mode = cfg.reward
         self.uses_function = cfg.reward in ("function", "sum")
@@ -84,7 +86,7 @@ def load_environment(cfg: EnvConfig, tokenizer: Any, stop_ids: tuple[int, ...] |
         renderer = Renderer(tokenizer, schemas if in_template else None, cfg.non_append_template == "keep")
     except ValueError as e:
         raise EnvLoadError(f"{path}: {e}") from None
-    return EnvFactory(cfg, tokenizer, renderer, session, form, tuple(stop_ids))
+    return EnvFactory(cfg, tokenizer, renderer, session, form, schemas, tuple(stop_ids))
 
 
 def _tool_function(module, name: str, path: str) -> Callable:
