@@ -356,3 +356,24 @@ def test_threads_setting_runs_episodes_concurrently(tmp_path):
         return await asyncio.gather(*(play(factory, {"prompt": "x"}, ["1"], tok) for _ in range(8)))
     results = run(main())
     assert all(ep.result().reward == 1.0 for ep, _ in results)
+
+
+def test_the_files_in_docs_agents_md_load_and_run(tmp_path):
+    """docs/agents.md's three example files, as printed there."""
+    import re
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "agents.md").read_text()
+    files = {name: block for block in re.findall(r"```python\n(.*?)```", doc, re.S)
+             for name in [re.match(r"# (\w+\.py)", block).group(1)]}
+    assert sorted(files) == ["calc_tools.py", "counter_env.py", "guess_env.py"]
+    tok = bpe_tokenizer()
+    guess = load_environment(EnvConfig(path=write(tmp_path, files["guess_env.py"], "guess_env.py")), tok)
+    ep, turns = run(play(guess, {"prompt": "Play.", "secret": "42"}, ["50", "I guess 42"], tok, end_token="<|im_end|>"))
+    assert ep.messages[2]["content"] == "Lower." and ep.result().reward == 1.0
+    calc = load_environment(EnvConfig(path=write(tmp_path, files["calc_tools.py"], "calc_tools.py"),
+                                      tools=["multiply", "add"], reward="function"), tok)
+    assert calc.form == "tools" and len(calc.tool_schemas) == 2
+    counter = load_environment(EnvConfig(path=write(tmp_path, files["counter_env.py"], "counter_env.py")), tok)
+    ep, _ = run(play(counter, {"prompt": "Count to 3."},
+                     ['<tool_call>{"name": "increment", "arguments": {"step": 3}}</tool_call>', "Done."], tok))
+    assert counter.form == "trl" and ep.result().reward == 1.0

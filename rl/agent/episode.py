@@ -31,6 +31,13 @@ if TYPE_CHECKING:
     from rl.agent.loading import EnvFactory
 
 
+COUNTERS = ("tool_calls", "tool_errors", "malformed_tool_calls", "unknown_tool_calls", "bad_tool_arguments",
+            "tool_exceptions", "tool_timeouts", "truncated_observations", "non_append_renders", "truncated_turns",
+            "close_errors")
+"""Every episode's counters (EpisodeResult.counters), all present: tool_errors is the sum of the five
+kinds after it; truncated_turns are turns cut by the token limit (finished=False)."""
+
+
 @dataclass
 class Turn:
     append_ids: list[int]
@@ -91,8 +98,7 @@ class Episode:
         self.turns = 0
         self.failed: str | None = None
         self.ended_by = ""
-        self.counters: dict[str, int] = {"tool_calls": 0, "tool_errors": 0, "truncated_observations": 0,
-                                         "non_append_renders": 0, "truncated_turns": 0, "close_errors": 0}
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._first = 0
         self._closed = False
 
