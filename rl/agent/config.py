@@ -49,6 +49,9 @@ class EnvConfig:
     threads: Annotated[int, AtLeast(1)] = 64
     """Threads running sync environment code (one pool per generator; async methods run on the
     event loop). An environment that sleeps or waits on I/O holds a thread, not the loop."""
+    isolate: bool = False
+    """Run a gym-style environment in a process of its own per episode, killed when a call runs
+    past step_timeout_s (a hung thread cannot be killed). Costs a process start per episode."""
     non_append_template: Literal["keep", "error"] = "keep"
     """When the chat template re-renders earlier turns differently once a message is added (not
     append-only): keep = keep the history as sampled and render the new messages alone (counted in

@@ -75,11 +75,14 @@ class GymSession:
         self.cls, self.kwargs, self.env = cls, kwargs, None
 
     async def reset(self, call: EnvCalls, row: dict) -> list[dict]:
-        self.env = await call(f"{self.cls.__name__}()", self.cls, **self.kwargs)
+        self.env = await self._build(call)
         first = await call("reset", self.env.reset, **accepted(self.env.reset, row))
         if first is None:
             return prompt_messages(row.get("prompt"))
         return as_messages(first, "reset")
+
+    async def _build(self, call: EnvCalls) -> Any:
+        return await call(f"{self.cls.__name__}()", self.cls, **self.kwargs)
 
     async def step(self, call: EnvCalls, text: str) -> Step:
         out = await call("step", self.env.step, text)

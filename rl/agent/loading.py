@@ -14,7 +14,9 @@ setting the environment cannot give.
 from __future__ import annotations
 
 import inspect
+import os
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Callable
 
 from rl.agent import tools as T
@@ -69,18 +71,26 @@ def load_environment(cfg: EnvConfig, tokenizer: Any, stop_ids: tuple[int, ...] |
                                "set one form, not both")
         fns = {name: _tool_function(module, name, path) for name in cfg.tools}
         schemas = [T.tool_schema(fn, f"{path}: tool {name}") for name, fn in fns.items()]
-        form, session = "tools", (lambda: ToolSession(fns, schemas, in_template))
+        form, session = "tools", partial(ToolSession, fns, schemas, in_template)
     else:
         cls = _pick_class(classes, cfg.name, path, vars(module))
         if callable(getattr(cls, "step", None)):
             _check_signatures(cls, path)
             form, schemas = "gym", []
-            session = lambda: GymSession(cls, dict(cfg.kwargs))   # noqa: E731
+            session = partial(GymSession, cls, dict(cfg.kwargs))
+            if cfg.isolate:
+                from rl.agent.isolated_env import IsolatedGymSession
+                in_file = cfg.name or next(k for k, v in classes.items() if v is cls)
+                session = partial(IsolatedGymSession, cls, dict(cfg.kwargs), os.path.abspath(path),
+                                  cfg.step_timeout_s, in_file)
         else:
             methods = T.method_tools(cls)
             schemas = [T.method_schema(cls, name, fn, path) for name, fn in methods.items()]
             form = "trl"
-            session = lambda: ToolSession(methods, schemas, in_template, cls, dict(cfg.kwargs))  # noqa: E731
+            session = partial(ToolSession, methods, schemas, in_template, cls, dict(cfg.kwargs))
+    if cfg.isolate and form != "gym":
+        raise EnvLoadError(f"{path}: env.isolate=true runs a gym-style class (reset and step) in its own process; "
+                           f"this file's form is {form}")
     _check_reward(cfg, form, path, None if cfg.tools else cls)
     try:
         renderer = Renderer(tokenizer, schemas if in_template else None, cfg.non_append_template == "keep")
