@@ -121,12 +121,13 @@ class Episode:
         tools, generation prompt). [] when that failed (self.failed says why)."""
         try:
             self.messages = await self.session.reset(self.calls, self.row)
-            self._first = len(self.messages)
-            self.prompt_ids = self.factory.renderer.first(self.messages)
         except EnvFailure as e:
             await self._end("failed", f"reset: {e}" if isinstance(e, Garbage) else str(e))
             return []
-        except Exception as e:       # the chat template refused the first messages
+        self._first = len(self.messages)
+        try:
+            self.prompt_ids = self.factory.renderer.first(self.messages)
+        except Exception as e:       # the chat template refused the messages (a role it does not know, ...)
             await self._end("failed", f"rendering the first messages: {one_line(e)}")
             return []
         return list(self.prompt_ids)

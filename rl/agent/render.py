@@ -38,8 +38,8 @@ class TemplateMismatch(ValueError):
 class Renderer:
     """Renders chats with one tokenizer's template, for one environment's tool schemas.
 
-    `tools` (OpenAI function schemas) are passed as `tools=` when `tools_in_template`, else the
-    caller has put them in a system message already (rl/agent/tools.py).
+    `tools`: OpenAI function schemas passed as `tools=` to every render; empty when the template
+    has no tools section (the tools are then in a system message: rl/agent/tools.py).
     """
 
     def __init__(self, tokenizer: Any, tools: list[dict] | None = None, keep_on_mismatch: bool = True):
@@ -49,8 +49,7 @@ class Renderer:
         self.tokenizer = tokenizer
         self.tools = list(tools or [])
         self.keep_on_mismatch = keep_on_mismatch
-        before, after = self._around_sentinel([{"role": "user", "content": "x"}])
-        self.tail = after
+        self.tail = self._around_sentinel([{"role": "user", "content": "x"}])[1]
         """The template's text after an assistant message's content ("<|im_end|>\\n" in ChatML)."""
         tail_ids = self.encode(self.tail)
         first = self.tokenizer.convert_ids_to_tokens(tail_ids[0]) if tail_ids else ""
