@@ -266,6 +266,13 @@ def test_reset_and_constructor_failures_and_close_errors(tmp_path):
             def reset(self, **row):
                 return 42
             def step(self, action): ...
+        class BadFinal:
+            def reset(self, **row):
+                return "add"
+            def step(self, action):
+                return "copy", 1.0, True
+            def get_reward(self):
+                return "great"
         class NoReward:
             def reset(self, **row):
                 return "add"
@@ -278,6 +285,8 @@ def test_reset_and_constructor_failures_and_close_errors(tmp_path):
                          ("BadReset", "reset: reset returned int 42 as the observation")):
         ep = load_environment(EnvConfig(path=path, name=name), tok).episode({"prompt": "x"})
         assert run(ep.start()) == [] and ep.failed.startswith(reason)
+    ep, _ = run(play(load_environment(EnvConfig(path=path, name="BadFinal"), tok), {"prompt": "x"}, ["1"], tok))
+    assert ep.result().failed == "get_reward: get_reward returned the reward 'great'; return a finite number or None"
     ep, _ = run(play(load_environment(EnvConfig(path=path, name="NoReward"), tok), {"prompt": "x"}, ["1"], tok))
     assert ep.result().failed.startswith("env.reward=env, but the environment gave no reward")
     assert ep.result().counters["close_errors"] == 1

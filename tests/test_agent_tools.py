@@ -18,7 +18,7 @@ import textwrap
 import pytest
 
 from rl.agent import EnvConfig, EnvLoadError, load_environment
-from rl.agent.tools import ToolCall, parse_tool_calls, template_has_tools
+from rl.agent.tools import ToolCall, parse_tool_calls, system_message, template_has_tools
 from tests.agent_tokenizers import bpe_tokenizer
 from tests.chat_model import chat_tokenizer
 
@@ -217,3 +217,20 @@ def test_trl_tool_without_docstring_is_refused(tmp_path):
     source = TRL_ENV.replace('"""Add to the counter.\n\n        Args:\n            step: how much to add\n        """', "")
     with pytest.raises(EnvLoadError, match=r"tools.py: tool Counter.increment: Cannot generate JSON schema"):
         load_environment(EnvConfig(path=write(tmp_path, source)), bpe_tokenizer())
+
+
+def test_a_tool_past_the_episode_timeout_fails_the_episode(tmp_path):
+    tok = bpe_tokenizer()
+    factory = load_environment(EnvConfig(path=write(tmp_path, TOOLS), tools=["slow"], reward="function",
+                                         step_timeout_s=5.0, episode_timeout_s=0.2), tok)
+    ep, turns = asyncio.run(play(factory, {"prompt": "x"}, [call_text("slow", {"s": 1.0})], tok))
+    assert turns[0].done and ep.result().failed == "episode timed out: the environment took over 0.2 s (in tool slow)"
+
+
+def test_the_tools_system_message_joins_the_users_own():
+    schema = {"type": "function", "function": {"name": "f"}}
+    merged = system_message([schema], [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    assert len(merged) == 2 and merged[0]["content"].startswith("Be brief.\n\n# Tools\n")
+    assert json.dumps(schema) in merged[0]["content"] and merged[1] == {"role": "user", "content": "hi"}
+    added = system_message([schema], [{"role": "user", "content": "hi"}])
+    assert [m["role"] for m in added] == ["system", "user"] and added[0]["content"].startswith("# Tools\n")
