@@ -123,7 +123,8 @@ def test_tool_episode_tokens_equal_a_full_render_with_tools(tmp_path):
     assert schemas == factory.tool_schemas
     assert [s["function"]["name"] for s in schemas] == ["multiply", "add"]
     first = call_text("multiply", {"a": 12, "b": 34}) + "\n" + call_text("add", {"a": 408, "b": 1})
-    ep, turns = asyncio.run(play(factory, {"prompt": "What is 12 times 34?", "answer": "408"}, [first, "The answer is 408."], tok))
+    ep, turns = asyncio.run(play(factory, {"prompt": "What is 12 times 34?", "answer": "408"},
+                                 [first, "The answer is 408."], tok))
     r = ep.result()
     assert (r.ended_by, r.turns, r.failed, r.reward) == ("no_tool_call", 2, None, None)
     assert r.counters["tool_calls"] == 2 and r.counters["tool_errors"] == 0
@@ -135,14 +136,17 @@ def test_tool_episode_tokens_equal_a_full_render_with_tools(tmp_path):
     assert r.prompt_ids + r.response_ids[:len(t1) + len(turns[0].append_ids)] == render_ids(tok, r.messages[:4], tools=schemas)
     assert tok.decode(turns[0].append_ids) == ("\n<|im_start|>user\n<tool_response>\n408\n</tool_response>\n"
                                                "<tool_response>\n409\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
-    assert r.loss_mask == [1] * len(t1) + [0] * len(turns[0].append_ids) + [1] * (len(r.response_ids) - len(t1) - len(turns[0].append_ids))
+    env = turns[0].append_ids
+    assert r.loss_mask == [1] * len(t1) + [0] * len(env) + [1] * (len(r.response_ids) - len(t1) - len(env))
     assert r.final_text == "The answer is 408." and r.completion_messages == r.messages[1:]
 
 
 @pytest.mark.parametrize("reply, kind, error", [
-    (call_text("sqrt", {"x": 2}), "unknown_tool_calls", "unknown tool 'sqrt'; the tools are ['add', 'divide', 'multiply', 'slow']"),
+    (call_text("sqrt", {"x": 2}), "unknown_tool_calls",
+     "unknown tool 'sqrt'; the tools are ['add', 'divide', 'multiply', 'slow']"),
     (call_text("multiply", {"a": 1}), "bad_tool_arguments", "bad arguments for multiply: missing a required argument: 'b'"),
-    (call_text("multiply", {"a": 1, "b": 2, "c": 3}), "bad_tool_arguments", "bad arguments for multiply: got an unexpected keyword argument 'c'"),
+    (call_text("multiply", {"a": 1, "b": 2, "c": 3}), "bad_tool_arguments",
+     "bad arguments for multiply: got an unexpected keyword argument 'c'"),
     ("<tool_call>{not json}</tool_call>", "malformed_tool_calls", "the tool call is not valid JSON"),
     (call_text("divide", {"a": 1, "b": 0}), "tool_exceptions", "divide raised ZeroDivisionError: division by zero"),
     (call_text("slow", {"s": 3.0}), "tool_timeouts", "tool slow timed out after 0.2 s"),

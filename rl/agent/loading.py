@@ -30,7 +30,8 @@ from rl.rewards import import_user_file
 class EnvFactory:
     """Starts episodes of one loaded environment; owns the thread pool its sync code runs in.
 
-    form: "gym", "tools" or "trl" (TRL's environment_factory class); reward_mode: env | function | sum (EnvConfig.reward);
+    form: "gym", "tools" or "trl" (TRL's environment_factory class);
+    reward_mode: env | function | sum (EnvConfig.reward);
     uses_function: the reward node's function scores the final chat (function, sum).
     """
 
@@ -118,8 +119,9 @@ def _pick_class(classes: dict[str, type], name: str, path: str, namespace: dict)
             raise EnvLoadError(f"{path}: class {name} has no reset method; an environment class defines "
                                "reset(**row) and step(action), or reset and tool methods (TRL's form)")
         return cls
-    gym = sorted(k for k, c in classes.items() if callable(getattr(c, "reset", None)) and callable(getattr(c, "step", None)))
-    trl = sorted(k for k, c in classes.items() if callable(getattr(c, "reset", None)) and T.method_tools(c))
+    resettable = {k: c for k, c in classes.items() if callable(getattr(c, "reset", None))}
+    gym = sorted(k for k, c in resettable.items() if callable(getattr(c, "step", None)))
+    trl = sorted(k for k, c in resettable.items() if T.method_tools(c))
     for found, what in ((gym, "reset and step"), (trl, "reset and public tool methods")):
         if len(found) > 1:
             raise EnvLoadError(f"{path}: several classes have {what}: {', '.join(found)}; "
