@@ -347,6 +347,23 @@ def test_template_without_chat_template_is_refused(tmp_path):
         load_environment(EnvConfig(path=write(tmp_path, GUESS_ENV)), chat_tokenizer(chat_template=False))
 
 
+def test_a_template_that_raises_on_a_message_fails_the_episode(tmp_path):
+    """Gemma-style templates raise on a role they do not know; an observation in that role fails
+    the episode with the template's message."""
+    tok = chat_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
+                         "{{ raise_exception('roles must be user or assistant') }}{% endif %}"
+                         "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    path = write(tmp_path, GUESS_ENV.replace("return (self.feedback,", "return ({'role': 'system', 'content': 'add'},"))
+    ep, turns = run(play(load_environment(EnvConfig(path=path), tok), {"prompt": "add"}, ["1"], tok))
+    assert ep.failed == "rendering the observation: TemplateError: roles must be user or assistant"
+    tok.chat_template = "{{ raise_exception('no chats here') }}"
+    with pytest.raises(EnvLoadError, match="env.py: the chat template cannot render a user/assistant chat: "
+                                           "TemplateError: no chats here"):
+        load_environment(EnvConfig(path=write(tmp_path, GUESS_ENV)), tok)
+
+
 def test_threads_setting_runs_episodes_concurrently(tmp_path):
     """Eight episodes whose steps all wait for each other finish only if they run at once."""
     tok = chat_tokenizer()

@@ -161,6 +161,9 @@ class Episode:
         except TemplateMismatch as e:
             await self._end("failed", str(e))
             return Turn([], True, self.calls.spent_s - spent)
+        except Exception as e:       # the template refused the messages (Gemma's: roles must alternate)
+            await self._end("failed", f"rendering the observation: {one_line(e)}")
+            return Turn([], True, self.calls.spent_s - spent)
         if len(self.response_ids) + len(ids) >= self.cfg.max_episode_tokens:
             await self._end("max_episode_tokens")
             return Turn([], True, self.calls.spent_s - spent)

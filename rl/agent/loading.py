@@ -20,6 +20,7 @@ from functools import partial
 from typing import Any, Callable
 
 from rl.agent import tools as T
+from rl.agent.calls import one_line
 from rl.agent.config import EnvConfig, EnvLoadError
 from rl.agent.envs import GymSession, ToolSession
 from rl.agent.episode import Episode
@@ -97,6 +98,8 @@ def load_environment(cfg: EnvConfig, tokenizer: Any, stop_ids: tuple[int, ...] |
         renderer = Renderer(tokenizer, schemas if in_template else None, cfg.non_append_template == "keep")
     except ValueError as e:
         raise EnvLoadError(f"{path}: {e}") from None
+    except Exception as e:           # the template raised on a user/assistant chat
+        raise EnvLoadError(f"{path}: the chat template cannot render a user/assistant chat: {one_line(e)}") from None
     return EnvFactory(cfg, tokenizer, renderer, session, form, schemas, tuple(stop_ids))
 
 
