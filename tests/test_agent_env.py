@@ -301,6 +301,15 @@ def test_close_runs_once_when_the_episode_ends(tmp_path):
     ep, _ = run(play(factory, {"prompt": "x"}, ["7"], tok))
     assert ep.session.env.closed and ep.result().ended_by == "done"
 
+    async def abandon():                  # the generator shutting down closes live episodes
+        ep = factory.episode({"prompt": "x"})
+        await ep.start()
+        await ep.close()
+        await ep.close()
+        return ep
+    ep = run(abandon())
+    assert ep.session.env.closed and ep.result().ended_by == "running" and ep.result().counters["close_errors"] == 0
+
 
 @pytest.mark.parametrize("source, settings, message", [
     (None, {}, "env.py: environment file does not exist"),
