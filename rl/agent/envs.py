@@ -130,12 +130,11 @@ class ToolSession:
                 if not isinstance(extra, str):
                     raise Garbage(f"reset returned {type(extra).__name__}; TRL's environment_factory form "
                                   "returns None or a text (appended to the last user message)")
-                last = max(i for i, m in enumerate(messages) if m.get("role") == "user") if any(
-                    m.get("role") == "user" for m in messages) else None
-                if last is None:
-                    messages.append({"role": "user", "content": extra})
+                users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+                if users:
+                    messages[users[-1]] = {**messages[users[-1]], "content": messages[users[-1]]["content"] + extra}
                 else:
-                    messages[last] = {**messages[last], "content": messages[last]["content"] + extra}
+                    messages.append({"role": "user", "content": extra})
         return messages if self.in_template else T.system_message(self.schemas, messages)
 
     async def step(self, call: EnvCalls, text: str) -> Step:

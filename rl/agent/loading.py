@@ -59,6 +59,8 @@ class EnvFactory:
 
 
 def load_environment(cfg: EnvConfig, tokenizer: Any, stop_ids: tuple[int, ...] | list[int] = ()) -> EnvFactory | None:
+    """The factory of env.path's episodes (None without one), every mistake an EnvLoadError.
+    `tokenizer` renders the chats (its chat template); `stop_ids`: the generator's stop tokens."""
     if not cfg.path:
         if cfg.tools or cfg.name:
             raise EnvLoadError("env.tools / env.name are set but env.path is empty; set env.path=FILE")
