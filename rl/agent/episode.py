@@ -21,14 +21,11 @@ the environment gave no reward. A failed episode is left out of the loss by the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rl.agent.calls import EnvCalls, EnvFailure, one_line
 from rl.agent.envs import Garbage, Step
 from rl.agent.render import TemplateMismatch
-
-if TYPE_CHECKING:
-    from rl.agent.loading import EnvFactory
 
 
 COUNTERS = ("tool_calls", "tool_errors", "malformed_tool_calls", "unknown_tool_calls", "bad_tool_arguments",
@@ -86,7 +83,8 @@ class EpisodeResult:
 
 
 class Episode:
-    def __init__(self, factory: EnvFactory, session: Any, row: dict):
+    def __init__(self, factory: Any, session: Any, row: dict):
+        # factory: rl/agent/loading.EnvFactory (not imported: loading imports this module)
         self.factory, self.cfg, self.session, self.row = factory, factory.cfg, session, row
         self.calls = EnvCalls(factory.executor, self.cfg.step_timeout_s, self.cfg.episode_timeout_s)
         self.messages: list[dict] = []

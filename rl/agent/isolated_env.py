@@ -1,7 +1,7 @@
 """env.isolate=true: a gym-style environment in a process of its own, killed when it hangs.
 
 A thread that hangs cannot be stopped (rl/agent/calls.py); a process can. Each episode gets one
-worker process (rl/isolated.KillablePool of size 1: a fresh interpreter, not a fork) that imports
+worker process (rl/reward/isolated.KillablePool of size 1: a fresh interpreter, not a fork) that imports
 the user's file, builds the class and serves reset/step/get_reward/close, so the environment's
 state lives there for the whole episode. A call past step_timeout_s kills the process and fails
 the episode; the process is killed when the episode ends in any case. It costs a process start
@@ -18,7 +18,7 @@ from typing import Any
 
 from rl.agent.calls import EnvCalls, accepted
 from rl.agent.envs import GymSession
-from rl.isolated import KillablePool, WorkerError
+from rl.reward.isolated import KillablePool, WorkerError
 
 MISSING = "<no such method>"
 _env: Any = None                                 # in the worker: the episode's environment
@@ -33,7 +33,7 @@ def build(path: str, name: str, kwargs: dict) -> None:
     """In the worker: import the user's file and build its class."""
     global _env
     from rl.agent.config import EnvLoadError
-    from rl.rewards import import_user_file
+    from rl.reward.reward_fn import import_user_file
     _env = getattr(import_user_file(path, "environment", EnvLoadError), name)(**kwargs)
 
 
@@ -61,7 +61,7 @@ class RemoteEnv:
     worker answers (EnvCalls runs them in a thread)."""
 
     def __init__(self, timeout_s: float):
-        """Starts the process (its start-up is bounded by rl/isolated.START_TIMEOUT_S, not by the
+        """Starts the process (its start-up is bounded by rl/reward/isolated.START_TIMEOUT_S, not by the
         environment's timeouts, and not counted in its time)."""
         self.pool, self.timeout_s = KillablePool(1, preload=(__name__,)), timeout_s
         self.in_flight, self.closed, self._lock = 0, False, threading.Lock()

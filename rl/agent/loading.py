@@ -25,7 +25,7 @@ from rl.agent.config import EnvConfig, EnvLoadError
 from rl.agent.envs import GymSession, ToolSession
 from rl.agent.episode import Episode
 from rl.agent.render import Renderer
-from rl.rewards import import_user_file
+from rl.reward.reward_fn import import_user_file
 
 
 class EnvFactory:
