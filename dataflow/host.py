@@ -81,7 +81,7 @@ class NodeHost(CheckpointCalls):
             # A node without torch (plain Python: a toy graph's, a reward's) starts without its
             # ~2 s import; if it imports torch later, its OpenMP pool reads this when torch loads.
             os.environ["OMP_NUM_THREADS"] = str(threads)
-        self.tracer = Tracer(self.name, enabled=spec.trace, device=self.device)
+        self.tracer = Tracer(self.name, enabled=spec.trace, device=self.device, starting=True)
         self.endpoint = channels.ChannelEndpoint()
         self.events: list[dict] = []
         self._event_seq = 0
@@ -164,6 +164,7 @@ class NodeHost(CheckpointCalls):
     async def run(self) -> dict:
         self._run_task = asyncio.current_task()
         self._phase = "running"
+        self.tracer.started()  # start-up ends: the trace's training window begins
         try:
             self._node_run = self.node.run()  # its await chain: where a waiting node waits (_thread_stacks)
             reason = await self._node_run
