@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,11 @@ POLL_INTERVAL_S = 0.5
 LAST_LOGS_S = 1.0  # how long a failure's report waits for the hosts' last events
 
 
+def default_compile_cache() -> str:
+    """~/.cache/dataflow/compile (or under $XDG_CACHE_HOME): kept across runs and reboots."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dataflow", "compile")
+
+
 @dataclass
 class RunOptions:
     address: str | None = None
@@ -58,6 +64,9 @@ class RunOptions:
     quiet: bool = False
     resume: str | None = None
     """A checkpoint directory (or a run directory: its latest checkpoint) to continue from."""
+    compile_cache: str = field(default_factory=default_compile_cache)
+    """Where compiled artefacts (torch.compile, triton, vLLM) persist across runs; "" = each
+    library's own default (torch's is under /tmp)."""
 
 
 async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> RunSummary:
@@ -98,7 +107,8 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
                                  cpus=spec.cpus, gpus=slot.gpus, max_steps=max_steps,
                                  trace=options.trace_path is not None, run_dir=str(run_dir.resolve()),
                                  trace_kernels=options.trace_kernels, save_interval=graph.save_interval,
-                                 drop_bad_items=graph.drop_bad_items, max_restarts=graph.max_restarts)
+                                 drop_bad_items=graph.drop_bad_items, max_restarts=graph.max_restarts,
+                                 compile_cache=os.path.abspath(options.compile_cache) if options.compile_cache else "")
             # Ray restarts a dead actor in place (same handle, same bundle); never the run-ending node
             # or a rank of a multi-rank job (NodeSpec.restartable).
             restarts = graph.max_restarts if spec.restartable else 0

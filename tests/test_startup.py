@@ -136,14 +136,20 @@ def test_trace_file_cli_and_plot_show_startup(tmp_path):
 def test_reward_node_with_a_reward_file_imports_no_transformers(tmp_path, tokenizer_dir):
     """The reward node (a real one on Ray: tests/graphs/reward_probe.py) with a plain reward
     file: its process never imports transformers or torch, the built-in tokenizer or a model
-    directory's alike. The reward function runs in that process and looks."""
+    directory's alike. The reward function runs in that process and looks (and at the compile
+    cache setting, which every node process gets in its environment)."""
     reward = tmp_path / "r.py"
-    reward.write_text(textwrap.dedent('''
+    cache = str(tmp_path / "compile cache")
+    reward.write_text(textwrap.dedent(f'''
+        import os
         import sys
+
+        CACHE = {cache!r}
 
         def reward(prompt, response, **fields):
             loaded = [m for m in ("transformers", "torch") if m in sys.modules]
-            assert not loaded, f"the reward node imported {loaded}"
+            assert not loaded, f"the reward node imported {{loaded}}"
+            assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.join(CACHE, "inductor"), os.environ
             return 1.0
     '''))
     sets = [f"reward.path={reward}"]
@@ -151,7 +157,7 @@ def test_reward_node_with_a_reward_file_imports_no_transformers(tmp_path, tokeni
         make_chat_model_dir(tmp_path / "model")
         sets.append(f"reward.tokenizer_path={tmp_path / 'model'}")
     graph, config = load_graph(str(ROOT / "tests" / "graphs" / "reward_probe.py"), sets)
-    summary = asyncio.run(run_graph(graph, RunOptions(out_dir=str(tmp_path / "run")), config))
+    summary = asyncio.run(run_graph(graph, RunOptions(out_dir=str(tmp_path / "run"), compile_cache=cache), config))
     assert summary.status == "done", summary.status
     scored = json.loads((tmp_path / "run" / "scored.json").read_text())
     assert scored and all(not s["failed"] and s["score"] == 1.0 for group in scored for s in group), scored
