@@ -19,6 +19,7 @@ It prints one table (median and range per side) and the raw numbers as JSON (--j
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -66,8 +67,9 @@ def snippet(tree: str, code: str, model: str) -> dict:
 
 
 def timed_run(tree: str, argv: list[str], timeout: float = 900) -> dict:
-    """Seconds from the command to its 'running' line and its first step line, and the start-up
-    line itself."""
+    """Seconds from the command to its 'running' line and its first step line, the start-up line
+    itself and (bench/real_rl.py) its start-up parts, printed after the run: the command is then
+    stopped (SIGTERM; Ray is down by then), its held-out evaluation is not what is measured."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=tree, env=_env(tree), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1)
@@ -79,6 +81,9 @@ def timed_run(tree: str, argv: list[str], timeout: float = 900) -> dict:
             found["startup_line"] = line.strip()
         if re.match(r"\s*step\s+1\b", line) and "first_step_s" not in found:
             found["first_step_s"] = round(now, 2)
+        if "start-up parts, s: " in line:
+            found["parts"] = ast.literal_eval(line.split("start-up parts, s: ", 1)[1].strip())
+            proc.terminate()
         found["lines"] = (found["lines"] + [line.rstrip()])[-30:]
     proc.wait(timeout)
     found["rc"] = proc.returncode
@@ -95,7 +100,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model", required=True, help="a converted SmolLM2 directory (tools/smollm2.py)")
     p.add_argument("--work", default="/tmp/real", help="bench/real_rl.py's --work (its data)")
-    p.add_argument("--tiny", action="store_true", help="also bench/real_rl.py --tiny (minutes per run)")
+    p.add_argument("--tiny", type=int, default=0, metavar="ROUNDS",
+                   help="also bench/real_rl.py --tiny in the first ROUNDS rounds (minutes per run)")
     p.add_argument("--skip-demo", action="store_true")
     p.add_argument("--json", default="", help="write the raw numbers here")
     args = p.parse_args()
@@ -112,7 +118,7 @@ def main() -> int:
                 with tempfile.TemporaryDirectory() as out:
                     res.setdefault("demo", []).append(timed_run(tree, [
                         sys.executable, "-m", "dataflow.run", "graphs/ppo.py", "--set", "max_steps=2", "--out", out]))
-            if args.tiny:
+            if r < args.tiny:
                 with tempfile.TemporaryDirectory() as out:
                     res.setdefault("tiny", []).append(timed_run(tree, [
                         sys.executable, "bench/real_rl.py", "--tiny", "--model", args.model, "--work", args.work,
@@ -121,13 +127,17 @@ def main() -> int:
     rows = [("prompts set-up (s)", "prompts", "s"), ("reward set-up (s)", "reward", "s"),
             ("demo: command -> running (s)", "demo", "running_s"), ("demo: command -> step 1 (s)", "demo", "first_step_s"),
             ("tiny: command -> running (s)", "tiny", "running_s"), ("tiny: command -> step 1 (s)", "tiny", "first_step_s")]
+    parts = sorted({k for side in sides for x in results[side].get("tiny", []) for k in x.get("parts", {})})
+    rows += [(f"tiny: {k} (s)", "tiny", ("parts", k)) for k in parts]
     print(f"\n| measure | before median (min-max) | after median (min-max) | n |\n|---|---|---|---|")
     for label, key, field in rows:
         cells = []
         for side in sides:
-            vals = [x[field] for x in results[side].get(key, []) if x.get(field) is not None]
+            vals = [x.get(field[0], {}).get(field[1]) if isinstance(field, tuple) else x.get(field)
+                    for x in results[side].get(key, [])]
+            vals = [v for v in vals if v is not None]
             cells.append(f"{statistics.median(vals):.2f} ({min(vals):.2f}-{max(vals):.2f})" if vals else "-")
-        n = len(results["before"].get(key, []))
+        n = min(len(results[side].get(key, [])) for side in sides)
         if n:
             print(f"| {label} | {cells[0]} | {cells[1]} | {n} |")
     if args.json:
