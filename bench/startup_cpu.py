@@ -62,7 +62,7 @@ def _env(tree: str) -> dict:
 def snippet(tree: str, code: str, model: str) -> dict:
     out = subprocess.run([sys.executable, "-c", code, model], cwd=tree, env=_env(tree), capture_output=True,
                          text=True, check=True).stdout
-    _, seconds, transformers, torch = out.split("SECONDS")[1].split()
+    seconds, transformers, torch = out.split("SECONDS")[1].split()
     return {"s": float(seconds), "transformers": transformers == "True", "torch": torch == "True"}
 
 
