@@ -11,8 +11,15 @@ machine getting busier does not favour one side):
     tokenizer: import nodes.reward, load the tokenizer, decode;
   - `demo`: the CPU demo, `python -m dataflow.run graphs/ppo.py --set max_steps=2`: seconds from
     the command to its "running" line (start-up) and to its first step line;
-  - `tiny` (with --tiny): `bench/real_rl.py --tiny` on SmolLM2 (needs --model): seconds from the
-    command to the first step line.
+  - `tiny` (with --tiny N, in the first N rounds): `bench/real_rl.py --tiny` on SmolLM2 (or
+    `bench/real_rl.py` + --real-args on a GPU): seconds from the command to the first step line,
+    and the run's start-up parts. With --cache-pair it runs twice per side and round, each pair
+    with fresh compile caches (XDG_CACHE_HOME, TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR in a new
+    temporary directory): `tiny` cold, then `tiny_warm`.
+
+On one H200 (issue 38's goal: SmolLM2 GRPO's first step within 10 s warm, 20 s cold):
+    python bench/startup_cpu.py --before /tmp/base --after . --model /tmp/real/smollm2 --rounds 2 \
+        --tiny 2 --skip-demo --cache-pair --real-args="--steps 3 --eval-every 3 --val-n 8"
 It prints one table (median and range per side) and the raw numbers as JSON (--json).
 """
 
@@ -55,8 +62,8 @@ print("SECONDS", time.perf_counter() - t, "transformers" in sys.modules, "torch"
 """
 
 
-def _env(tree: str) -> dict:
-    return dict(os.environ, PYTHONPATH=tree, RAY_DEDUP_LOGS="0")
+def _env(tree: str, extra: dict | None = None) -> dict:
+    return dict(os.environ, PYTHONPATH=tree, RAY_DEDUP_LOGS="0", **(extra or {}))
 
 
 def snippet(tree: str, code: str, model: str) -> dict:
@@ -66,12 +73,12 @@ def snippet(tree: str, code: str, model: str) -> dict:
     return {"s": float(seconds), "transformers": transformers == "True", "torch": torch == "True"}
 
 
-def timed_run(tree: str, argv: list[str], timeout: float = 900) -> dict:
+def timed_run(tree: str, argv: list[str], env: dict | None = None, timeout: float = 900) -> dict:
     """Seconds from the command to its 'running' line and its first step line, the start-up line
     itself and (bench/real_rl.py) its start-up parts, printed after the run: the command is then
     stopped (SIGTERM; Ray is down by then), its held-out evaluation is not what is measured."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=tree, env=_env(tree), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(argv, cwd=tree, env=_env(tree, env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1)
     found = {"lines": []}
     for line in proc.stdout:
@@ -102,6 +109,8 @@ def main() -> int:
     p.add_argument("--work", default="/tmp/real", help="bench/real_rl.py's --work (its data)")
     p.add_argument("--tiny", type=int, default=0, metavar="ROUNDS",
                    help="also bench/real_rl.py --tiny in the first ROUNDS rounds (minutes per run)")
+    p.add_argument("--real-args", default="--tiny", help="bench/real_rl.py's arguments besides --model/--work/--out")
+    p.add_argument("--cache-pair", action="store_true", help="real_rl twice per side and round: cold, then warm caches")
     p.add_argument("--skip-demo", action="store_true")
     p.add_argument("--json", default="", help="write the raw numbers here")
     args = p.parse_args()
@@ -119,14 +128,19 @@ def main() -> int:
                     res.setdefault("demo", []).append(timed_run(tree, [
                         sys.executable, "-m", "dataflow.run", "graphs/ppo.py", "--set", "max_steps=2", "--out", out]))
             if r < args.tiny:
-                with tempfile.TemporaryDirectory() as out:
-                    res.setdefault("tiny", []).append(timed_run(tree, [
-                        sys.executable, "bench/real_rl.py", "--tiny", "--model", args.model, "--work", args.work,
-                        "--out", out]))
+                with tempfile.TemporaryDirectory() as cache:
+                    env = {"XDG_CACHE_HOME": cache, "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
+                           "TRITON_CACHE_DIR": os.path.join(cache, "triton")} if args.cache_pair else {}
+                    for key in ("tiny", "tiny_warm") if args.cache_pair else ("tiny",):
+                        with tempfile.TemporaryDirectory() as out:
+                            res.setdefault(key, []).append(timed_run(tree, [
+                                sys.executable, "bench/real_rl.py", *args.real_args.split(), "--model", args.model,
+                                "--work", args.work, "--out", out], env))
             print(f"round {r + 1} {side}: " + json.dumps({k: v[-1] for k, v in res.items()}), flush=True)
     rows = [("prompts set-up (s)", "prompts", "s"), ("reward set-up (s)", "reward", "s"),
             ("demo: command -> running (s)", "demo", "running_s"), ("demo: command -> step 1 (s)", "demo", "first_step_s"),
-            ("tiny: command -> running (s)", "tiny", "running_s"), ("tiny: command -> step 1 (s)", "tiny", "first_step_s")]
+            ("tiny: command -> running (s)", "tiny", "running_s"), ("tiny: command -> step 1 (s)", "tiny", "first_step_s"),
+            ("tiny, warm caches: command -> step 1 (s)", "tiny_warm", "first_step_s")]
     parts = sorted({k for side in sides for x in results[side].get("tiny", []) for k in x.get("parts", {})})
     rows += [(f"tiny: {k} (s)", "tiny", ("parts", k)) for k in parts]
     print(f"\n| measure | before median (min-max) | after median (min-max) | n |\n|---|---|---|---|")
