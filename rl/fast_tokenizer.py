@@ -139,8 +139,9 @@ class FastTokenizer:
 
     # ---- chat template ----------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False):
-        """The chat rendered as transformers renders it (module docstring); tokenize=True: its ids,
-        with no special tokens added (the template writes its own, as in transformers)."""
+        """The chat rendered as transformers renders it (module docstring); tokenize=True:
+        {"input_ids": its ids} (transformers 5's return_dict default), no special tokens added (the
+        template writes its own, as in transformers)."""
         if not self.chat_template:
             raise ValueError(f"the tokenizer at {self.name_or_path or '(built-in)'} has no chat template")
         if not messages:
@@ -156,7 +157,7 @@ class FastTokenizer:
             chat.append(m)
         text = self._template[1].render(messages=chat, tools=None, documents=None,
                                         add_generation_prompt=add_generation_prompt, **self.special_tokens_map)
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        return {"input_ids": self.encode(text, add_special_tokens=False)} if tokenize else text
 
 
 def _clean_up(text: str) -> str:

@@ -44,6 +44,8 @@ def _same(slow, fast, texts=TEXTS, chats=CHATS):
                 assert fast.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen) == text
                 assert fast(text, add_special_tokens=False)["input_ids"] == \
                     slow(text, add_special_tokens=False)["input_ids"]
+                assert fast.apply_chat_template(chat, tokenize=True, add_generation_prompt=gen)["input_ids"] == \
+                    slow.apply_chat_template(chat, tokenize=True, add_generation_prompt=gen)["input_ids"]
 
 
 @pytest.mark.parametrize("chat_template", [True, False])
