@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="run directory for metrics.jsonl and weights (default runs/<graph>-<time>)")
     p.add_argument("--verbose", action="store_true", help="also show the node actors' own logs")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="where compiled artefacts (torch.compile, triton, vLLM's engine) persist across runs of "
+                        "the same model and shapes (default ~/.cache/dataflow/compile; '' = the libraries' own)"),
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue from a checkpoint (DIR = <run>/checkpoints/step_<k>, or a run directory: "
                         "its latest checkpoint) with the run's recorded settings, each --set changing only what "
@@ -87,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     options = RunOptions(address=args.address, max_steps=args.max_steps, trace_path=args.trace,
                          trace_kernels=args.trace_kernels,
-                         out_dir=args.out, verbose=args.verbose, resume=args.resume)
+                         out_dir=args.out, verbose=args.verbose, resume=args.resume,
+                         **({} if args.compile_cache is None else {"compile_cache": args.compile_cache}))
     return _run_with_signals(lambda: run_graph(graph, options, config), args.graph)
 
 

@@ -31,7 +31,7 @@ from typing import Annotated
 
 from dataflow import Node, UserError
 from dataflow.checks import AtLeast, ExistingPath, NonNegative, Positive
-from rl.data import tasks
+from rl.data import fast_tokenizer, tasks
 from rl.reward.runner import Request, RewardRunner
 from rl.reward.reward_fn import load_reward_fn
 
@@ -80,7 +80,8 @@ class Reward(Node):
     async def setup(self):
         c = self.config
         with self.ctx.span("load tokenizer"):   # spans in setup: the run's start-up parts (setup/reward/...)
-            self.tokenizer = tasks.load_tokenizer(c.tokenizer_path) if c.tokenizer_path else tasks.build_tokenizer()
+            # tokenizer.json alone (rl/data/fast_tokenizer.py): decoding needs no transformers (nor torch)
+            self.tokenizer = fast_tokenizer.load(c.tokenizer_path) if c.tokenizer_path else tasks.build_fast_tokenizer()
         with self.ctx.span("load reward file"):
             self.fn = load_reward_fn(c.path, c.function, c.weights) if c.path else None
         self.runner = RewardRunner(self.fn, c.timeout_s, c.max_concurrency) if self.fn else None

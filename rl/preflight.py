@@ -76,7 +76,7 @@ def _open_rows(prompts, tokenizer) -> _Rows:
     if encoded.tokens is not None:
         lengths = (encoded.offsets[1:] - encoded.offsets[:-1]).tolist()
     else:   # no policy tokenizer: the generator tokenizes the text with the built-in one
-        builtin = tasks.build_tokenizer()
+        builtin = tasks.build_fast_tokenizer()
         lengths = [len(ids) for ids in builtin([text for text, _ in encoded.records])["input_ids"]]
     same_rows = len(encoded) == len(rows)   # else rows were dropped in rendering: positions shift
     where = [rows.where(i) if same_rows else f"{prompts.path} usable row {i}" for i in range(len(encoded))]
@@ -88,7 +88,7 @@ def _builtin_rows(prompts, tokenizer) -> _Rows:
     from rl.data import tasks
 
     records = tasks.make_task(prompts.task, prompts.num_digits, seed=prompts.seed).take(4)
-    tok = tokenizer or tasks.build_tokenizer()
+    tok = tokenizer or tasks.build_fast_tokenizer()
     lengths = [len(ids) for ids in tok([r["prompt"] for r in records])["input_ids"]]
     where = f"prompts.task={prompts.task} with prompts.num_digits={prompts.num_digits}"
     return _Rows(lengths, [{k: v for k, v in r.items() if k != "prompt"} for r in records], [where] * len(records))

@@ -52,9 +52,17 @@ class HostSpec:
     trace_kernels: bool = False
     save_interval: int = 0
     drop_bad_items: bool = False
+    compile_cache: str = ""
+    """Where compiled artefacts persist across runs (RunOptions.compile_cache); "" = the libraries' own."""
     max_restarts: int = 0
     """The graph's max_restarts: > 0 means a peer whose process dies comes back (the runtime
     restarts it), so a failed channel pull is retried and a publish skips it meanwhile."""
+
+
+# Where torch.compile (inductor's FX graph and AOTAutograd caches), triton's kernels and vLLM's
+# compiled graphs go, under RunOptions.compile_cache: a second run of the same model and shapes
+# loads them instead of compiling again.
+COMPILE_CACHES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton", "VLLM_CACHE_ROOT": "vllm"}
 
 
 # How long a consumer keeps asking a producer whose process died: as long as the runtime waits for
@@ -69,6 +77,9 @@ class NodeHost(CheckpointCalls):
         # Each replica computes with the CPUs it was given: oversubscribing threads across the
         # actors of one machine costs more than it gains.
         threads = max(1, int(spec.cpus))
+        for var, sub in COMPILE_CACHES.items():   # before anything compiles (they read these when they do)
+            if spec.compile_cache:
+                os.environ[var] = os.path.join(spec.compile_cache, sub)
         self.device = "cpu"
         if "torch" in sys.modules or spec.gpus > 0:  # the node's module (unpickled with spec) uses torch
             import torch
@@ -81,7 +92,7 @@ class NodeHost(CheckpointCalls):
             # A node without torch (plain Python: a toy graph's, a reward's) starts without its
             # ~2 s import; if it imports torch later, its OpenMP pool reads this when torch loads.
             os.environ["OMP_NUM_THREADS"] = str(threads)
-        self.tracer = Tracer(self.name, enabled=spec.trace, device=self.device)
+        self.tracer = Tracer(self.name, enabled=spec.trace, device=self.device, starting=True)
         self.endpoint = channels.ChannelEndpoint()
         self.events: list[dict] = []
         self._event_seq = 0
@@ -164,6 +175,7 @@ class NodeHost(CheckpointCalls):
     async def run(self) -> dict:
         self._run_task = asyncio.current_task()
         self._phase = "running"
+        self.tracer.started()  # start-up ends: the trace's training window begins
         try:
             self._node_run = self.node.run()  # its await chain: where a waiting node waits (_thread_stacks)
             reason = await self._node_run

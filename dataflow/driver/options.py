@@ -3,7 +3,13 @@ its own: the driver's parts (launch.py, monitor.py) read it, and runtime.py runs
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+
+
+def default_compile_cache() -> str:
+    """~/.cache/dataflow/compile (or under $XDG_CACHE_HOME): kept across runs and reboots."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dataflow", "compile")
 
 
 @dataclass
@@ -17,3 +23,6 @@ class RunOptions:
     quiet: bool = False
     resume: str | None = None
     """A checkpoint directory (or a run directory: its latest checkpoint) to continue from."""
+    compile_cache: str = field(default_factory=default_compile_cache)
+    """Where compiled artefacts (torch.compile, triton, vLLM) persist across runs; "" = each
+    library's own default (torch's is under /tmp)."""

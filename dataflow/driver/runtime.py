@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,8 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
                                  cpus=spec.cpus, gpus=slot.gpus, max_steps=max_steps,
                                  trace=options.trace_path is not None, run_dir=str(run_dir.resolve()),
                                  trace_kernels=options.trace_kernels, save_interval=graph.save_interval,
-                                 drop_bad_items=graph.drop_bad_items, max_restarts=graph.max_restarts)
+                                 drop_bad_items=graph.drop_bad_items, max_restarts=graph.max_restarts,
+                                 compile_cache=os.path.abspath(options.compile_cache) if options.compile_cache else "")
             # Ray restarts a dead actor in place (same handle, same bundle); never the run-ending node
             # or a rank of a multi-rank job (NodeSpec.restartable).
             restarts = graph.max_restarts if spec.restartable else 0

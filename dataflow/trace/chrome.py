@@ -107,6 +107,8 @@ def _relative(aggregates: dict, origin_us: int) -> dict:
     for group in ("processes", "gpus"):
         for name, agg in aggregates[group].items():
             out[group][name] = dict(agg, window=[agg["window"][0] - origin_us, agg["window"][1] - origin_us])
+            if agg.get("run_start") is not None:
+                out[group][name]["run_start"] = agg["run_start"] - origin_us
             if agg.get("kernels"):
                 k = agg["kernels"]
                 out[group][name]["kernels"] = dict(k, window=[k["window"][0] - origin_us, k["window"][1] - origin_us])
@@ -159,7 +161,7 @@ def load_trace(path: str) -> tuple[dict, list]:
 def rows_from_doc(doc: dict) -> tuple[dict, list]:
     """(aggregates, rows) of a Chrome trace document built by `chrome_trace`.
 
-    rows: [(label, {"busy"|"wait_input"|"blocked_output"|"gpu": [[t0_us, t1_us], ...],
+    rows: [(label, {"busy"|"startup"|"wait_input"|"blocked_output"|"gpu": [[t0_us, t1_us], ...],
                     "util": [(ts_us, {"busy": %, ...}), ...]})], one per process in pid order, on
     the file's time base (the same as the aggregates').
     """

@@ -57,15 +57,19 @@ class TraceCollector:
         if p is None:
             p = self._procs[process_name] = {
                 "device": drained["device"], "gpu": drained.get("gpu"), "window": list(drained["window"]),
-                "state_us": {}, "wait_us": {}, "blocked_us": {}, "spans": {}, "dropped": 0, "node": node}
+                "state_us": {}, "wait_us": {}, "blocked_us": {}, "spans": {}, "startup_spans": {}, "run_start": None,
+                "dropped": 0, "node": node}
         p["window"] = [min(p["window"][0], drained["window"][0]), max(p["window"][1], drained["window"][1])]
         for group in ("state_us", "wait_us", "blocked_us"):
             for k, v in drained[group].items():
                 p[group][k] = p[group].get(k, 0) + v
-        for name, (count, us) in drained["spans"].items():
-            c = p["spans"].setdefault(name, [0, 0])
-            c[0] += count
-            c[1] += us
+        for group in ("spans", "startup_spans"):
+            for name, (count, us) in drained.get(group, {}).items():
+                c = p[group].setdefault(name, [0, 0])
+                c[0] += count
+                c[1] += us
+        if drained.get("run_start") is not None and p["run_start"] is None:
+            p["run_start"] = drained["run_start"]  # (a restarted replica's process starts up again: the first one counts)
         p["dropped"] += drained.get("dropped", 0)
         if self.enabled and drained["events"]:
             self._events.setdefault(process_name, []).extend(drained["events"])
@@ -92,7 +96,8 @@ class TraceCollector:
         for name, p in self._procs.items():
             off = self._offsets.get(name, 0)
             window = [p["window"][0] - off, p["window"][1] - off]
-            procs[name] = dict(p, window=window)
+            run_start = None if p["run_start"] is None else p["run_start"] - off
+            procs[name] = dict(p, window=window, run_start=run_start)
             if p["gpu"]:
                 g = gpus.setdefault(p["gpu"], {"window": list(window), "nodes": []})
                 g["window"] = [min(g["window"][0], window[0]), max(g["window"][1], window[1])]
@@ -101,6 +106,11 @@ class TraceCollector:
                     [a - off, b - off] for a, b in self._gpu_intervals.get(name, []))
         merged = {label: merge_intervals(ivs) for label, ivs in gpu_ivs.items()}
         for label, g in gpus.items():
+            # A GPU's training window starts when every node on it runs (their set-up is start-up).
+            starts = [procs[n]["run_start"] for n in g["nodes"]]
+            if starts and None not in starts:
+                g["startup_us"] = max(0, min(max(starts), g["window"][1]) - g["window"][0])
+                g["window"][0] += g["startup_us"]
             g["busy_us"] = union_length(merged[label], g["window"])
             kernels = self._kernel_busy(g)
             if kernels is not None:

@@ -7,11 +7,19 @@ microseconds on the driver's clock unless a name says otherwise (`_s` = seconds)
 
 Aggregates (what `summarize` reads, and what the trace file stores under
 `otherData.dataflow`) are, per node replica process:
-    {"device": str, "gpu": str | None, "window": [t0, t1],
-     "state_us": {"busy", "wait_input", "blocked_output", "other"},   # exclusive states, sum = window
+    {"device": str, "gpu": str | None, "window": [t0, t1], "run_start": t | None,
+     "state_us": {"busy", "wait_input", "blocked_output", "other", "startup"},  # exclusive, sum = window
      "wait_us": {channel: us}, "blocked_us": {channel: us},           # split of those two states
-     "spans": {name: [count, us]}, "dropped": events sampled out in the process}
-and per GPU: {"busy_us": |union of busy intervals within window|, "window": [t0, t1], "nodes": [...]}.
+     "spans": {name: [count, us]}, "startup_spans": {name: [count, us]},
+     "dropped": events sampled out in the process}
+and per GPU: {"busy_us": |union of busy intervals within window|, "window": [t0, t1], "nodes": [...],
+"startup_us"}: its window starts when every node on it runs.
+
+Start-up (a node's time before its run() began: its set-up, then waiting for the other nodes'
+set-up; dataflow/trace/tracer.py) is its own state: every fraction here (busy, waits, idle causes,
+device idle) is of the training window only, and the start-up seconds stand beside them, per node
+and per part (the spans its set-up opened). A trace written before start-up was its own state has
+none: its fractions are of the whole window, as they were.
 """
 
 from __future__ import annotations
@@ -32,8 +40,11 @@ def summarize(aggregates: dict, top: int = 8) -> dict:
     causes of a device are the waits of the nodes on it (by total time, not intersected with the
     device's idle intervals).
 
-    {"window_s", "nodes": {name: {"busy", "wait_input", "blocked_output", "other", "window_s",
-       "device", "gpu", "wait_input_by_channel", "blocked_output_by_channel", "spans", "causes"}},
+    {"window_s" (training), "startup_s" (the run's: first process up -> every node running),
+     "train_window": [t0, t1],
+     "nodes": {name: {"busy", "wait_input", "blocked_output", "other", "window_s", "startup_s",
+       "startup_parts": {span: s}, "device", "gpu", "wait_input_by_channel",
+       "blocked_output_by_channel", "spans", "causes"}},
      "devices": {label: {"idle", "window_s", "nodes", "causes"}},
      "idle_causes": [{"who", "kind", "channel", "seconds", "fraction"}],   # largest first
      "dropped_events", "thinned_events"}
@@ -43,16 +54,22 @@ def summarize(aggregates: dict, top: int = 8) -> dict:
     starts = [a["window"][0] for a in list(procs.values()) + list(gpus.values())]
     ends = [a["window"][1] for a in list(procs.values()) + list(gpus.values())]
     window = [min(starts), max(ends)] if starts else [0, 0]
+    run_starts = [a["run_start"] for a in procs.values() if a.get("run_start") is not None]
+    train_window = [min(max(run_starts), window[1]), window[1]] if run_starts else list(window)
     nodes, causes = {}, []
     for name in sorted(procs):
         a = procs[name]
-        length = max(1, a["window"][1] - a["window"][0])
+        startup_us = a["state_us"].get("startup", 0)
+        length = max(1, a["window"][1] - a["window"][0] - startup_us)
         fr = {k: a["state_us"].get(k, 0) / length for k in KINDS}
         fr["other"] = max(0.0, 1.0 - sum(fr.values()))
         node_causes = sorted(
             [("wait_input", ch, us) for ch, us in a["wait_us"].items()]
             + [("blocked_output", ch, us) for ch, us in a["blocked_us"].items()], key=lambda c: -c[2])
-        nodes[name] = dict(fr, window_s=length / 1e6, device=a["device"], gpu=a.get("gpu"),
+        nodes[name] = dict(fr, window_s=length / 1e6, startup_s=startup_us / 1e6,
+                           startup_parts={n: us / 1e6 for n, (_, us) in
+                                          sorted(a.get("startup_spans", {}).items(), key=lambda kv: -kv[1][1])},
+                           device=a["device"], gpu=a.get("gpu"),
                            wait_input_by_channel={ch: us / length for ch, us in a["wait_us"].items()},
                            blocked_output_by_channel={ch: us / length for ch, us in a["blocked_us"].items()},
                            spans={n: {"count": c, "total_s": us / 1e6} for n, (c, us) in a["spans"].items()},
@@ -80,15 +97,16 @@ def summarize(aggregates: dict, top: int = 8) -> dict:
             if covered[1] - covered[0] >= 0.5 * length:
                 idle, source = sampled_idle(samples, covered), "nvml"
         devices[label] = {"idle": idle, "span_idle": span_idle, "source": source, "window_s": length / 1e6,
-                          "nodes": on, "causes": _merged_causes(nodes, on)}
+                          "startup_s": g.get("startup_us", 0) / 1e6, "nodes": on, "causes": _merged_causes(nodes, on)}
         if nvml_same_window is not None:
             devices[label]["nvml_idle_kernel_window"] = nvml_same_window
     for name, n in nodes.items():
         if n["gpu"] is None:  # CPU run: the node's own compute is the device
-            devices[f"cpu {name}"] = {"idle": 1.0 - n["busy"], "window_s": n["window_s"], "nodes": [name],
-                                      "causes": _merged_causes(nodes, [name])}
+            devices[f"cpu {name}"] = {"idle": 1.0 - n["busy"], "window_s": n["window_s"], "startup_s": n["startup_s"],
+                                      "nodes": [name], "causes": _merged_causes(nodes, [name])}
     causes.sort(key=lambda c: -c["seconds"])
-    return {"window_s": (window[1] - window[0]) / 1e6, "nodes": nodes, "devices": devices,
+    return {"window_s": (train_window[1] - train_window[0]) / 1e6, "startup_s": (train_window[0] - window[0]) / 1e6,
+            "train_window": train_window, "nodes": nodes, "devices": devices,
             "idle_causes": causes[:top], "dropped_events": aggregates.get("dropped", 0),
             "thinned_events": aggregates.get("thinned", 0)}
 
@@ -110,6 +128,7 @@ def flat_metrics(summary: dict) -> dict:
     for name, n in summary["nodes"].items():
         for k in KINDS + ("other",):
             out[f"util/{name}/{k}"] = round(n[k], 4)
+        out[f"util/{name}/startup_s"] = round(n["startup_s"], 3)
     for label, d in summary["devices"].items():
         out[f"util/{label}/idle"] = round(d["idle"], 4)
     return out
@@ -121,13 +140,14 @@ def format_report(summary: dict) -> str:
     if not nodes:
         return "[dataflow] time report: no trace data was collected"
     w = max([len(n) for n in nodes] + [len(d) for d in devices] + [6])
-    lines = [f"[dataflow] where time went (window {summary['window_s']:.1f} s; "
-             f"exclusive states: busy > blocked > waiting)",
-             f"  {'node':<{w}}  {'busy':>6} {'wait-in':>8} {'blocked':>8} {'other':>6}  top idle cause"]
+    startup = summary.get("startup_s", 0.0)
+    lines = [f"[dataflow] where time went (training window {summary['window_s']:.1f} s, after "
+             f"{startup:.1f} s of start-up; exclusive states: busy > blocked > waiting)",
+             f"  {'node':<{w}}  {'busy':>6} {'wait-in':>8} {'blocked':>8} {'other':>6} {'start-up':>9}  top idle cause"]
     for name, n in nodes.items():
         cause = _cause_text(n["causes"][0]) if n["causes"] else "-"
         lines.append(f"  {name:<{w}}  {_pct(n['busy']):>6} {_pct(n['wait_input']):>8} "
-                     f"{_pct(n['blocked_output']):>8} {_pct(n['other']):>6}  {cause}")
+                     f"{_pct(n['blocked_output']):>8} {_pct(n['other']):>6} {n.get('startup_s', 0.0):>7.1f} s  {cause}")
     if devices:
         lines.append(f"  {'device':<{w}}  {'idle':>6}  waiting on (its nodes)")
         for label, d in devices.items():
@@ -141,8 +161,16 @@ def format_report(summary: dict) -> str:
             also = (f", NVML over the same window {_pct(d['nvml_idle_kernel_window'])}"
                     if "nvml_idle_kernel_window" in d else "")
             lines.append(f"    {label}: idle from {how}; span events say {_pct(d['span_idle'])}{also}")
+    parts = {name: n["startup_parts"] for name, n in nodes.items() if n.get("startup_parts")}
+    if parts:
+        lines.append("  start-up per node (s; the spans its set-up opened, nested ones inside 'setup'; "
+                     "the rest: waiting for the other nodes' set-up):")
+        for name, p in parts.items():
+            rest = nodes[name]["startup_s"] - p.get("setup", 0.0)
+            listed = ", ".join(f"{part} {s:.1f}" for part, s in list(p.items())[:5])
+            lines.append(f"    {name:<{w}}  {nodes[name]['startup_s']:.1f}: {listed}; rest {max(0.0, rest):.1f}")
     if summary["idle_causes"]:
-        lines.append("  top idle causes:")
+        lines.append("  top idle causes (training window):")
         for i, c in enumerate(summary["idle_causes"], start=1):
             verb = "waiting for input on" if c["kind"] == "wait_input" else "blocked on output to"
             lines.append(f"    {i}. {c['who']} {verb} '{c['channel']}': {c['seconds']:.2f} s "

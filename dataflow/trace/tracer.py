@@ -24,6 +24,11 @@ cost of a few additions per span, the aggregates behind the end-of-run table:
     Measured against a CUDA-graph ground truth (bench/gpu_idle_check.py, H200): kernel records
     within ~1 point; NVML 2x too busy on launch-bound tiny kernels (22.6% vs 10.6%) and a few
     points too idle on back-to-back matmuls; span events count launch gaps as busy.
+Start-up is its own state. A node's tracer (`starting=True`) counts from its creation until `started()` (the host calls it when the
+node's run() begins, after every node of the run is set up) all time counts as "startup", whatever
+spans are open, and the spans opened then ("setup", "load model", ...) are counted apart
+(`startup_spans`) and drawn as "startup" slices: utilization and idle causes are then figures of
+the training window only (dataflow/trace/report.py), with the start-up beside them.
 It also knows which spans are open right now (open_spans()): what the process is doing or waiting
 for at this instant, which the driver's stall diagnosis reads (dataflow/driver/stall.py).
 With `enabled=True` (`--trace`) it also records Chrome trace events: X slices on named tracks
@@ -63,9 +68,10 @@ from dataflow.trace.gpu import CudaTimer, NvmlUtilization
 MIN_IDLE_EVENT_US = 50
 MAX_EVENTS_PER_BUCKET = 25   # -> ~190 events/s per track
 
-BUSY, WAIT_INPUT, BLOCKED_OUTPUT, OTHER = 0, 1, 2, 3
+BUSY, WAIT_INPUT, BLOCKED_OUTPUT, OTHER, STARTUP = 0, 1, 2, 3, 4
 KIND_NAMES = ("busy", "wait_input", "blocked_output")
 _KIND_OF = {name: i for i, name in enumerate(KIND_NAMES)}
+STATE_NAMES = KIND_NAMES + ("other", "startup")
 
 
 class Tracer:
@@ -77,7 +83,7 @@ class Tracer:
       ("i", name, ts, args | None)
     """
 
-    def __init__(self, process_name: str, enabled: bool, device: str = "cpu"):
+    def __init__(self, process_name: str, enabled: bool, device: str = "cpu", starting: bool = False):
         self.process_name = process_name
         self.enabled = enabled
         self.device = device
@@ -92,8 +98,10 @@ class Tracer:
         self.tally: dict | None = None  # while a dict: busy span name -> us, never drained (the host's setup parts)
         self._util_bucket = None      # utilization counter: current bucket, since when, us per state
         self._util_from = 0
-        self._util_acc = [0, 0, 0, 0]
+        self._util_acc = [0, 0, 0, 0, 0]
         self._util_last = None
+        self.starting = starting      # until started(): every microsecond is start-up (module docstring)
+        self._run_start = None        # when started() was called (process clock)
         self._state_t = self._window_start = self.now_us()
         self._reset_aggregates()
         self._gpu = CudaTimer(device, self.now_us) if device.startswith("cuda") else None
@@ -103,6 +111,13 @@ class Tracer:
         """The process clock of every event: wall-clock microseconds, monotonic within the process.
         The host's clock() (offset measurement) must return this."""
         return (time.perf_counter_ns() + self._base_ns) // 1000
+
+    def started(self) -> None:
+        """The node's run begins: start-up ends here, training time starts."""
+        if self.starting:
+            now = self.now_us()
+            self._advance(now)
+            self.starting, self._run_start = False, now
 
     # ---- recording ------------------------------------------------------------------------------
     def span(self, name: str, track: str = "compute", **args) -> "_Span":
@@ -125,7 +140,7 @@ class Tracer:
         if k != BUSY and channel is None:
             raise ValueError(f"complete({name!r}, kind={kind!r}) needs the channel it waited on")
         dur = t1_us - t0_us
-        self._state_us[k] += dur
+        self._state_us[STARTUP if self.starting else k] += dur
         if k == BUSY:
             self._count_span(name, dur)
         else:
@@ -155,8 +170,9 @@ class Tracer:
         """Everything since the last drain; plain lists/dicts/numbers/strings (msgpack/pickle).
 
         {"process", "device", "gpu": label | None, "window": [t0, t1],
-         "state_us": {kind or "other": us}, "wait_us": {channel: us}, "blocked_us": {channel: us},
-         "spans": {name: [count, us]}, "events": [...], "dropped": int, "gpu_intervals": [[t0, t1]],
+         "state_us": {kind, "other" or "startup": us}, "wait_us": {channel: us}, "blocked_us": {channel: us},
+         "spans": {name: [count, us]}, "startup_spans": {name: [count, us]}, "run_start": us | None,
+         "events": [...], "dropped": int, "gpu_intervals": [[t0, t1]],
          "gpu_util": [[t0, t1, percent, nvml_timestamp]]}
         Spans still open are accounted in the states up to now and as slices when they end.
         """
@@ -169,8 +185,9 @@ class Tracer:
         self._flush_samples()
         out = {"process": self.process_name, "device": self.device,
                "gpu": self._gpu.label if self._gpu else None, "window": [self._window_start, now],
-               "state_us": dict(zip(KIND_NAMES + ("other",), self._state_us)),
+               "state_us": {k: us for k, us in zip(STATE_NAMES, self._state_us) if us or k != "startup"},
                "wait_us": self._wait_us, "blocked_us": self._blocked_us, "spans": self._spans,
+               "startup_spans": self._startup_spans, "run_start": self._run_start,
                "events": self._events, "dropped": self._dropped,
                "gpu_intervals": self._gpu.resolve() if self._gpu else [],
                "gpu_util": self._nvml.read() if self._nvml else []}
@@ -181,17 +198,19 @@ class Tracer:
 
     # ---- internals (hot path: keep cheap) -------------------------------------------------------
     def _reset_aggregates(self) -> None:
-        self._state_us = [0, 0, 0, 0]
+        self._state_us = [0, 0, 0, 0, 0]
         self._wait_us: dict = {}
         self._blocked_us: dict = {}
         self._spans: dict = {}
+        self._startup_spans: dict = {}
 
     def _advance(self, now: int) -> None:
         """Credit the time since the last transition to the current exclusive state and, when
         idle, to the channels waited on (split evenly if several), so that a wait overlapping busy
         work of another task is not reported as an idle cause."""
         o = self._open
-        state = BUSY if o[BUSY] else BLOCKED_OUTPUT if o[BLOCKED_OUTPUT] else WAIT_INPUT if o[WAIT_INPUT] else OTHER
+        state = STARTUP if self.starting else BUSY if o[BUSY] else BLOCKED_OUTPUT if o[BLOCKED_OUTPUT] \
+            else WAIT_INPUT if o[WAIT_INPUT] else OTHER
         elapsed = now - self._state_t
         self._state_us[state] += elapsed
         if self.enabled:
@@ -218,10 +237,10 @@ class Tracer:
         self._util_acc[state] += end0 - t0
         self._emit_util(self._util_from, end0, self._util_acc)
         if b1 > b0 + 1:  # whole buckets in one state: one event holds for all of them
-            full = [0, 0, 0, 0]
+            full = [0, 0, 0, 0, 0]
             full[state] = 1
             self._emit_util(end0, end0 + 1, full)
-        self._util_acc = [0, 0, 0, 0]
+        self._util_acc = [0, 0, 0, 0, 0]
         self._util_acc[state] = t1 - (b1 << BUCKET_SHIFT)
         self._util_bucket, self._util_from = b1, b1 << BUCKET_SHIFT
 
@@ -229,6 +248,8 @@ class Tracer:
         scale = 100 / max(1, t_to - t_from)
         values = {"busy": round(acc[BUSY] * scale, 1), "waiting": round(acc[WAIT_INPUT] * scale, 1),
                   "blocked": round(acc[BLOCKED_OUTPUT] * scale, 1)}
+        if acc[STARTUP]:
+            values["startup"] = round(acc[STARTUP] * scale, 1)
         if values != self._util_last:
             self._util_last = values
             self._events.append(("C", UTIL_COUNTER, t_from, values))
@@ -244,9 +265,10 @@ class Tracer:
     def _count_span(self, name: str, dur: int) -> None:
         if self.tally is not None:
             self.tally[name] = self.tally.get(name, 0) + dur
-        s = self._spans.get(name)
+        spans = self._startup_spans if self.starting else self._spans
+        s = spans.get(name)
         if s is None:
-            self._spans[name] = [1, dur]
+            spans[name] = [1, dur]
         else:
             s[0] += 1
             s[1] += dur
@@ -254,7 +276,8 @@ class Tracer:
     def _record_slice(self, name, track, t0, t1, kind, channel, args) -> None:
         if kind != BUSY and t1 - t0 < MIN_IDLE_EVENT_US:
             return
-        self._keep(track, t1, ("X", name, track, t0, t1 - t0, KIND_NAMES[kind], channel, args))
+        label = "startup" if self.starting and kind == BUSY else KIND_NAMES[kind]
+        self._keep(track, t1, ("X", name, track, t0, t1 - t0, label, channel, args))
 
     def _keep(self, key: str, t: int, event: tuple) -> None:
         """Rate cap: a uniform sample (reservoir, Algorithm R) of at most MAX_EVENTS_PER_BUCKET

@@ -56,11 +56,16 @@ def ensure_pad_token(tokenizer) -> str | None:
 
 
 def load_tokenizer(spec: PolicySpec):
-    """The policy's tokenizer (the built-in one for an empty path), with a pad token."""
+    """The policy's tokenizer (the built-in one for an empty path), with a pad token: tokenizer.json
+    and the chat template without transformers (rl/data/fast_tokenizer.py; the same ids as AutoTokenizer),
+    for the processes that only encode, decode and render chats (the prompt source, the driver's
+    checks, the token-file converter). The model nodes load theirs with the model (`load`)."""
+    from rl.data import fast_tokenizer
+
     if not spec.path:
-        return tasks.build_tokenizer()
+        return tasks.build_fast_tokenizer()
     try:
-        tokenizer = tasks.load_tokenizer(spec.path)
+        tokenizer = fast_tokenizer.load(spec.path)
     except (FileNotFoundError, OSError, ValueError) as e:
         raise UserError(f"policy.path={spec.path}: {e}") from None
     ensure_pad_token(tokenizer)

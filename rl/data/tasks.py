@@ -48,6 +48,20 @@ DEFAULT_NUM_DIGITS = 2
 # Tokenizer
 # ---------------------------------------------------------------------------------------------
 
+def _builtin_backend():
+    """The built-in word-level tokenizer (tokenizers' Tokenizer; build_tokenizer documents it)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + DIGITS + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True)])
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])])
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    return backend
+
+
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """Word-level tokenizer over specials, digits and task words; prepends <bos> when encoding.
 
@@ -56,19 +70,20 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     spaces. `tokenizer.save_pretrained(dir)` / `load_tokenizer(dir)` round-trip it.
     """
     # Imported here, not at the top: the driver imports this module (graph files -> node configs)
-    # and never builds a tokenizer, and the reward node's process then never imports torch
-    # (transformers' AutoTokenizer does; its tokenizer classes alone do not).
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    # and never builds a tokenizer. The model nodes use this one; the prompt source and the
+    # reward node use build_fast_tokenizer (no transformers import, seconds less start-up).
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + DIGITS + WORDS)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True)])
-    backend.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=EOS,
+    return PreTrainedTokenizerFast(tokenizer_object=_builtin_backend(), bos_token=BOS, eos_token=EOS,
                                    pad_token=PAD, unk_token=UNK)
+
+
+def build_fast_tokenizer():
+    """build_tokenizer()'s tokenizer without transformers (rl/data/fast_tokenizer.py): the same ids."""
+    from rl.data.fast_tokenizer import FastTokenizer
+
+    return FastTokenizer(_builtin_backend(), {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK},
+                         name_or_path="(built-in)")
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
