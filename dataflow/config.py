@@ -79,10 +79,13 @@ def convert(text: str, tp: Any, key: str) -> Any:
     if tp is Path:
         return Path(text)
     if origin in (list, tuple) or tp in (list, tuple):
+        bare = text.strip()
         try:
-            items = json.loads(text) if text.strip().startswith("[") else [t for t in text.split(",") if t]
+            items = json.loads(bare) if bare.startswith("[") else [t for t in text.split(",") if t]
         except json.JSONDecodeError:
-            raise ConfigError(f"--set {key}={text}: expected a comma-separated list or a JSON list") from None
+            if not bare.endswith("]") or '"' in bare:
+                raise ConfigError(f"--set {key}={text}: expected a comma-separated list or a JSON list") from None
+            items = [t.strip() for t in bare[1:-1].split(",") if t.strip()]   # [a, b]: names, unquoted
         inner = args[0] if args else str
         values = [convert(str(v), inner, key) for v in items]
         return tuple(values) if origin is tuple else values
