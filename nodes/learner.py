@@ -172,6 +172,7 @@ class BadUpdates(UserError, FloatingPointError):
 
 class Learner(RankCommands, Node):
     Config = LearnerConfig
+    check_settings = staticmethod(check_config)  # before Ray starts (dataflow/preflight.py), and in setup
     inputs = ("rollouts",)
     publishes = ("policy", SYNC_EDGE, RANKS_EDGE)
     subscribes = (RANKS_EDGE,)
