@@ -79,10 +79,13 @@ def convert(text: str, tp: Any, key: str) -> Any:
     if tp is Path:
         return Path(text)
     if origin in (list, tuple) or tp in (list, tuple):
+        bare = text.strip()
         try:
-            items = json.loads(text) if text.strip().startswith("[") else [t for t in text.split(",") if t]
+            items = json.loads(bare) if bare.startswith("[") else [t for t in text.split(",") if t]
         except json.JSONDecodeError:
-            raise ConfigError(f"--set {key}={text}: expected a comma-separated list or a JSON list") from None
+            if not bare.endswith("]") or '"' in bare:
+                raise ConfigError(f"--set {key}={text}: expected a comma-separated list or a JSON list") from None
+            items = [t.strip() for t in bare[1:-1].split(",") if t.strip()]   # [a, b]: names, unquoted
         inner = args[0] if args else str
         values = [convert(str(v), inner, key) for v in items]
         return tuple(values) if origin is tuple else values
@@ -203,6 +206,41 @@ def check(problem: Callable[[Any], str | None]) -> Rule:
     """A consistency check across settings: `problem(config)` returns what is wrong (raised as a
     ConfigError) or None. Checks run in order with the other rules, so they see filled values."""
     return Rule("check", compute=problem)
+
+
+def rule_problems(cls: type) -> list[str]:
+    """One line for each key of `cls.rules` (a share's or fill's source and targets) that names no
+    setting of `cls`: a typo would otherwise surface only when the rule runs, or never. Reads the
+    annotations, so it works on a class whose @dataclass has not run yet (__init_subclass__)."""
+    found = []
+    for rule in getattr(cls, "rules", ()):
+        for key in ([rule.source] if rule.source else []) + list(rule.targets):
+            owner = cls
+            for part in key.split("."):
+                hints = _setting_hints(owner)
+                if part not in hints:
+                    found.append(f"{cls.__name__}.rules: '{rule.text()}' names {key!r}, but "
+                                 f"{getattr(owner, '__name__', owner)} has no setting {part!r}")
+                    break
+                owner = _unwrapped(hints[part])
+    return found
+
+
+def _setting_hints(owner: Any) -> dict:
+    if not isinstance(owner, type):
+        return {}
+    try:
+        return {k: v for k, v in typing.get_type_hints(owner).items() if get_origin(v) is not typing.ClassVar}
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve: not a settings class here
+        return {}
+
+
+def _unwrapped(tp: Any) -> Any:
+    """The settings class behind Annotated[...] / X | None, else tp."""
+    if get_origin(tp) in (Union, types.UnionType):
+        options = [a for a in get_args(tp) if a is not type(None)]
+        tp = options[0] if len(options) == 1 else tp
+    return tp
 
 
 def resolve(config: Any) -> Any:

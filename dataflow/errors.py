@@ -17,6 +17,11 @@ class ConfigError(UserError):
     """A --set key or value does not fit the graph's typed config."""
 
 
+class SettingError(UserError, ValueError):
+    """A setting that does not fit the data or the graph, found while the run goes (a row longer
+    than a token budget, a KL coefficient without a reference node): one line, exit 2."""
+
+
 class NodeFailed(Exception):
     """A node raised or died while the graph ran. Carries the node name and the original traceback."""
 

@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     from dataflow.driver.preflight import input_problems
 
     try:
-        found = input_problems(graph, config)   # model dirs, data, rewards: in seconds, before Ray starts
+        # model dirs, data, rewards, the nodes' cross-setting checks: in seconds, before Ray starts
+        found = input_problems(graph, config, args.max_steps)
     except KeyboardInterrupt:
         print("\n[dataflow] interrupted while checking the inputs; nothing was started.", file=sys.stderr)
         return 130

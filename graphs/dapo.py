@@ -20,8 +20,9 @@ from typing import Annotated, ClassVar
 
 from dataflow import Graph, policy_edge, share
 from dataflow.checks import AtLeast
-from graphs.rlhf import PROGRESS, RLHFConfig
+from graphs.rlhf import PROGRESS, RLHFConfig, runs
 from nodes import DROPPED_EDGE, Generator, GroupFilter, GroupFilterConfig, Learner, PromptSource
+from nodes.learner import LearnerConfig
 
 
 @dataclass(kw_only=True)
@@ -30,7 +31,9 @@ class DAPOGraphConfig(RLHFConfig):
     group_size: Annotated[int, AtLeast(2, note='a group filter compares responses')] = 8
     """Responses per prompt; advantages are normalised within each group."""
     prompts_per_step: int = 16
+    learner: LearnerConfig = field(default_factory=lambda: LearnerConfig(algorithm="grpo"))
     rules: ClassVar[tuple] = RLHFConfig.rules + (
+        runs("grpo", "graphs/dapo.py", "for PPO run graphs/ppo.py"),
         share("group_size", "generator.group_size", "learner.group_size"),
         share("prompts_per_step", "filter.prompts_per_step"),
     )
@@ -40,7 +43,6 @@ config = DAPOGraphConfig()
 
 
 def build(cfg: DAPOGraphConfig) -> Graph:
-    cfg.learner.algorithm = "grpo"
     g = Graph("dapo", config=cfg, progress=PROGRESS)
     g.node("prompts", PromptSource, cfg.prompts, cpus=0.1)
     g.node("generator", Generator, cfg.generator, cpus=1, side="rollout", replicas=cfg.generator_replicas)

@@ -14,13 +14,14 @@ are declared once in graphs/rlhf.py; --describe lists them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
 
 from dataflow import Graph, policy_edge, share
 from dataflow.checks import AtLeast
-from graphs.rlhf import PROGRESS, RLHFConfig
+from graphs.rlhf import PROGRESS, RLHFConfig, runs
 from nodes import Generator, Learner, PromptSource
+from nodes.learner import LearnerConfig
 
 
 @dataclass(kw_only=True)
@@ -28,14 +29,15 @@ class GRPOGraphConfig(RLHFConfig):
     group_size: Annotated[int, AtLeast(1)] = 8
     """Responses per prompt; advantages are normalised within each group."""
     prompts_per_step: int = 16
-    rules: ClassVar[tuple] = RLHFConfig.rules + (share("group_size", "generator.group_size", "learner.group_size"),)
+    learner: LearnerConfig = field(default_factory=lambda: LearnerConfig(algorithm="grpo"))
+    rules: ClassVar[tuple] = RLHFConfig.rules + (share("group_size", "generator.group_size", "learner.group_size"),
+                                                 runs("grpo", "graphs/grpo.py", "for PPO run graphs/ppo.py"))
 
 
 config = GRPOGraphConfig()
 
 
 def build(cfg: GRPOGraphConfig) -> Graph:
-    cfg.learner.algorithm = "grpo"
     g = Graph("grpo", config=cfg, progress=PROGRESS)
     g.node("prompts", PromptSource, cfg.prompts, cpus=0.1)
     g.node("generator", Generator, cfg.generator, cpus=1, side="rollout", replicas=cfg.generator_replicas)

@@ -23,13 +23,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from dataflow import Graph, policy_edge, share
-from graphs.rlhf import PROGRESS, RLHFConfig
+from graphs.rlhf import PROGRESS, RLHFConfig, runs
 from nodes import Critic, Generator, Learner, PromptSource
 
 
 @dataclass(kw_only=True)
 class PPOGraphConfig(RLHFConfig):
     rules: ClassVar[tuple] = RLHFConfig.rules + (
+        runs("ppo", "graphs/ppo.py", "for GRPO run graphs/grpo.py or graphs/dapo.py"),
         share("prompts_per_step", "critic.train_samples"),  # the critic trains once per step's samples
     )
 
@@ -38,7 +39,6 @@ config = PPOGraphConfig()
 
 
 def build(cfg: PPOGraphConfig) -> Graph:
-    cfg.learner.algorithm = "ppo"
     g = Graph("ppo", config=cfg, progress=PROGRESS)
     g.node("prompts", PromptSource, cfg.prompts, cpus=0.1)
     g.node("generator", Generator, cfg.generator, cpus=1, side="rollout", replicas=cfg.generator_replicas)

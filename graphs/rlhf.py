@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal
 
 from dataflow import Graph, check, fill, share
+from dataflow.config import rule_problems
+from dataflow.errors import ConfigError
 from dataflow.checks import AtLeast, Each, Finite, Fraction, NonNegative, Range
 from dataflow.presets import auto_weight_transport
 from nodes.critic import CriticConfig
@@ -59,6 +61,18 @@ def _reward_model_share_problem(cfg: RLHFConfig) -> str | None:
     if share_ and cfg.placement == "cpu":
         return "reward_model_gpu_share needs placement=colocated or split (placement=cpu uses no GPU)"
     return None
+
+
+def runs(algorithm: str, graph_file: str, instead: str):
+    """A check rule: the graph's nodes are wired for one algorithm (a critic and GAE for ppo, group
+    advantages for grpo), so `--set learner.algorithm=` another is a one-line error, not silently
+    replaced by build(). The graph's config gives learner.algorithm that default."""
+    def problem(cfg) -> str | None:
+        if cfg.learner.algorithm == algorithm:
+            return None
+        return (f"learner.algorithm={cfg.learner.algorithm}: {graph_file} is wired for {algorithm} (its nodes), "
+                f"which this setting cannot change; {instead}")
+    return check(problem)
 
 
 @dataclass(kw_only=True)
@@ -147,6 +161,11 @@ class RLHFConfig:
     """Times a generator, reward, reference, critic or prompt source replica is restarted after its
     process dies (its prompts are re-issued); the learner's death stops the run."""
 
+    def __init_subclass__(cls, **kwargs):
+        """A graph's config subclass: its rules must name real settings, checked at import time."""
+        super().__init_subclass__(**kwargs)
+        _check_rules(cls)
+
     rules: ClassVar[tuple] = (
         check(_reward_model_share_problem),
         check(_validation_problem),
@@ -200,3 +219,12 @@ class RLHFConfig:
             g.node("evaluator", Evaluator, self.val, cpus=0.1)
             g.channel("reward.validation", "evaluator.validation", capacity=self.channel_capacity, name="validation")
             g.versioned(VALIDATED, src="evaluator", dst=["prompts"])
+
+
+def _check_rules(cls: type) -> None:
+    """ConfigError (at import) when a share/fill rule of `cls` names a setting that does not exist."""
+    if found := rule_problems(cls):
+        raise ConfigError("; ".join(found))
+
+
+_check_rules(RLHFConfig)

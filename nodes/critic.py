@@ -198,6 +198,11 @@ def advantages_for(model, items: list[dict], pad_id: int, c: CriticConfig, devic
 
 class Critic(RankCommands, Node):
     Config = CriticConfig
+
+    @staticmethod
+    def check_settings(c, max_steps=None) -> None:
+        """Its settings that must fit together, before Ray starts (dataflow/driver/preflight.py)."""
+        check_micro_batch_settings("critic", c.micro_batch_size, c.max_tokens_per_micro_batch)
     inputs = ("with_ref",)
     outputs = ("advantaged",)
     publishes = (CRITIC_RANKS_EDGE,)

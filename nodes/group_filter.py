@@ -15,8 +15,9 @@ normalises), with `max_num_gen_batches`. Here the batch fills by refills, not by
 generation batches: each dropped prompt is replaced by the prompt source with one more prompt of
 the same batch, so the learner's step k still collects batch k (meta "batch") and trains on
 exactly prompts_per_step groups with a signal, and the staleness bound still holds (batch k was
-admitted when its first prompts were). A group with every response failed is dropped too (the
-learner masks failed responses out of the loss).
+admitted when its first prompts were). Only responses whose reward did not fail count: a group
+with fewer than two of them, or whose non-failed scores are equal, is dropped (the learner masks
+failed responses out of the loss and out of the group's baseline).
 
 Exactly once: each prompt id's decision is kept until its batch is trained, so a copy re-issued
 after a node restart is forwarded again if it was kept (the learner keeps one copy), and skipped
@@ -37,7 +38,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Annotated
 
-from dataflow import Node
+from dataflow import Node, UserError
 from dataflow.actor import snapshots
 from dataflow.checks import AtLeast, NonNegative
 from nodes.prompts import DROPPED_EDGE
@@ -57,11 +58,18 @@ class GroupFilterConfig:
     """Put the ids kept and dropped in each batch's metrics record."""
 
 
+class TooFewSignalGroups(UserError):
+    """max_num_gen_batches batches' worth of prompts did not fill a batch with groups whose rewards
+    differ: a verdict about the data and the reward, printed as one line (exit 2)."""
+
+
 def has_signal(samples: list[dict]) -> bool:
-    """Whether a group teaches anything: some response did not fail, and the scores differ (the
-    learner normalises all of them, failed ones' 0 included, into the group's advantages)."""
-    scores = [s["score"] for s in samples]
-    return not all(s["failed"] for s in samples) and max(scores) > min(scores)
+    """Whether a group teaches anything: at least two responses did not fail and their scores
+    differ. The learner leaves failed responses out of the group's baseline and gives them
+    advantage 0 (rl/algorithm/advantages.py `valid`), so a failed response's 0 is no signal: scores
+    [1, 1, failed, 1] give every response advantage 0."""
+    scores = [s["score"] for s in samples if not s["failed"]]
+    return len(scores) >= 2 and max(scores) > min(scores)
 
 
 class GroupFilter(Node):
@@ -106,7 +114,7 @@ class GroupFilter(Node):
             dropped.append(pid)
             taken = len(kept) + len(dropped)
             if c.max_num_gen_batches and taken >= c.max_num_gen_batches * c.prompts_per_step:
-                raise RuntimeError(
+                raise TooFewSignalGroups(
                     f"batch {batch}: {taken} prompts gave {len(kept)} groups whose rewards differ, of the "
                     f"{c.prompts_per_step} a step needs (filter.max_num_gen_batches={c.max_num_gen_batches} batches' "
                     "worth): nearly every group's responses score alike; check the data and the reward, or "

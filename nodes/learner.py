@@ -165,8 +165,14 @@ class LearnerConfig:
         return self.dp * self.tp
 
 
+class BadUpdates(UserError, FloatingPointError):
+    """max_bad_updates updates in a row were skipped (non-finite loss or gradients): the run stops
+    with one line naming the setting and the last reason (lower the lr, check the rewards)."""
+
+
 class Learner(RankCommands, Node):
     Config = LearnerConfig
+    check_settings = staticmethod(check_config)  # before Ray starts (dataflow/driver/preflight.py), and in setup
     inputs = ("rollouts",)
     publishes = ("policy", SYNC_EDGE, RANKS_EDGE)
     subscribes = (RANKS_EDGE,)
@@ -312,7 +318,7 @@ class Learner(RankCommands, Node):
         self.bad_updates = self.bad_updates + skipped if all_skipped else stats["updates/skipped_last"]
         self.ctx.log(f"step {self.version + 1}: skipped {skipped} of {stats['updates/total']} updates: {reason}")
         if self.config.max_bad_updates and self.bad_updates >= self.config.max_bad_updates:
-            raise FloatingPointError(f"{self.bad_updates} updates in a row were skipped (learner.max_bad_updates="
+            raise BadUpdates(f"{self.bad_updates} updates in a row were skipped (learner.max_bad_updates="
                                      f"{self.config.max_bad_updates}); the last reason: {reason}")
 
     async def run(self):

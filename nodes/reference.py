@@ -78,6 +78,11 @@ def add_logprobs(model, pad_id: int, items: list[dict], key: str, micro_batch_si
 
 class Reference(Node):
     Config = ReferenceConfig
+
+    @staticmethod
+    def check_settings(c, max_steps=None) -> None:
+        """Its settings that must fit together, before Ray starts (dataflow/driver/preflight.py)."""
+        check_micro_batch_settings("reference", c.micro_batch_size, c.max_tokens_per_micro_batch)
     inputs = ("scored",)
     outputs = ("with_ref",)
 

@@ -5,8 +5,10 @@ Consumes: `samples` from the generator.  Produces: `scored`, the same item with,
 task gives per-position credit) and "failed" (bool).
 Waits for: generated samples.  Unblocked by: the generator.
 
-A user reward file defines `reward(prompt, response, **fields)`, verl's `compute_score(...)` or
-TRL's batched `f(prompts, completions, **kwargs)`, plain or async (rl/reward/reward_fn.py). Responses are
+A user reward file defines `reward(prompt, response, **fields)`, verl's `compute_score(...)` (one
+response, or its batched form) or TRL's `f(prompts, completions, **kwargs)`, plain or async, one
+function or several with weights (rl/reward/reward_fn.py; docs/rewards.md). Each function's batch mean is
+logged as reward/<name>, and so are the other numeric keys of verl's dict results. Responses are
 decoded without special tokens. The calls of a batch run concurrently (`max_concurrency`), each
 under `timeout_s` (rl/reward/runner.py: a timed-out thread is abandoned and counted). An exception,
 a timeout, or a non-finite / non-number result marks that response failed (score 0, excluded from
@@ -33,17 +35,22 @@ from dataflow import Node, UserError
 from dataflow.checks import AtLeast, ExistingPath, NonNegative, Positive
 from rl.data import fast_tokenizer, tasks
 from rl.reward.runner import Request, RewardRunner
-from rl.reward.reward_fn import load_reward_fn
+from rl.reward.reward_fn import load_rewards
 
 
 @dataclass(kw_only=True)
 class RewardConfig:
     path: Annotated[str, ExistingPath(kind="file")] = ""
     """Python file with the reward function; empty = the built-in task's scorer."""
-    function: str = "reward"
-    """Name of the function (or class) in `path` (verl's files: compute_score)."""
-    weights: dict = field(default_factory=dict)
-    """Weights of a dict-valued reward's named scores ({} = equal weights of 1)."""
+    function: list[str] | str = ""
+    """Name of the function (or class) in `path`, or a list of names, e.g. [accuracy_reward,
+    format_reward] (TRL's reward_funcs); empty = `reward`, else verl's `compute_score`."""
+    weights: dict | list[float] = field(default_factory=dict)
+    """A list: one weight per function of `function` (TRL's reward_weights; default 1 each). A
+    dict: the weights of a dict-valued reward's named scores ({} = equal weights of 1)."""
+    kwargs: dict = field(default_factory=dict)
+    """Keyword arguments given to every reward call (verl's custom_reward_function.reward_kwargs),
+    e.g. '{"format_score": 0.1}'."""
     timeout_s: Annotated[float, Positive] = 10.0
     """Longest one reward call may take before its response is marked failed (a batched
     function: the whole call). Calls run concurrently: a reward that hangs costs about one
@@ -83,8 +90,8 @@ class Reward(Node):
             # tokenizer.json alone (rl/data/fast_tokenizer.py): decoding needs no transformers (nor torch)
             self.tokenizer = fast_tokenizer.load(c.tokenizer_path) if c.tokenizer_path else tasks.build_fast_tokenizer()
         with self.ctx.span("load reward file"):
-            self.fn = load_reward_fn(c.path, c.function, c.weights) if c.path else None
-        self.runner = RewardRunner(self.fn, c.timeout_s, c.max_concurrency) if self.fn else None
+            self.rewards = load_rewards(c.path, c.function, c.weights, c.kwargs) if c.path else None
+        self.runner = RewardRunner(self.rewards, c.timeout_s, c.max_concurrency) if self.rewards else None
         self.failed_total = self.scored_total = self.timeouts_total = 0
         self.failing_prompts = 0                       # consecutive prompts with every response failed
         self.streak_first_error = ""
@@ -122,6 +129,7 @@ class Reward(Node):
             s["error"] = "" if outcome.error is None else f"prompt {item['id']}: {outcome.error}"
             s["timed_out"] = outcome.timed_out
             s["token_rewards"] = _on_last_token(s)
+        self.ctx.metrics(_component_means(outcomes))
 
     def _account(self, items: list[dict]) -> None:
         """Counters, the on-screen line, and the stop after max_failed_batches all-failed batches."""
@@ -153,7 +161,7 @@ class Reward(Node):
         k, per_batch = self.config.max_failed_batches, self.config.items_per_call
         if k > 0 and self.failing_prompts >= k * per_batch:
             raise RewardFailing(
-                f"reward function {self.fn.where} failed for every response of {self.failing_prompts} "
+                f"reward function {self.rewards.where} failed for every response of {self.failing_prompts} "
                 f"consecutive prompts (reward.max_failed_batches={k} batches of reward.items_per_call="
                 f"{per_batch}); first error: "
                 f"{self.streak_first_error}. Fix the function (or the fields it reads), or set "
@@ -219,6 +227,20 @@ class Reward(Node):
             self._report()                             # failures of the last few seconds
             if self.runner is not None:
                 self.runner.close()
+
+
+_ENGINE_NAMES = {"mean", "std", "failed_total", "scored_total", "timeouts_total", "abandoned_running"}
+
+
+def _component_means(outcomes: list) -> dict[str, float]:
+    """reward/<function name> and reward/<verl extra key>: the batch's mean of each (the values a
+    function gave; TRL logs rewards/<name>/mean alike)."""
+    values: dict[str, list[float]] = {}
+    for o in outcomes:
+        for name, v in [*o.components.items(), *o.extras.items()]:
+            if v is not None:   # a name the engine's own reward/ metrics use gets a suffix
+                values.setdefault(f"reward/{name}" + ("/fn" if name in _ENGINE_NAMES else ""), []).append(v)
+    return {k: sum(v) / len(v) for k, v in values.items()}
 
 
 def _on_last_token(s: dict) -> list[float]:

@@ -143,7 +143,7 @@ def _of(k: int, n: int) -> str:
 
 def _reward_problems(reward, rows: _Rows, data_path: str) -> list[str]:
     """The reward (built-in scorer, or reward.path's function) against the fields of the rows."""
-    from rl.reward.reward_fn import BATCHED, SAMPLE, VERL, load_reward_fn
+    from rl.reward.reward_fn import load_rewards
 
     source = f"prompts.path={data_path}" if data_path else "the built-in task"
     if not reward.path:
@@ -154,10 +154,19 @@ def _reward_problems(reward, rows: _Rows, data_path: str) -> list[str]:
                 "scorer (reward.path empty) needs one: set reward.path to your reward file, or "
                 "prompts.answer_key to the field that holds the answer"] if k else []
     try:
-        fn = load_reward_fn(reward.path, reward.function, reward.weights)
+        rewards = load_rewards(reward.path, reward.function, reward.weights, reward.kwargs)
     except UserError as e:
         return [f"reward.path: {e}"]
-    if fn.form == VERL:
+    found = []
+    for fn in rewards.fns:
+        found += _reward_fn_problems(fn, reward, rows, source)
+    return found
+
+
+def _reward_fn_problems(fn, reward, rows: _Rows, source: str) -> list[str]:
+    from rl.reward.reward_fn import BATCH_FORMS, SAMPLE, VERL_FORMS
+
+    if fn.form in VERL_FORMS:
         k, n, first = _missing(rows, lambda f: f.get("answer") is not None or (
             isinstance(f.get("reward_model"), dict) and f["reward_model"].get("ground_truth") is not None))
         return [f"{source}: {_of(k, n)} have neither reward_model.ground_truth nor an `answer` field (the first: "
@@ -165,7 +174,9 @@ def _reward_problems(reward, rows: _Rows, data_path: str) -> list[str]:
                 "prompts.answer_key to the field that holds it"] if k else []
     found = []
     for name in _field_params(fn.fn, "sample" if fn.form == SAMPLE else "batched"):
-        if fn.form == BATCHED:   # a batch gets every field any row has (None where one lacks it)
+        if name in fn.kwargs:
+            continue
+        if fn.form in BATCH_FORMS:   # a batch gets every field any row has (None where one lacks it)
             k = 0 if any(f.get(name) is not None for f in rows.fields) else len(rows.fields)
             n, first = len(rows.fields), rows.where[0] if rows.where else ""
         else:

@@ -57,10 +57,12 @@ async def gather_setups(refs: dict) -> dict:
     that peer's failed setup until its own wait timed out."""
     futures = {asyncio.ensure_future(awaitable(ref)): name for name, ref in refs.items()}
     results, pending = {}, set(futures)
-    while pending and not any(failed(r) for r in results.values()):
-        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        results.update({futures[f]: result_of(f) for f in done})
-    discard(pending)
+    try:
+        while pending and not any(failed(r) for r in results.values()):
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            results.update({futures[f]: result_of(f) for f in done})
+    finally:  # also on Ctrl-C / SIGTERM during start-up: the shutdown kills the actors these wait on
+        discard(futures)
     return results
 
 

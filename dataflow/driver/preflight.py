@@ -14,6 +14,10 @@ once, under the first key: the message is the same whichever node would have rea
 `dataflow.run` prints the lines and exits 2, in seconds, before Ray starts; without these checks the
 same mistakes would surface in whichever node read the input first, after start-up.
 
+A node kind may also define `check_settings(config, max_steps)` (a staticmethod raising UserError):
+its cross-setting check, which `input_problems` runs on each node's config too, so a setting that
+does not fit another is one line before Ray starts, not a node's failed setup after it.
+
 The built-in nodes' checks are rl/preflight.py (PolicySpec.preflight; RLHFConfig.preflight for the
 prompts -> generator -> reward pipeline of graphs/ppo.py, grpo.py, dapo.py). A user node kind
 gets its own by defining `preflight` on its Config.
@@ -28,8 +32,8 @@ from typing import Any
 from dataflow.errors import UserError
 
 
-def input_problems(graph, config: Any = None) -> list[str]:
-    lines: list[str] = []
+def input_problems(graph, config: Any = None, max_steps: int | None = None) -> list[str]:
+    lines: list[str] = _node_setting_problems(graph, max_steps)
     for key, part in _parts(graph, config):
         try:
             found = part.preflight()
@@ -43,6 +47,21 @@ def input_problems(graph, config: Any = None) -> list[str]:
             text = f"{key}.{line}" if key and _names_a_field(line, part) else line
             if text not in lines:
                 lines.append(text)
+    return lines
+
+
+def _node_setting_problems(graph, max_steps: int | None) -> list[str]:
+    """Each node kind's check_settings(config, max_steps) on its config (a replicated node once)."""
+    lines: list[str] = []
+    for spec in graph.nodes.values():
+        check = getattr(spec.kind, "check_settings", None)
+        if check is None:
+            continue
+        try:
+            check(spec.config, max_steps if max_steps is not None else graph.max_steps)
+        except UserError as e:
+            if str(e) not in lines:
+                lines.append(str(e))
     return lines
 
 

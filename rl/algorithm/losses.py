@@ -33,9 +33,12 @@ def agg_row_weights(mask: torch.Tensor, mode: str, scale_factor: float | None = 
         token-mean               L = sum_{i,t} l_it / N              w_i = 1 / N
         seq-mean-token-mean      L = 1/S sum_i (1/n_i sum_t l_it)    w_i = 1 / (S n_i)
         seq-mean-token-sum       L = 1/S sum_i sum_t l_it            w_i = 1 / S
-        seq-mean-token-sum-norm  L = sum_{i,t} l_it / C              w_i = 1 / C
+        seq-mean-token-sum-norm  L = 1/S sum_i sum_t l_it / C        w_i = 1 / (S C)
     (l_it counted where mask is 1). Names and definitions of verl's `agg_loss`; the last is
-    Dr. GRPO's constant normaliser (Liu et al. 2025, arXiv 2503.20783, C = the generation budget),
+    Dr. GRPO's constant normaliser (Liu et al. 2025, arXiv 2503.20783, C = the generation budget):
+    seq-mean-token-sum divided by C, as verl defines it since verl#5417 and TRL's
+    loss_type="dr_grpo" does (TRL divides by every row of the batch, S here counts rows with a
+    token; the same unless a row is fully masked),
     token-mean is DAPO's token-level loss (Yu et al. 2025, arXiv 2503.14476). Rows with no valid
     token get weight 0; an all-masked batch gets all zeros (never NaN).
     """
@@ -52,7 +55,7 @@ def agg_row_weights(mask: torch.Tensor, mode: str, scale_factor: float | None = 
         if not scale_factor or scale_factor <= 0:
             raise ValueError("agg_row_weights: seq-mean-token-sum-norm needs a constant scale_factor > 0 "
                              "(Dr. GRPO's normaliser, e.g. the longest response allowed)")
-        return has_tokens / float(scale_factor)
+        return has_tokens / (num_seqs * float(scale_factor))
     raise ValueError(f"agg_row_weights: mode={mode!r}; use token-mean, seq-mean-token-mean, "
                      "seq-mean-token-sum or seq-mean-token-sum-norm")
 

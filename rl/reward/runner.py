@@ -1,9 +1,11 @@
 """Running reward calls: concurrently (bounded), each under its timeout, failures marked not raised.
 
-`RewardRunner(reward, timeout_s, max_concurrency).score(requests)` scores a batch and returns one
+`RewardRunner(rewards, timeout_s, max_concurrency).score(requests)` scores a batch and returns one
 Outcome per response: a score, or None and a one-line reason. An exception, a timeout, or a result
-that is not a finite number (NaN, inf, a string, None) marks that response failed; the traceback
-of an exception is logged once per distinct (type, place), not per response.
+that is not a finite number (NaN, inf, a string) marks that response failed; the traceback of an
+exception is logged once per distinct (type, place), not per response. None is "no score from this
+function" (TRL's skip): the score is the weighted sum of the other functions' values (TRL's
+nansum), and a response no function scored is marked failed (TRL's unscorable row).
 
 How a call runs and what a timeout does (threads cannot be killed):
 - sync SAMPLE / VERL functions: each call in its own daemon thread, at most `max_concurrency` at
@@ -19,7 +21,8 @@ How a call runs and what a timeout does (threads cannot be killed):
 - async functions: on one event loop in a background thread (a blocking coroutine then blocks
   other rewards, never the node's own loop), at most `max_concurrency` at once, each cancelled at
   its timeout (a coroutine that blocks its loop is abandoned like a thread, 1 s later).
-- BATCHED (TRL) functions: one call per batch, under one timeout; it fails as a whole.
+- BATCHED (TRL, verl's batched) functions: one call per batch, under one timeout; it fails as a whole.
+Several functions (rl/reward/reward_fn.Rewards) run side by side, sharing the `max_concurrency` slots.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from rl.reward.reward_fn import BATCHED, BadResult, RewardFn
+from rl.reward.reward_fn import BATCH_FORMS, BadResult, RewardFn, Rewards
 from dataflow.timeouts import wait_within
 
 logger = logging.getLogger(__name__)
@@ -57,15 +60,20 @@ class Outcome:
     score: float | None
     error: str | None = None
     timed_out: bool = False
+    components: dict = field(default_factory=dict)
+    """Each function's value for this response (None: it returned None), by function name."""
+    extras: dict = field(default_factory=dict)
+    """verl dict results' other numeric keys."""
 
 
 class RewardRunner:
-    """Scores batches of requests with one RewardFn; keeps the async loop and abandoned threads."""
+    """Scores batches of requests with one RewardFn or several (Rewards); keeps the async loop and
+    abandoned threads."""
 
-    def __init__(self, reward: RewardFn, timeout_s: float | None = 5.0, max_concurrency: int = 32):
+    def __init__(self, reward: RewardFn | Rewards, timeout_s: float | None = 5.0, max_concurrency: int = 32):
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency} must be >= 1")
-        self.reward = reward
+        self.rewards = reward if isinstance(reward, Rewards) else Rewards([reward])
         self.timeout_s = timeout_s
         self.max_concurrency = max_concurrency
         self.timeouts_total = 0
@@ -82,50 +90,71 @@ class RewardRunner:
     async def score(self, requests: list[Request]) -> list[Outcome]:
         if not requests:
             return []
-        if self.reward.form == BATCHED:
-            outcomes = await self._score_batched(requests)
-        else:
-            outcomes = await self._score_each(requests)
+        slots = asyncio.Semaphore(self.max_concurrency)
+        per_fn = await asyncio.gather(*(
+            self._score_batched(fn, requests, slots) if fn.form in BATCH_FORMS else self._score_each(fn, requests, slots)
+            for fn in self.rewards.fns))
+        outcomes = [self._combine([values[i] for values in per_fn]) for i in range(len(requests))]
         self.timeouts_total += sum(o.timed_out for o in outcomes)
         return outcomes
 
-    async def _score_each(self, requests: list[Request]) -> list[Outcome]:
-        slots = asyncio.Semaphore(self.max_concurrency)
+    def _combine(self, parts: list[Outcome]) -> Outcome:
+        """One response's Outcome from each function's: failed if one failed or none gave a score,
+        else the weighted sum of the scores given (TRL: nansum of weight * value)."""
+        fns, several = self.rewards.fns, len(self.rewards.fns) > 1
+        components = {fn.name: p.score for fn, p in zip(fns, parts)}
+        extras = {k: v for p in parts for k, v in p.extras.items()}
+        for fn, p in zip(fns, parts):
+            if p.error is not None:
+                return Outcome(None, f"{fn.name}: {p.error}" if several else p.error, p.timed_out, components, extras)
+        if all(p.score is None for p in parts):
+            why = "every reward function returned None" if several else "returned None"
+            return Outcome(None, f"{why} for this completion", False, components, extras)
+        total = sum(w * p.score for w, p in zip(self.rewards.weights, parts) if p.score is not None)
+        return Outcome(total, None, False, components, extras)
 
+    async def _score_each(self, reward: RewardFn, requests: list[Request], slots) -> list[Outcome]:
         async def one(req: Request) -> Outcome:
             async with slots:
                 try:
-                    args, kwargs = self.reward.sample_args(req.prompt, req.response, req.fields)
-                    value = await self._call(self.reward.fn, args, kwargs)
-                    return Outcome(self.reward.to_score(value))
+                    args, kwargs = reward.sample_args(req.prompt, req.response, req.fields)
+                    value = await self._call(reward, args, kwargs)
+                    return self._value(reward, value)
                 except Exception as e:  # noqa: BLE001 - a failed response, not a failed node
-                    return self._failure(e)
+                    return self._failure(reward, e)
         return list(await asyncio.gather(*(one(r) for r in requests)))
 
-    async def _score_batched(self, requests: list[Request]) -> list[Outcome]:
+    async def _score_batched(self, reward: RewardFn, requests: list[Request], slots) -> list[Outcome]:
         n = len(requests)
         try:
-            kwargs = self.reward.batch_args([r.prompt for r in requests], [r.response for r in requests],
-                                            [r.fields for r in requests], [r.response_ids for r in requests])
-            values = await self._call(self.reward.fn, (), kwargs)
+            kwargs = reward.batch_args([r.prompt for r in requests], [r.response for r in requests],
+                                       [r.fields for r in requests], [r.response_ids for r in requests])
+            async with slots:
+                values = await self._call(reward, (), kwargs)
             if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or len(values) != n:
                 length = f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__
                 raise BadResult(f"returned {length} for {n} completions; return a list of {n} floats")
         except Exception as e:  # noqa: BLE001 - failed responses, not a failed node
-            return [self._failure(e)] * n
+            return [self._failure(reward, e)] * n
         outcomes = []
         for value in values:
             try:
-                if value is None:
-                    raise BadResult("returned None for this completion")
-                outcomes.append(Outcome(self.reward.to_score(value)))
+                outcomes.append(self._value(reward, value))
             except BadResult as e:
                 outcomes.append(Outcome(None, str(e)[:300]))
         return outcomes
 
-    async def _call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        """fn(*args, **kwargs) off the caller's loop; RewardTimeout past timeout_s."""
-        if self.reward.is_async:
+    @staticmethod
+    def _value(reward: RewardFn, value: Any) -> Outcome:
+        """One function's result for one response: None (no score), or its score and extras."""
+        if value is None:
+            return Outcome(None)
+        return Outcome(reward.to_score(value), extras=reward.extras(value))
+
+    async def _call(self, reward: RewardFn, args: tuple, kwargs: dict) -> Any:
+        """reward.fn(*args, **kwargs) off the caller's loop; RewardTimeout past timeout_s."""
+        fn = reward.fn
+        if reward.is_async:
             done = asyncio.run_coroutine_threadsafe(self._bounded(fn(*args, **kwargs)), self._async_loop())
             try:
                 limit = None if self.timeout_s is None else self.timeout_s + ASYNC_GRACE_S
@@ -150,7 +179,7 @@ class RewardRunner:
             except RuntimeError:                  # the caller's loop is gone (node stopped)
                 pass
 
-        thread = threading.Thread(target=target, daemon=True, name=f"reward-{self.reward.name}")
+        thread = threading.Thread(target=target, daemon=True, name=f"reward-{reward.name}")
         thread.start()
         try:
             return await wait_within(asyncio.shield(result), self.timeout_s)
@@ -175,7 +204,7 @@ class RewardRunner:
             threading.Thread(target=self._loop.run_forever, daemon=True, name="reward-async").start()
         return self._loop
 
-    def _failure(self, e: Exception) -> Outcome:
+    def _failure(self, reward: RewardFn, e: Exception) -> Outcome:
         if isinstance(e, RewardTimeout):
             return Outcome(None, str(e), timed_out=True)
         if isinstance(e, BadResult):                  # our check of its result: the message says it all
@@ -184,7 +213,7 @@ class RewardRunner:
         key = (type(e).__name__, (frames[-1].filename, frames[-1].lineno) if frames else None)
         if key not in self._logged_failures and len(self._logged_failures) < 1000:
             self._logged_failures.add(key)
-            logger.warning("reward function %s failed (logged once per kind):\n%s", self.reward.where,
+            logger.warning("reward function %s failed (logged once per kind):\n%s", reward.where,
                            "".join(traceback.format_exception(e)))
         reason = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
         return Outcome(None, reason[:300])

@@ -36,6 +36,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from dataflow.errors import SettingError
 from rl.model.padded_batch import COLUMN_MULTIPLE, aligned
 from rl.model.precision import micro_slices
 
@@ -96,10 +97,10 @@ def micro_batch_cost(lengths: Sequence[tuple[int, int]], rows: Sequence[int], la
 
 def _check_fits(lengths, max_tokens: int, setting: str) -> None:
     if max_tokens < 1:
-        raise ValueError(f"{setting}={max_tokens}; must be >= 1 (or 0 to split by row count)")
+        raise SettingError(f"{setting}={max_tokens}; must be >= 1 (or 0 to split by row count)")
     for i, (p, r) in enumerate(lengths):
         if p + r > max_tokens:
-            raise ValueError(f"{setting}={max_tokens} is smaller than row {i} ({p} prompt + {r} response "
+            raise SettingError(f"{setting}={max_tokens} is smaller than row {i} ({p} prompt + {r} response "
                              f"= {p + r} tokens): raise {setting} to at least the longest prompt + response")
 
 
@@ -174,10 +175,10 @@ def plan_micro_batches(lengths: Sequence[tuple[int, int]], max_tokens: int, num_
 def check_micro_batch_settings(node: str, micro_batch_size: int, max_tokens: int) -> None:
     """A node's two ways to split its passes: rows or tokens, not both (ValueError naming them)."""
     if max_tokens < 0 or micro_batch_size < 0:
-        raise ValueError(f"{node}.micro_batch_size={micro_batch_size}, {node}.max_tokens_per_micro_batch="
+        raise SettingError(f"{node}.micro_batch_size={micro_batch_size}, {node}.max_tokens_per_micro_batch="
                          f"{max_tokens}: must be >= 0")
     if max_tokens and micro_batch_size:
-        raise ValueError(f"{node}.micro_batch_size={micro_batch_size} and {node}.max_tokens_per_micro_batch="
+        raise SettingError(f"{node}.micro_batch_size={micro_batch_size} and {node}.max_tokens_per_micro_batch="
                          f"{max_tokens} both split the passes; set one of them to 0 (tokens bound memory "
                          "whatever the lengths; rows are the older setting)")
 

@@ -31,7 +31,7 @@ import random
 
 import torch
 
-from dataflow.errors import UserError
+from dataflow.errors import SettingError, UserError
 from rl.algorithm.advantages import grpo_advantages, reinforce_pp_advantages, rloo_advantages
 from rl.algorithm.kl import kl_penalty, kl_shaped_rewards, sequence_kl
 from rl.algorithm.losses import agg_row_weights, policy_loss, weighted_token_sum
@@ -162,7 +162,7 @@ def with_reference(samples: list[dict], kl_coef: float) -> bool:
     if any(have) != all(have):
         raise ValueError("some samples of the step carry reference log-probs ('ref_logprobs') and some do not")
     if not all(have) and kl_coef > 0:
-        raise ValueError(f"the KL coefficient is {kl_coef:g} but the samples carry no reference log-probs: "
+        raise SettingError(f"the KL coefficient is {kl_coef:g} but the samples carry no reference log-probs: "
                          "the graph has no reference node before the learner; add one, or set learner.kl.coef=0")
     return all(have)
 

@@ -30,6 +30,8 @@ class ReaderConfig:
     """JSONL file to read at setup."""
     crash: bool = False
     """Raise a plain RuntimeError at setup (an engine-level failure, not a user mistake)."""
+    setup_wait_s: float = 0.0
+    """Setup first writes <run_dir>/setup-started, then waits this long (a start-up to interrupt)."""
 
 
 class JsonlReader(Node):
@@ -38,6 +40,9 @@ class JsonlReader(Node):
     Config = ReaderConfig
 
     async def setup(self):
+        if self.config.setup_wait_s:
+            Path(self.ctx.run_dir, "setup-started").write_text(str(os.getpid()))
+            await asyncio.sleep(self.config.setup_wait_s)
         if self.config.crash:
             raise RuntimeError("setup crashed on purpose")
         if not os.path.isfile(self.config.path):

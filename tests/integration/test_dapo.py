@@ -13,6 +13,7 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+from dataflow.errors import UserError  # noqa: E402
 from nodes.group_filter import GroupFilter, GroupFilterConfig, has_signal  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,8 +28,18 @@ def test_a_group_has_a_signal_when_its_scores_differ():
     assert has_signal(group(0.5, 0.5, 0.25))
     assert not has_signal(group(1.0, 1.0, 1.0))
     assert not has_signal(group(0.0, 0.0))
-    assert has_signal(group(1.0, 0.0, failed=(1,)))    # a failed response's 0 still enters the normalisation
     assert not has_signal(group(0.0, 0.0, failed=(0, 1)))
+
+
+def test_failed_responses_are_no_signal():
+    """The learner leaves failed responses out of the group baseline (advantage 0), so their 0.0
+    must not make a group look informative: [1, 1, FAILED, 1] has no signal, nor has a group
+    with one response left; two differing non-failed scores do."""
+    assert not has_signal(group(1.0, 1.0, 0.0, 1.0, failed=(2,)))
+    assert not has_signal(group(1.0, 0.0, failed=(1,)))
+    assert not has_signal(group(1.0, 0.0, 0.0, failed=(1, 2)))
+    assert has_signal(group(1.0, 0.0, 0.0, failed=(2,)))
+    assert has_signal(group(0.5, 0.0, 0.25, failed=(1,)))
 
 
 class Metrics:
@@ -57,7 +68,7 @@ def test_filter_decisions_are_kept_per_prompt_and_a_full_batch_takes_no_more():
     assert f._decide(0, 13, group(0, 1)) is False and f.surplus == 1   # beyond a full batch
     for pid in range(20, 25):
         assert f._decide(1, pid, group(1, 1)) is None
-    with pytest.raises(RuntimeError, match=r"batch 1: 6 prompts gave 0 groups whose rewards differ, of the 2 a step "
+    with pytest.raises(UserError, match=r"batch 1: 6 prompts gave 0 groups whose rewards differ, of the 2 a step "
                                            r"needs \(filter.max_num_gen_batches=3"):
         f._decide(1, 25, group(1, 1))
 

@@ -128,8 +128,8 @@ def test_the_learner_stops_after_max_bad_updates_in_a_row(ray_instance, tmp_path
         return result, same, (await host.poll())["events"]
 
     result, unchanged, events = asyncio.run(scenario())
-    assert result["status"] == "failed" and result["error"].startswith(
-        "FloatingPointError: 2 updates in a row were skipped (learner.max_bad_updates=2); the last reason: "
+    assert result["status"] == "failed" and result["user_error"] and result["error"].startswith(
+        "BadUpdates: 2 updates in a row were skipped (learner.max_bad_updates=2); the last reason: "
         "non-finite loss nan"), result
     assert unchanged
     logs = [e["text"] for e in events if e["kind"] == "log"]

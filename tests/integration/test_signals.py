@@ -85,3 +85,28 @@ def test_ctrl_c_stops_a_join_that_never_completes(tmp_path):
     assert rc == 130, (rc, run.stderr)
     assert seconds < 10, seconds
     assert "[dataflow] interrupted" in run.stderr
+
+
+def test_a_signal_during_start_up_prints_the_interrupt_line_and_nothing_after(tmp_path):
+    """SIGTERM to the group while a node is in its setup (the driver waits for every node's
+    connect call): exit 130, the interrupt line is the last thing printed, and no call the
+    driver left behind reports the actor's death afterwards ("Task exception was never
+    retrieved", ActorDiedError)."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"a": 1}\n')
+    run = CliProcess("tests/graphs/jsonl_reader.py", "--set", f"reader.path={data}", "--set", "reader.setup_wait_s=120",
+                     "--out", tmp_path / "run")
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "run" / "setup-started").exists():
+            assert run.proc.poll() is None and time.monotonic() < deadline, (run.stdout, run.stderr)
+            time.sleep(0.1)
+        os.killpg(run.proc.pid, signal.SIGTERM)
+        rc = run.wait(timeout=60)
+    finally:
+        run.kill()
+    assert rc == 130, (rc, run.stdout, run.stderr)
+    err = run.stderr.strip().splitlines()
+    assert err and err[-1] == "[dataflow] interrupted: stopped every node and Ray.", run.stderr
+    for noise in ("Task exception was never retrieved", "ActorDiedError", "Traceback"):
+        assert noise not in run.stdout + run.stderr, run.stdout + run.stderr

@@ -133,3 +133,66 @@ def test_a_node_config_outside_the_graph_config_is_named_by_its_node(tmp_path):
     with pytest.raises(SettingProblems) as e:
         load_graph(str(graph_file))
     assert e.value.lines == ["node 'count': n=0: must be >= 1"]
+
+
+# ---- one setting, one place (issue 35): the algorithm a graph is wired for, cross-setting checks
+# before Ray starts, rules that name real settings ----------------------------------------------
+
+def test_setting_the_algorithm_a_graph_is_wired_for_is_a_one_line_error(capsys):
+    """graphs/grpo.py's build() used to overwrite learner.algorithm, so --set learner.algorithm=ppo
+    was silently ignored; now each graph's config holds its algorithm and refuses another."""
+    from dataflow.run import main
+
+    for graph, other, wired in [("grpo", "ppo", "grpo"), ("dapo", "ppo", "grpo"), ("ppo", "grpo", "ppo")]:
+        assert main([f"graphs/{graph}.py", "--describe", "--set", f"learner.algorithm={other}"]) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"error: learner.algorithm={other}: graphs/{graph}.py is wired for {wired} "), line
+        assert main([f"graphs/{graph}.py", "--describe", "--set", f"learner.algorithm={wired}"]) == 0
+        assert f"learner.algorithm = '{wired}'" in capsys.readouterr().out    # --describe shows what runs
+
+
+def test_cross_setting_checks_run_before_ray_starts(capsys, monkeypatch):
+    """The learner's check_config and the critic's micro-batch settings used to run in the nodes'
+    setup, after Ray and every actor had started; now the CLI refuses them first."""
+    import dataflow.driver.runtime
+    from dataflow.run import main
+
+    class RayStarted(Exception):
+        pass
+
+    async def start_ray(*args, **kwargs):
+        raise RayStarted
+
+    monkeypatch.setattr(dataflow.driver.runtime, "start_ray", start_ray)
+    assert main(["graphs/ppo.py", "--set", "learner.micro_batch_size=2", "--set", "learner.max_tokens_per_micro_batch=64",
+                 "--set", "critic.micro_batch_size=2", "--set", "critic.max_tokens_per_micro_batch=64"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {node}.micro_batch_size=2 and {node}.max_tokens_per_micro_batch=64 both split the passes; set one "
+        "of them to 0 (tokens bound memory whatever the lengths; rows are the older setting)"
+        for node in ("critic", "learner")]
+    assert main(["graphs/grpo.py", "--set", "learner.advantage=gae"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: learner.advantage=gae needs the critic's values: run graphs/ppo.py"), line
+    with pytest.raises(RayStarted):  # settings that fit together: the run starts
+        main(["graphs/grpo.py", "--set", "learner.schedule.decay=cosine", "--max-steps", "10"])
+
+
+def test_share_rules_must_name_real_settings_at_import():
+    """A typo in a share/fill rule of a graph config is an error when the class is defined, not a
+    rule that fails (or silently does nothing) once a run resolves it."""
+    from dataflow import fill, share
+    from dataflow.config import ConfigError, rule_problems
+    from graphs.rlhf import RLHFConfig
+
+    for module in ("graphs.grpo", "graphs.dapo", "graphs.ppo"):
+        cls = next(v for k, v in vars(__import__(module, fromlist=["x"])).items() if k.endswith("GraphConfig"))
+        assert rule_problems(cls) == [], module
+    with pytest.raises(ConfigError, match=r"Typo.rules: 'share prompts_per_step -> learner.prompt_per_step' names "
+                                          r"'learner.prompt_per_step', but LearnerConfig has no setting 'prompt_per_step'"):
+        @dataclass(kw_only=True)
+        class Typo(RLHFConfig):
+            rules: ClassVar[tuple] = RLHFConfig.rules + (share("prompts_per_step", "learner.prompt_per_step"),)
+    with pytest.raises(ConfigError, match=r"names 'generator.sampling.top_k', but GeneratorConfig has no setting"):
+        @dataclass(kw_only=True)
+        class Nested(RLHFConfig):
+            rules: ClassVar[tuple] = RLHFConfig.rules + (fill("generator.sampling.top_k", "max_staleness"),)

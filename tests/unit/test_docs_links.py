@@ -12,7 +12,7 @@ PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs
          *sorted((ROOT / "bench" / "results").glob("*.md"))]
 # Pages that other branches of the same change add (issue 35: docs/rewards.md, docs/agents.md). Once
 # one exists here, remove it from this set: its links are then checked like any other.
-PENDING = {"docs/rewards.md"}
+PENDING: set[str] = set()
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
 

@@ -80,7 +80,10 @@ def test_token_budget_micro_batches_fit_and_cover(layout):
 
 
 def test_row_longer_than_budget_is_an_error():
-    with pytest.raises(ValueError, match=r"learner.max_tokens_per_micro_batch=50 is smaller than row 1 "
+    """A verdict about the settings and the data, met while training: a UserError (one line, exit 2)."""
+    from dataflow.errors import UserError
+
+    with pytest.raises(UserError, match=r"learner.max_tokens_per_micro_batch=50 is smaller than row 1 "
                                          r"\(10 prompt \+ 41 response = 51 tokens\)"):
         plan_micro_batches([(5, 5), (10, 41)], 50, setting="learner.max_tokens_per_micro_batch")
 

@@ -107,6 +107,97 @@ def short(completions, **kwargs):
         (None, "returned 1 values for 3 completions; return a list of 3 floats")] * 3
 
 
+CHAT = [{"role": "system", "content": "be terse"}, {"role": "user", "content": "add 1 + 2 ="}]
+
+
+def outcomes(fns, requests, weights=None):
+    """RewardRunner.score's Outcomes for several functions (rl.reward.reward_fn.Rewards)."""
+    runner = RewardRunner(rewards.Rewards(fns, weights), 2.0, 32)
+    try:
+        return asyncio.run(runner.score([Request(p, r, f, [1, 2, 3]) for p, r, f in requests]))
+    finally:
+        runner.close()
+
+
+def test_trl_conversational_rows_get_messages_and_several_functions_are_weighted(tmp_path):
+    """TRL's GRPOTrainer convention: a row whose prompt is a chat gives `prompts` as its messages
+    and each completion as [{"role": "assistant", "content": text}]; other columns as lists;
+    completion_ids; None skips one function's value (the others' weighted sum counts, TRL's
+    nansum) and a response no function scored is failed (TRL's unscorable row)."""
+    path = write(tmp_path, """
+calls = []
+def accuracy(prompts, completions, solution, completion_ids, **kwargs):
+    calls.append((prompts, completions, solution, completion_ids, sorted(kwargs)))
+    return [None if s is None else float(c[0]["content"] == s) for c, s in zip(completions, solution)]
+
+def format_reward(completions, **kwargs):
+    return [None if c[0]["content"] == "none" else 1.0 for c in completions]
+""")
+    loaded = rewards.load_rewards(path, ["accuracy", "format_reward"], [1.0, 0.2])
+    assert [fn.form for fn in loaded.fns] == [rewards.BATCHED] * 2 and loaded.weights == [1.0, 0.2]
+    row = {"solution": "3", "level": 1, "raw_prompt": CHAT}
+    requests = [("<rendered 0>", "3", row), ("<rendered 0>", "4", row),
+                ("<rendered 1>", "3", {**row, "solution": None}), ("<rendered 1>", "none", {**row, "solution": None})]
+    got = outcomes(loaded.fns, requests, loaded.weights)
+    assert [(o.score, o.error) for o in got] == [
+        (1.2, None), (0.2, None), (0.2, None), (None, "every reward function returned None for this completion")]
+    assert got[0].components == {"accuracy": 1.0, "format_reward": 1.0}
+    assert got[2].components == {"accuracy": None, "format_reward": 1.0}
+    [(prompts, completions, solution, ids, others)] = loaded.fns[0].fn.__globals__["calls"]
+    assert prompts == [CHAT] * 4                                     # the messages, not the rendered text
+    assert completions == [[{"role": "assistant", "content": c}] for c in ("3", "4", "3", "none")]
+    assert solution == ["3", "3", None, None] and ids == [[1, 2, 3]] * 4
+    assert others == ["level"]                                       # the row's other columns, no raw_prompt
+    # a plain-text row: strings, as TRL passes them for a standard (non-chat) dataset
+    loaded.fns[0].fn.__globals__["calls"].clear()
+    outcomes(loaded.fns[:1], [("text prompt", "3", {"solution": "3"})])
+    assert loaded.fns[0].fn.__globals__["calls"][0][:2] == (["text prompt"], ["3"])
+    with pytest.raises(rewards.RewardLoadError, match=r"reward.weights has 1 values for 2 reward function"):
+        rewards.load_rewards(path, ["accuracy", "format_reward"], [1.0])
+
+
+def test_trls_own_reward_functions_run_unchanged(tmp_path):
+    """trl.rewards' accuracy_reward and think_format_reward (TRL's GRPO docs use them), imported by
+    a reward file as a TRL user writes it, on conversational completions (trl: the test extra)."""
+    path = write(tmp_path, """
+from trl.rewards import accuracy_reward, think_format_reward
+""")
+    loaded = rewards.load_rewards(path, ["accuracy_reward", "think_format_reward"], [1.0, 0.5])
+    row = {"solution": "3", "raw_prompt": CHAT}
+    got = outcomes(loaded.fns, [("p", "<think>\n1 + 2\n</think>\nThe answer is $\\boxed{3}$", row),
+                                ("p", "The answer is $\\boxed{4}$", row), ("p", "no think, 3", row)],
+                   loaded.weights)
+    assert [(o.score, o.error) for o in got] == [(1.5, None), (0.0, None), (0.0, None)]
+    assert got[0].components == {"accuracy_reward": 1.0, "think_format_reward": 1.0}
+
+
+def test_verl_default_name_kwargs_extras_and_batched_form(tmp_path):
+    """A file with verl's compute_score and no `reward` is used with no reward.function; reward.kwargs
+    reach every call (verl's reward_kwargs; an unknown one is a load error); a dict result's other
+    numeric keys are kept for the metrics; verl's batched form takes lists, returns a list."""
+    path = write(tmp_path, """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, format_score=0.0):
+    if solution_str.strip() == ground_truth:
+        return {"score": 1.0, "acc": 1.0, "pred": solution_str}
+    return {"score": format_score, "acc": 0.0, "pred": solution_str}
+
+def batched(data_sources, solution_strs, ground_truths, extra_infos, **kwargs):
+    return [{"score": float(s == g) + kwargs["bonus"], "acc": float(s == g)} if d else None
+            for d, s, g in zip(data_sources, solution_strs, ground_truths)]
+""")
+    [fn] = rewards.load_rewards(path, "", {}, {"format_score": 0.1}).fns
+    assert fn.name == "compute_score" and fn.form == rewards.VERL
+    got = outcomes([fn], [("p", "42", VERL_ROW), ("p", "41", VERL_ROW)])
+    assert [(o.score, o.extras) for o in got] == [(1.0, {"acc": 1.0}), (0.1, {"acc": 0.0})]
+    with pytest.raises(rewards.RewardLoadError, match=r"reward.kwargs has 'bonus', which it does not take"):
+        rewards.load_rewards(path, "", {}, {"bonus": 1})
+    [batched] = rewards.load_rewards(path, "batched", {}, {"bonus": 0.5}).fns
+    assert batched.form == rewards.VERL_BATCHED
+    got = outcomes([batched], [("p", "42", VERL_ROW), ("p", "4", VERL_ROW), ("p", "7", {"answer": "7"})])
+    assert [(o.score, o.error, o.extras) for o in got] == [
+        (1.5, None, {"acc": 1.0}), (0.5, None, {"acc": 0.0}), (None, "returned None for this completion", {})]
+
+
 def test_async_rewards_of_each_form(tmp_path):
     path = write(tmp_path, """
 import asyncio
@@ -160,7 +251,7 @@ def test_load_errors_name_the_file(tmp_path):
     other = write(tmp_path, "def score(prompt, response):\n    return 1.0\n\ndef one(text):\n    return 1.0\n",
                   "other.py")
     with pytest.raises(rewards.RewardLoadError, match=r"other\.py: no function or class named "
-                                                      r"'reward'; it defines \['one', 'score'\]"):
+                                                      r"'reward' or 'compute_score'; it defines \['one', 'score'\]"):
         rewards.load_reward_fn(other)
     assert rewards.load_reward_fn(other, name="score")("p", "r") == 1.0
     with pytest.raises(rewards.RewardLoadError, match=r"one \(.*other\.py\): its signature does not fit the "
@@ -176,9 +267,11 @@ def test_failures_are_marked_and_logged_once(caplog):
     with caplog.at_level(logging.WARNING, logger="rl.reward.runner"):
         assert score(rewards.RewardFn(fails), [("p", "r", {})] * 3) == [(None, "KeyError: 'answer'")] * 3
     assert sum("Traceback" in rec.getMessage() for rec in caplog.records) == 1   # logged once
-    for value, word in [(float("nan"), "nan"), (math.inf, "inf"), ("0.5", "str"), (None, "None")]:
+    for value, word in [(float("nan"), "nan"), (math.inf, "inf"), ("0.5", "str")]:
         [(result, error)] = score(rewards.RewardFn(lambda p, r, v=value: v), [("p", "r", {})])
         assert result is None and word in error and "finite float" in error
+    # None is "no score" (TRL's skip) in every form: with one function, the response failed
+    assert score(rewards.RewardFn(lambda p, r: None), [("p", "r", {})]) == [(None, "returned None for this completion")]
     # "prompt"/"response" fields are not passed twice
     assert score(rewards.RewardFn(lambda p, r, **f: len(f)), [("p", "r", {"prompt": "x", "a": 1})]) == [(1.0, None)]
 

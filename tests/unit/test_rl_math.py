@@ -383,7 +383,16 @@ AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mea
 
 
 def ref_agg(loss, mask, mode, scale=None):
-    """verl's agg_loss, as loops over the valid tokens (fully masked rows not counted)."""
+    """verl's agg_loss, as loops over the valid tokens (fully masked rows not counted).
+
+    seq-mean-token-sum-norm (Dr. GRPO) is seq-mean-token-sum divided by the constant C:
+    sum_i sum_t l_it / (S * C), S = rows with a valid token. verl: verl/trainer/ppo/core_algos.py
+    `agg_loss`, the branch `elif loss_agg_mode in ["seq-mean-token-sum", "seq-mean-token-sum-norm"]`
+    (`loss = masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size`, then
+    `loss /= loss_scale_factor`), since verl PR #5417 (2026-02; read at commit 018f23b5f83a).
+    TRL: trl/trainer/grpo_trainer.py `_compute_loss`, loss_type == "dr_grpo" (line 3135 at commit
+    f2cd57710ae3): `(per_token_loss * mask).sum() / (per_token_loss.size(0) * self.max_completion_length)`.
+    """
     rows = [[v for v, m in zip(lr, mr) if m > 0] for lr, mr in zip(loss, mask)]
     rows = [r for r in rows if r]
     if not rows:
@@ -394,7 +403,17 @@ def ref_agg(loss, mask, mode, scale=None):
         return sum(sum(r) / len(r) for r in rows) / len(rows)
     if mode == "seq-mean-token-sum":
         return sum(sum(r) for r in rows) / len(rows)
-    return sum(sum(r) for r in rows) / scale
+    return sum(sum(r) for r in rows) / (len(rows) * scale)
+
+
+def test_dr_grpo_normaliser_is_the_peers():
+    """The issue's case: per-token loss 1, mask [[1,1,0,0],[1,0,0,0]], C=4: (2 + 1) / (2 * 4),
+    the peers' 0.375 (see ref_agg), not sum / C = 0.75; a fully masked row does not count in S
+    (verl's seq_mask)."""
+    loss = torch.ones(3, 4, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.float64)
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm", 4.0).item() == pytest.approx(0.375, abs=1e-15)
+    assert ref_agg(loss.tolist(), mask.tolist(), "seq-mean-token-sum-norm", 4.0) == 0.375
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
