@@ -278,7 +278,7 @@ class IpcReceiver:
     def _load(self) -> None:
         state = {**unpack_state(self.staging, self.layout), **self.extra}
         with _on(self.staging.device):
-            self.model.load_state_dict(state)
+            self.owner.load(state)        # full weights, or a LoRA adapter merged (sync.GeneratorWeightSync.load)
             _sync(self.staging.device)    # staging may be rewritten (side stream) once this returns
 
 
