@@ -44,6 +44,11 @@ def _travel_dtype(cfg: RLHFConfig) -> str:
     return gen if gen != "auto" else "float32" if cfg.placement == "cpu" else "bfloat16"
 
 
+def _learner_reference(cfg: RLHFConfig) -> bool:
+    """With LoRA the reference is the learner's base, its adapter disabled: no reference node."""
+    return cfg.learner.lora.rank > 0 and cfg.needs_reference()
+
+
 def _validation_problem(cfg: RLHFConfig) -> str | None:
     if cfg.val.path and cfg.reward_kind != "function":
         return ("val.path needs reward_kind=function: validation scores with the training's reward "
@@ -164,6 +169,7 @@ class RLHFConfig:
         fill("learner.weight_sync.checksums", "weight_checksums"),
         fill("generator.weight_sync.checksums", "weight_checksums"),
         fill("learner.weight_sync.dtype", _travel_dtype),
+        fill("learner.own_reference", _learner_reference),
         fill("reward.tokenizer_path", "policy.path"),  # responses decoded with the policy's tokenizer
     )
 
@@ -184,10 +190,15 @@ class RLHFConfig:
         kind = RewardWithValidation if self.val.path else Reward   # + a `validation` port
         return {"kind": kind, "config": self.reward, "cpus": 0.1}
 
+    def needs_reference(self) -> bool:
+        """Whether the learner reads reference log-probs (use_reference)."""
+        return not (self.use_reference == "auto" and self.learner.kl.coef == 0)
+
     def add_reference(self, g: Graph, src: str, name: str = "scored") -> str:
         """src -> reference (a channel called `name`), returning the port that carries the samples
-        on: "reference.with_ref", or `src` itself when the graph needs no reference (use_reference)."""
-        if self.use_reference == "auto" and self.learner.kl.coef == 0:
+        on: "reference.with_ref", or `src` itself when the graph needs no reference (use_reference)
+        or the learner computes the log-probs itself (learner.own_reference: LoRA)."""
+        if not self.needs_reference() or self.learner.own_reference:
             return src
         g.node("reference", Reference, self.reference, cpus=0.2, side="train")
         g.channel(src, "reference.scored", capacity=self.channel_capacity, name=name)

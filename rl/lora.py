@@ -76,11 +76,11 @@ def wrap(model: nn.Module, cfg: LoraConfig, device, precision: str):
     if odd:
         raise UserError(f"learner.lora.target_modules: {', '.join(odd)} are not linear layers; name linear "
                         "layers only (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj) or all-linear")
-    frozen = compute_dtype(precision, device)
-    with torch.no_grad():
-        for p in model.parameters():
-            if not p.requires_grad and p.dtype != frozen:
-                p.data = p.data.to(frozen)
+    if compute_dtype(precision, device) == torch.bfloat16:    # the frozen base needs no fp32 master copy
+        with torch.no_grad():
+            for p in model.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(torch.bfloat16)
     return wrapped
 
 

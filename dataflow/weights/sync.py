@@ -51,8 +51,9 @@ waits (bounded, timeout_s) until it has staged at least the version announced on
 learner overwrites a version's buffer only two publishes later, after a whole training step.
 
 LoRA (learner.lora.rank > 0; the learner passes `adapter`, rl/lora.LoraWeights): only the
-adapter travels, in float32, over the same three transports (a state dict on the object store; an
-AdapterHolder module for collective, whose shapes ride the rendezvous; cuda_ipc's flat buffers),
+adapter travels, in float32, over the same three transports (a state dict on the object store;
+an AdapterHolder module for collective, whose shapes ride the rendezvous; cuda_ipc's flat buffers
+laid out for the adapter's tensors),
 and each generator merges it into its own base copy at the switch (dataflow/weights/lora.py).
 
 `checksums`: after each publish the learner logs {"weights/version", "weights/checksum"} (ctx.metrics,
@@ -138,7 +139,7 @@ class LearnerWeightSync:
         self.lead = True                          # the rank that publishes (rank 0)
         self.ipc: dict[str, Any] | None = None    # cuda_ipc: buffers, headers, their handles, layout
         self.adapter = None                       # LoRA: rl/lora.LoraWeights (tensors(), merged(dtype))
-        self.holder: AdapterHolder | None = None  # LoRA over collective / cuda_ipc: what is sent
+        self.holder: AdapterHolder | None = None  # LoRA over collective: what is pushed
 
     async def setup(self, model: torch.nn.Module, ranks=None, adapter=None) -> None:
         """One rank, or every rank of a dp x tp learner (`ranks`): rank 0 meets the generators and
@@ -146,12 +147,12 @@ class LearnerWeightSync:
         (LoRA, one rank): push only the adapter (module docstring)."""
         self.ranks, self.lead = ranks, ranks is None or ranks.lead
         self.adapter = adapter
-        if adapter is not None and self.config.transport != "object_store":
+        if adapter is not None and self.config.transport == "collective":
             self.holder = AdapterHolder({k: list(v.shape) for k, v in adapter.tensors().items()})
         if self.config.transport == "cuda_ipc":
             cuda_ipc.require_cuda(self.ctx.device, self.ctx.full_name)
             if self.lead:
-                await asyncio.to_thread(self._ipc_setup, model if self.holder is None else self.holder.to(self.ctx.device))
+                await asyncio.to_thread(self._ipc_setup, model if adapter is None else adapter.tensors())
             return
         if self.config.transport != "collective":  # object_store: cast on the GPU, copy half the bytes
             travel = _travel_dtype(self.config, None)
@@ -264,14 +265,13 @@ class LearnerWeightSync:
         with self.ctx.span("weight push", version=version, adapter=True):
             if self.config.transport == "object_store":
                 payload = encode_state({k: _travel_copy(v, torch.float32) for k, v in state.items()})
+            elif self.config.transport == "cuda_ipc":
+                payload = await asyncio.to_thread(cuda_ipc.write_version, self.ipc, state, version,
+                                                  torch.float32, self.ctx.full_name)
             else:
                 self.holder.fill(state)
-                if self.config.transport == "cuda_ipc":
-                    payload = await asyncio.to_thread(cuda_ipc.write_version, self.ipc, self.holder.tensors(), version,
-                                                      torch.float32, self.ctx.full_name)
-                else:
-                    await asyncio.to_thread(self.pusher.push, self.holder, version)
-                    payload = None
+                await asyncio.to_thread(self.pusher.push, self.holder, version)
+                payload = None
         await self.ctx.publish(self.edge, payload, version=version)
 
 
