@@ -43,6 +43,10 @@ def input_problems(graph, config: Any = None) -> list[str]:
             text = f"{key}.{line}" if key and _names_a_field(line, part) else line
             if text not in lines:
                 lines.append(text)
+    memory = getattr(config, "memory_plan", None)    # a node that does not fit its GPU share
+    plan = memory(graph) if callable(memory) else None
+    if plan is not None and plan.problem and plan.enforced:
+        lines.append(f"memory plan: {plan.problem}")
     return lines
 
 

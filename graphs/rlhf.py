@@ -116,6 +116,10 @@ class RLHFConfig:
     num_gpus=1, split's learner GPU), the nodes not named split what is left equally; on several
     colocated GPUs they keep their equal shares and the plan checks that everything fits. A share
     caps the node's GPU memory too: give the learner more when a larger micro-batch needs it."""
+    gpu_memory_gib: Annotated[float, NonNegative] = 0.0
+    """GPU size for the memory plan (rl/memory_plan.py; --describe prints it on a GPU placement): a
+    model node that needs more than its share of it is refused before start. 0 = the driver's GPU 0
+    if it has one, else the plan assumes an H200 (141 GiB) and only prints."""
     val: ValidationConfig = field(default_factory=ValidationConfig)
     """Validation rounds on a held-out file (nodes/evaluator.py): val.path, val.every, val.n, val.k."""
     loggers: str = ""
@@ -180,6 +184,19 @@ class RLHFConfig:
         by_function = self.reward_kind == "function"
         return pipeline_problems(self.prompts, self.generator, self.reward if by_function else None,
                                  None if by_function else self.reward_model, max_new_tokens_key="max_new_tokens")
+
+    def memory_plan(self, graph):
+        """Each model node's bytes against its GPU share (rl/memory_plan.rlhf_plan); None on CPU.
+        dataflow's --describe prints it, its preflight refuses a node that does not fit."""
+        from rl.memory_plan import GiB, rlhf_plan
+
+        size, known = self.gpu_memory_gib * GiB, self.gpu_memory_gib > 0
+        if not known:
+            import torch
+
+            if torch.cuda.is_available():
+                size, known = torch.cuda.get_device_properties(0).total_memory, True
+        return rlhf_plan(self, graph, int(size or 141 * GiB), known)
 
     def reward_node(self) -> dict:
         """g.node() arguments of the reward node reward_kind asks for: a program, or a sequence
