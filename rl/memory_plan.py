@@ -169,6 +169,7 @@ class Plan:
     """rlhf_plan: the shares the needs suggest (plan_shares), beside the placement's."""
     enforced: bool = True
     """False when the GPU's size was assumed: the problem is printed, not refused."""
+    notes: list[str] = field(default_factory=list)
 
     def text(self) -> str:
         size = f"{self.gpu_bytes / GiB:.0f} GiB" + ("" if self.enforced else " assumed: set gpu_memory_gib")
@@ -176,6 +177,7 @@ class Plan:
         for n in self.needs:
             tip = f" (the needs suggest {self.suggested[n.node]:.2f})" if self.suggested and n.node in self.suggested else ""
             lines.append(f"  {n.node:<10} share {self.shares.get(n.node, 0):.2f}{tip}  needs {n.text()}")
+        lines += [f"  {note}" for note in self.notes]
         if self.problem:
             lines.append(f"  does not fit: {self.problem}")
         return "\n".join(lines)
@@ -236,6 +238,8 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
         return None
     if cfg.policy.path:
         shape = ModelShape.from_dir(cfg.policy.path)
+        with open(os.path.join(cfg.policy.path, "config.json")) as f:
+            max_pos = json.load(f).get("max_position_embeddings", 2048)
     else:
         from rl.tasks import build_tokenizer
 
@@ -243,17 +247,32 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
         shape = ModelShape(vocab=len(build_tokenizer()), hidden=m.n_embd, layers=m.n_layer, heads=m.n_head,
                            kv_heads=m.n_kv_head or m.n_head, head_dim=m.n_embd // m.n_head,
                            intermediate=m.intermediate_size, tied=False, qkv_bias=m.family == "qwen2")
+        max_pos = m.max_position_embeddings
     g, lc = cfg.generator, cfg.learner
-    max_len = (g.max_prompt_tokens or 1024) + g.max_new_tokens
+    # The generator's rule for its longest prompt (nodes/generator.py), then the longest sample.
+    max_len = (g.max_prompt_tokens or min(max(max_pos - g.max_new_tokens, 256), 1024)) + g.max_new_tokens
     lora_rank, targets = lc.lora.rank, tuple(lc.lora.target_modules)
 
     def tokens(c, rows: int) -> int:
+        """Tokens per pass, every sample at the longest (worst case)."""
         return c.max_tokens_per_micro_batch or (c.micro_batch_size or rows) * max_len
 
-    slots = (g.prompts_per_call * g.group_size) if g.prompts_per_call else 256
-    needs = [generator_need(shape, dtype_bytes=DTYPE_BYTES.get(g.dtype, 2), slots=slots, max_len=max_len,
+    def logit_rows(c, rows: int) -> int:
+        """Logits are kept from the first response column on: about max_new_tokens + 1 per sample."""
+        return tokens(c, rows) * (g.max_new_tokens + 1) // max_len
+
+    usable = gpu_bytes * (1 - RESERVE)
+    gen_dtype = DTYPE_BYTES.get(g.dtype, 2)
+    slots = g.prompts_per_call * g.group_size
+    if not slots:   # auto (rl/decoder_slots.py): up to 256 slots, the KV cache within half of the room left
+        room = graph.nodes["generator"].gpus * usable - generator_need(shape, dtype_bytes=gen_dtype, slots=0,
+                                                                         max_len=max_len, lora_rank=lora_rank,
+                                                                         lora_targets=targets).total
+        slots = max(g.group_size, min(256, int(room // 2 // (max_len * shape.kv_bytes_per_token(gen_dtype)))))
+    needs = [generator_need(shape, dtype_bytes=gen_dtype, slots=slots, max_len=max_len,
                             lora_rank=lora_rank, lora_targets=targets),
-             learner_need(shape, on_cuda=True, micro_batch_tokens=tokens(lc, lc.minibatch_size), lora_rank=lora_rank,
+             learner_need(shape, on_cuda=True, micro_batch_tokens=tokens(lc, lc.minibatch_size),
+                          logit_rows=logit_rows(lc, lc.minibatch_size), lora_rank=lora_rank,
                           lora_targets=targets, checkpointing=lc.gradient_checkpointing)]
     if "reference" in graph.nodes:
         needs.append(reference_need(shape, dtype_bytes=2, micro_batch_tokens=tokens(cfg.reference, 32)))
@@ -263,7 +282,14 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
                                   checkpointing=c.gradient_checkpointing, node="critic"))
     given = {n.node: graph.nodes[n.node].gpus for n in needs if n.node in graph.nodes}
     suggested = plan_shares(needs, gpu_bytes)
-    usable = gpu_bytes * (1 - RESERVE)
     problem = next((_refusal(n, given[n.node] * usable) for n in needs
                     if n.node in given and n.total > given[n.node] * usable), None)
-    return Plan(gpu_bytes, needs, given, problem, suggested=suggested.shares, enforced=enforced)
+    notes = []
+    learner = needs[1]
+    if "learner" in given and not lc.max_tokens_per_micro_batch:
+        budget = default_micro_batch_tokens(shape, given["learner"] * usable,
+                                            learner.total - learner.parts["activations"], on_cuda=True,
+                                            checkpointing=lc.gradient_checkpointing)
+        notes.append(f"learner.max_tokens_per_micro_batch that fits the learner's share: {budget} "
+                     f"(planned now: {tokens(lc, lc.minibatch_size)} tokens per pass)")
+    return Plan(gpu_bytes, needs, given, problem, suggested=suggested.shares, enforced=enforced, notes=notes)

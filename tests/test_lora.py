@@ -10,8 +10,6 @@ import asyncio
 import copy
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -192,10 +190,12 @@ def test_merged_weight_is_float32_math_cast_to_the_base_dtype():
 
 
 # ---- GRPO with LoRA through the CLI: checksums, final dirs, the checkpoint, an exact resume ----
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dataflow.run", "graphs/grpo.py", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+def cli(*args: str) -> int:
+    """`python -m dataflow.run graphs/grpo.py ARGS` through dataflow.run.main in this process (the
+    same code and exit status, without the interpreter's start and imports; tests/test_graph.py)."""
+    from dataflow import run
+
+    return run.main([str(ROOT / "graphs/grpo.py"), *args])
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -229,8 +229,7 @@ def test_grpo_with_lora_through_the_cli_trains_pushes_adapters_saves_both_dirs_a
                 "learner.kl.coef=0.05", "max_staleness=0", "weight_checksums=true", "save_interval=2"]
     args = [a for s in settings for a in ("--set", s)]
     straight = tmp_path / "straight"
-    r = cli(*args, "--max-steps", "4", "--out", str(straight))
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert cli(*args, "--max-steps", "4", "--out", str(straight)) == 0
     config = json.loads((straight / "config.json").read_text())
     assert config["learner.own_reference"] is True and config["learner.lora.rank"] == 8
     ckpt = straight / "checkpoints" / "step_2"
@@ -261,8 +260,7 @@ def test_grpo_with_lora_through_the_cli_trains_pushes_adapters_saves_both_dirs_a
     assert (got - before).abs().max() > 1e-3, "the merged model should differ from the base"
 
     resumed = tmp_path / "resumed"
-    r = cli(*args, "--max-steps", "4", "--out", str(resumed), "--resume", str(ckpt))
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert cli(*args, "--max-steps", "4", "--out", str(resumed), "--resume", str(ckpt)) == 0
     again = [x for x in records(resumed) if "step" in x]
     assert [x["step"] for x in again] == [1, 2, 3, 4]
     for a, b in zip(again[2:], steps[2:], strict=True):

@@ -107,7 +107,11 @@ def test_shares_follow_the_needs_and_a_node_that_does_not_fit_is_refused_in_one_
     full = learner_need(qwen7b, on_cuda=True, micro_batch_tokens=4096, checkpointing=True)
     plan = plan_shares([gen, full], gpu)
     assert plan.problem is not None and "\n" not in plan.problem
-    assert plan.problem.startswith("learner needs") and "learner.max_tokens_per_micro_batch" in plan.problem
+    assert plan.problem.startswith("learner needs") and "optimizer state alone take" in plan.problem
+    assert "learner.lora.rank" in plan.problem
+    huge = learner_need(qwen7b, on_cuda=True, micro_batch_tokens=4 * 65536, lora_rank=32)
+    plan = plan_shares([gen, huge], gpu)    # activations dominate: the token budget is what to lower
+    assert plan.problem is not None and "lower learner.max_tokens_per_micro_batch" in plan.problem, plan.problem
 
     gen = generator_need(qwen7b, dtype_bytes=2, slots=256, max_len=384, lora_rank=32)
     lora = learner_need(qwen7b, on_cuda=True, micro_batch_tokens=4096, lora_rank=32, checkpointing=True)
@@ -125,3 +129,27 @@ def test_shares_follow_the_needs_and_a_node_that_does_not_fit_is_refused_in_one_
     pinned = plan_shares([NodeNeed("generator", {"weights": 50 * GiB}), NodeNeed("learner", {"weights": 10 * GiB})],
                          100 * GiB, fixed={"generator": 0.5})
     assert pinned.problem is not None and pinned.problem.startswith("generator needs 50.0 GiB but has 45.0 GiB")
+
+
+def test_describe_prints_the_plan_and_a_node_over_its_share_is_refused_before_start():
+    """graphs/grpo.py on one colocated GPU: --describe shows each node's need and share; with a GPU
+    too small for the learner's state the input check (run before Ray starts) refuses in one line
+    naming the node and what to change; placement=cpu has no plan."""
+    from dataflow.loading import describe, load_graph
+    from dataflow.preflight import input_problems
+
+    big = ["policy.model.n_layer=8", "policy.model.n_embd=1024", "policy.model.n_head=8",
+           "policy.model.intermediate_size=4096", "placement=colocated", "learner.micro_batch_size=8"]
+    graph, config = load_graph("graphs/grpo.py", big + ["gpu_memory_gib=80"])
+    text = describe(graph, config)
+    assert "memory plan (one GPU of 80 GiB" in text and "learner    share 0.33" in text, text
+    assert "learner.max_tokens_per_micro_batch that fits" in text
+    assert not [line for line in input_problems(graph, config) if line.startswith("memory plan")]
+
+    graph, config = load_graph("graphs/grpo.py", big + ["gpu_memory_gib=3"])
+    problems = [line for line in input_problems(graph, config) if line.startswith("memory plan")]
+    assert len(problems) == 1 and problems[0].startswith("memory plan: learner needs"), problems
+    assert "learner.lora.rank" in problems[0]
+
+    graph, config = load_graph("graphs/grpo.py", ["gpu_memory_gib=1"])
+    assert "memory plan" not in describe(graph, config)
