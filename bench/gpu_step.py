@@ -75,6 +75,11 @@ SHAPES = {
     "tiny": dict(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
                  prompt_len=16, response_len=16, prompts_per_step=4, group=8),
 }
+# Issue 37's ladder: W1's workload on Qwen2.5's published 1.5B, 3B and 7B shapes (--shape).
+SHAPES["1.5b"] = dict(SHAPES["w1"], hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960)
+SHAPES["3b"] = dict(SHAPES["w1"], hidden=2048, layers=36, heads=16, kv_heads=2, intermediate=11008)
+SHAPES["7b"] = dict(SHAPES["w1"], vocab=152064, hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944,
+                    tied=False)
 REWARD_SOURCE = '''"""W1 benchmark reward: cheap and varied (so group advantages are not all 0): the fraction of
 the response's characters with an odd code point. Works for dataflow (reward(prompt, response))
 and TRL (wrapped by bench/trl_w1.py)."""
@@ -122,7 +127,7 @@ def build_workload(work: Path, shape: dict, num_prompts: int, seed: int = 0) -> 
         vocab_size=shape["vocab"], hidden_size=shape["hidden"], num_hidden_layers=shape["layers"],
         num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
         intermediate_size=shape["intermediate"], max_position_embeddings=32768, rope_theta=1e6,
-        tie_word_embeddings=True, use_sliding_window=False, rms_norm_eps=1e-6,
+        tie_word_embeddings=shape.get("tied", True), use_sliding_window=False, rms_norm_eps=1e-6,
         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     t = time.time()
     torch.manual_seed(seed)
@@ -557,6 +562,7 @@ def main() -> int:
     p.add_argument("--trl-micro-batch", type=int, default=16, help="TRL per_device_train_batch_size")
     p.add_argument("--trl-grad-ckpt", action="store_true", help="TRL with gradient checkpointing (its default)")
     p.add_argument("--tiny", action="store_true", help="a small shape on CPU: checks the whole script end to end")
+    p.add_argument("--shape", default="w1", choices=sorted(SHAPES), help="model shape (w1: Qwen2.5-0.5B's)")
     p.add_argument("--micro-batch", type=int, default=0,
                    help="learner/critic micro_batch_size; 0 = per variant, see batch_sizes()")
     p.add_argument("--ref-micro-batch", type=int, default=0, help="reference micro_batch_size; 0 = per variant")
@@ -572,10 +578,11 @@ def main() -> int:
                    help="stop starting variants past this many seconds (the GPU machine's call limit is 600)")
     args = p.parse_args()
 
-    shape = SHAPES["tiny" if args.tiny else "w1"]
+    name = "tiny" if args.tiny else args.shape
+    shape = SHAPES[name]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(args.work + ("_tiny" if args.tiny else ""))
+    work = Path(args.work + ("" if name == "w1" else f"_{name}"))
     log(f"args: {vars(args)}")
     # Enough for PPO's 256 prompts per step (the source stops when they run out); at least 12 steps'
     # worth, so a later call with a few more steps reuses the same files.

@@ -46,6 +46,11 @@ def _travel_dtype(cfg: RLHFConfig) -> str:
     return gen if gen != "auto" else "float32" if cfg.placement == "cpu" else "bfloat16"
 
 
+def _learner_reference(cfg: RLHFConfig) -> bool:
+    """With LoRA the reference is the learner's base, its adapter disabled: no reference node."""
+    return cfg.learner.lora.rank > 0 and cfg.needs_reference()
+
+
 def _validation_problem(cfg: RLHFConfig) -> str | None:
     if cfg.val.path and cfg.reward_kind != "function":
         return ("val.path needs reward_kind=function: validation scores with the training's reward "
@@ -125,6 +130,10 @@ class RLHFConfig:
     num_gpus=1, split's learner GPU), the nodes not named split what is left equally; on several
     colocated GPUs they keep their equal shares and the plan checks that everything fits. A share
     caps the node's GPU memory too: give the learner more when a larger micro-batch needs it."""
+    gpu_memory_gib: Annotated[float, NonNegative] = 0.0
+    """GPU size for the memory plan (rl/model/memory_plan.py; --describe prints it on a GPU placement): a
+    model node that needs more than its share of it is refused before start. 0 = the driver's GPU 0
+    if it has one, else the plan assumes an H200 (141 GiB) and only prints."""
     val: ValidationConfig = field(default_factory=ValidationConfig)
     """Validation rounds on a held-out file (nodes/evaluator.py): val.path, val.every, val.n, val.k."""
     loggers: str = ""
@@ -183,6 +192,7 @@ class RLHFConfig:
         fill("learner.weight_sync.checksums", "weight_checksums"),
         fill("generator.weight_sync.checksums", "weight_checksums"),
         fill("learner.weight_sync.dtype", _travel_dtype),
+        fill("learner.own_reference", _learner_reference),
         fill("reward.tokenizer_path", "policy.path"),  # responses decoded with the policy's tokenizer
     )
 
@@ -194,6 +204,19 @@ class RLHFConfig:
         return pipeline_problems(self.prompts, self.generator, self.reward if by_function else None,
                                  None if by_function else self.reward_model, max_new_tokens_key="max_new_tokens")
 
+    def memory_plan(self, graph):
+        """Each model node's bytes against its GPU share (rl/model/memory_plan.rlhf_plan); None on CPU.
+        dataflow's --describe prints it, its preflight refuses a node that does not fit."""
+        from rl.model.memory_plan import GiB, rlhf_plan
+
+        size, known = self.gpu_memory_gib * GiB, self.gpu_memory_gib > 0
+        if not known:
+            import torch
+
+            if torch.cuda.is_available():
+                size, known = torch.cuda.get_device_properties(0).total_memory, True
+        return rlhf_plan(self, graph, int(size or 141 * GiB), known)
+
     def reward_node(self) -> dict:
         """g.node() arguments of the reward node reward_kind asks for: a program, or a sequence
         classifier (on CPU, or on its reward_model_gpu_share of a GPU of the learner's side)."""
@@ -203,10 +226,15 @@ class RLHFConfig:
         kind = RewardWithValidation if self.val.path else Reward   # + a `validation` port
         return {"kind": kind, "config": self.reward, "cpus": 0.1}
 
+    def needs_reference(self) -> bool:
+        """Whether the learner reads reference log-probs (use_reference)."""
+        return not (self.use_reference == "auto" and self.learner.kl.coef == 0)
+
     def add_reference(self, g: Graph, src: str, name: str = "scored") -> str:
         """src -> reference (a channel called `name`), returning the port that carries the samples
-        on: "reference.with_ref", or `src` itself when the graph needs no reference (use_reference)."""
-        if self.use_reference == "auto" and self.learner.kl.coef == 0:
+        on: "reference.with_ref", or `src` itself when the graph needs no reference (use_reference)
+        or the learner computes the log-probs itself (learner.own_reference: LoRA)."""
+        if not self.needs_reference() or self.learner.own_reference:
             return src
         g.node("reference", Reference, self.reference, cpus=0.2, side="train")
         g.channel(src, "reference.scored", capacity=self.channel_capacity, name=name)

@@ -34,9 +34,12 @@ from dataflow.checks import AtLeast, Each, Finite, NonNegative, Positive, Range
 from dataflow.errors import UserError
 from dataflow.weights.multirank import RANKS_EDGE, RankCommands
 from dataflow.weights.sync import SYNC_EDGE, LearnerWeightSync, WeightSyncConfig
+from nodes.reference import add_logprobs
+from rl.model import lora
 from rl.data import policy
 from rl.update.compile_warm_up import start_warm_up
 from rl.algorithm.kl import AdaptiveKLController, FixedKLController, KLConfig
+from rl.model.lora import LoraConfig
 from rl.algorithm.losses import PolicyLoss
 from rl.update.microbatch import enable_gradient_checkpointing
 from rl.model.causal_lm import save_policy
@@ -157,6 +160,13 @@ class LearnerConfig:
     attention heads, KV heads, MLP width and vocab must divide by it."""
     rendezvous_timeout_s: Annotated[float, Positive] = 600.0
     """dp x tp > 1: how long the ranks wait for each other in their setups."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA (peft): train only a low-rank adapter on the frozen policy, push only the adapter to the
+    generators, which merge it (rl/model/lora.py, dataflow/weights/lora.py). rank 0 = full fine-tuning."""
+    own_reference: bool = False
+    """Compute the KL term's reference log-probs here, as the policy with its LoRA adapter disabled,
+    instead of reading them from a reference node (the graphs set it when lora.rank > 0 and a KL
+    term needs them: the reference is then the base the learner holds anyway, no second model)."""
     seed: int = 0
 
     @property
@@ -199,6 +209,19 @@ class Learner(RankCommands, Node):
             # fp32 master weights even from a bf16 checkpoint (precision.prepare_trained).
             prepare_trained(self.model, self.ctx.device, c.precision).eval()
         check_config(c, self.ctx.max_steps)
+        self.peft = None            # lora.rank > 0: the PeftModel around self.model (LoRA layers inside it)
+        if c.own_reference and not c.lora.rank:
+            raise UserError("learner.own_reference needs learner.lora.rank > 0 (the reference is the base with the "
+                            "adapter disabled); without LoRA the graph's reference node computes them")
+        if c.lora.rank:
+            if self.ranks is not None:
+                raise UserError("learner.lora.rank > 0 with learner.dp x learner.tp > 1 is not supported yet: "
+                                "use one learner rank (dp=1, tp=1) or lora.rank=0")
+            with self.ctx.span("lora"):
+                self.peft = lora.wrap(self.model, c.lora, self.ctx.device, c.precision)
+            trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            self.ctx.log(f"LoRA rank {c.lora.rank}: {len(lora.adapted_layers(self.model))} layers adapted, "
+                         f"{trained:,} trained parameters")
         # Before TP / FSDP and compile, which wrap the layers these switch.
         if c.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
@@ -214,7 +237,8 @@ class Learner(RankCommands, Node):
                                       self.ctx.device)
             if compiled and c.compile_warm_up:   # the layers compile while the other nodes start
                 self._warm_up = start_warm_up(self.ctx, self.model, c, self.tokenizer.pad_token_id)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=tuple(c.betas),
+        trained = [p for p in self.model.parameters() if p.requires_grad]   # LoRA: the adapter only
+        self.optimizer = torch.optim.AdamW(trained, lr=c.lr, betas=tuple(c.betas),
                                            weight_decay=c.weight_decay)
         self.kl_ctl = (AdaptiveKLController(c.kl.coef, c.kl.target, c.kl.horizon) if c.kl.kind == "adaptive"
                        else FixedKLController(c.kl.coef))
@@ -225,11 +249,13 @@ class Learner(RankCommands, Node):
         self.bad_updates = 0  # optimizer steps skipped in a row (non-finite loss or gradient)
         self.weight_sync = LearnerWeightSync(self.ctx, c.weight_sync)
         with self.ctx.span("weight sync setup"):
-            await self.weight_sync.setup(self.model, self.ranks)
+            await self.weight_sync.setup(self.model, self.ranks,
+                                         adapter=lora.LoraWeights(self.model) if self.peft else None)
 
     def state_dict(self) -> dict:
         if self.ranks is None:
-            return {"step": self.version, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            model = lora.trainable_state(self.model) if self.peft else self.model.state_dict()
+            return {"step": self.version, "model": model, "optimizer": self.optimizer.state_dict(),
                     "kl": self.kl_ctl.state_dict(), "rng": self.rng.getstate()}
         # dp x tp: rank 0 saves the whole state (the one-rank format, so any layout can resume
         # from it), gathered by every rank in prepare_checkpoint.
@@ -247,7 +273,10 @@ class Learner(RankCommands, Node):
                 self.kl_ctl.load_state_dict(state["kl"])
                 self.rng.setstate(state["rng"])
             return
-        self.model.load_state_dict(state["model"])
+        if self.peft:
+            lora.load_trainable(self.model, state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.kl_ctl.load_state_dict(state["kl"])
         self.rng.setstate(state["rng"])
@@ -267,6 +296,9 @@ class Learner(RankCommands, Node):
             # and a resumed run (the version is in the checkpoint) set the same learning rate.
             for group in self.optimizer.param_groups:
                 group["lr"] = self.lr_at(args["version"] - 1)
+            if c.own_reference:
+                with self.ctx.span("reference forward", samples=len(args["samples"])):
+                    await asyncio.to_thread(self._reference_logprobs, args["samples"])
             stats = await asyncio.to_thread(ppo_update, self.model, self.optimizer, args["samples"],
                                             args["kl_coef"], self.tokenizer.pad_token_id, c, self.rng,
                                             args["stale"], self.ranks, args["version"] - 1)
@@ -283,6 +315,13 @@ class Learner(RankCommands, Node):
             self._pending_state = None
             return await asyncio.to_thread(self.ranks.load_full_state, self.model, self.optimizer, model, optimizer)
         raise ValueError(f"unknown learner command {op!r}")
+
+    def _reference_logprobs(self, samples: list[dict]) -> None:
+        """samples' "ref_logprobs": the base policy's, the adapter disabled (learner.own_reference)."""
+        c = self.config
+        with self.peft.disable_adapter():
+            add_logprobs(self.model, self.tokenizer.pad_token_id, [{"samples": samples}], "ref_logprobs",
+                         c.micro_batch_size, c.temperature, c.max_tokens_per_micro_batch, c.packing)
 
     def lr_at(self, step: int) -> float:
         """The learning rate of learner step `step` (0-based), learner.schedule over the run."""
@@ -341,9 +380,15 @@ class Learner(RankCommands, Node):
                 weights, _ = await self._all("gather", optimizer=False)
                 model, _ = policy.load(c.policy)
                 prepare_trained(model, "cpu", c.precision).load_state_dict(weights)
-            path = Path(self.ctx.run_dir) / "final"
-            save_policy(model, self.tokenizer, str(path))
-            self.ctx.artifact("final weights", str(path))
+            if self.peft:                       # merged into a fresh float32 base, and the adapter
+                merged, adapter = lora.save_outputs(self.peft, self.tokenizer, policy.load(c.policy)[0].float(),
+                                                    self.ctx.run_dir)
+                self.ctx.artifact("final weights (LoRA merged)", merged)
+                self.ctx.artifact("final LoRA adapter (peft)", adapter)
+            else:
+                path = Path(self.ctx.run_dir) / "final"
+                save_policy(model, self.tokenizer, str(path))
+                self.ctx.artifact("final weights", str(path))
         if ended:
             await self._stop_followers()
 

@@ -160,6 +160,14 @@ def describe(graph: Graph, config: Any = None) -> str:
         for e in graph.versioned_edges.values():
             lines.append(f"  {e.name:<12} {e.src} -> {', '.join(e.dst)}")
     lines.append("placement: " + placement.plan(graph).text())
+    memory = getattr(config, "memory_plan", None)    # a graph config may plan its GPU memory (graphs/rlhf.py)
+    try:
+        plan = memory(graph) if callable(memory) else None
+    except Exception as e:      # e.g. a policy dir without config.json: the input checks name it
+        lines.append(f"memory plan: not computed ({type(e).__name__}: {e})")
+        plan = None
+    if plan is not None:
+        lines.append(plan.text())
     if config is not None and dataclasses.is_dataclass(config):
         lines.append("settings (--set key=value):")
         lines += [f"  {k} = {v!r}" for k, v in flatten(config)]

@@ -47,6 +47,16 @@ def input_problems(graph, config: Any = None, max_steps: int | None = None) -> l
             text = f"{key}.{line}" if key and _names_a_field(line, part) else line
             if text not in lines:
                 lines.append(text)
+    memory = getattr(config, "memory_plan", None)    # a node that does not fit its GPU share
+    if callable(memory) and not lines:                # (it reads the model dir checked above)
+        try:
+            plan = memory(graph)
+        except Exception as e:   # as a broken check above: say so, go on
+            print(f"[dataflow] warning: the memory plan raised {type(e).__name__}: {e}; going on without it",
+                  file=sys.stderr)
+            plan = None
+        if plan is not None and plan.problem and plan.enforced:
+            lines.append(f"memory plan: {plan.problem}")
     return lines
 
 

@@ -113,13 +113,15 @@ def open_handle(handle, device_index: int) -> torch.Tensor:
     return func(*args)
 
 
-def share_buffers(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, Any]:
+def share_buffers(model: torch.nn.Module | dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
     """The learner's two flat buffers in `dtype` for the whole state dict (+ an int64 seqlock header
     each), allocated and shared once: {"buffers", "headers", "handles", "layout", "uuid", "device"}.
-    The learner keeps it referenced for its lifetime."""
+    `model`: a module, or the state dict itself (a LoRA adapter's tensors). The learner keeps it
+    referenced for its lifetime."""
     index = device_index()
     device = ipc_device(index)
-    shapes, _ = ipc_state_split(model.state_dict())    # a DTensor's shape is the whole tensor's
+    state = model if isinstance(model, dict) else model.state_dict()
+    shapes, _ = ipc_state_split(state)    # a DTensor's shape is the whole tensor's
     layout, total = flat_layout(shapes)
     with _on(device):
         buffers = [torch.zeros(max(total, 1), dtype=dtype, device=device) for _ in range(2)]
@@ -277,7 +279,7 @@ class IpcReceiver:
     def _load(self) -> None:
         state = {**unpack_state(self.staging, self.layout), **self.extra}
         with _on(self.staging.device):
-            self.model.load_state_dict(state)
+            self.owner.load(state)        # full weights, or a LoRA adapter merged (sync.GeneratorWeightSync.load)
             _sync(self.staging.device)    # staging may be rewritten (side stream) once this returns
 
 

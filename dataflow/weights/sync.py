@@ -50,6 +50,12 @@ Ordering (cuda_ipc): the payload is announced to the generators first; a generat
 waits (bounded, timeout_s) until it has staged at least the version announced on `policy`. The
 learner overwrites a version's buffer only two publishes later, after a whole training step.
 
+LoRA (learner.lora.rank > 0; the learner passes `adapter`, rl/model/lora.LoraWeights): only the
+adapter travels, in float32, over the same three transports (a state dict on the object store;
+an AdapterHolder module for collective, whose shapes ride the rendezvous; cuda_ipc's flat buffers
+laid out for the adapter's tensors),
+and each generator merges it into its own base copy at the switch (dataflow/weights/lora.py).
+
 `checksums`: after each publish the learner logs {"weights/version", "weights/checksum"} (ctx.metrics,
 so metrics.jsonl), and each generator logs the same for every version it switches to: equal
 checksums at equal versions show the transport delivered the learner's weights.
@@ -71,6 +77,7 @@ from dataflow.channel import codec
 from dataflow.checks import Positive
 from dataflow.errors import UserError
 from dataflow.weights import ipc as cuda_ipc
+from dataflow.weights.lora import AdapterHolder, AdapterMerger, is_adapter
 from dataflow.weights.edges import SYNC_EDGE
 from dataflow.weights.rendezvous import device_info, tcp_store
 from dataflow.timeouts import wait_within
@@ -104,9 +111,15 @@ def weights_checksum(model: torch.nn.Module, dtype: torch.dtype | None = None) -
     Sharded (DTensor) parameters are gathered whole first: a collective for a multi-rank learner."""
     from torch.distributed.tensor import DTensor
 
+    return state_checksum({n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.named_parameters()},
+                          dtype)
+
+
+def state_checksum(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> float:
+    """weights_checksum of named tensors (a LoRA learner's merged weights, rl/model/lora.merged_state)."""
     with torch.no_grad():
-        sums = [(p.full_tensor() if isinstance(p, DTensor) else p).detach().to(dtype or p.dtype).double().sum() * (i + 1)
-                for i, (_, p) in enumerate(sorted(model.named_parameters()))]
+        sums = [p.detach().to(dtype or p.dtype).double().sum() * (i + 1)
+                for i, (_, p) in enumerate(sorted(state.items(), key=lambda kv: kv[0]))]
         return float(torch.stack(sums).sum().item()) if sums else 0.0
 
 
@@ -125,16 +138,21 @@ class LearnerWeightSync:
         self.ranks = None                         # a dp x tp learner's dataflow.weights.multirank.TrainRanks
         self.lead = True                          # the rank that publishes (rank 0)
         self.ipc: dict[str, Any] | None = None    # cuda_ipc: buffers, headers, their handles, layout
+        self.adapter = None                       # LoRA: rl/model/lora.LoraWeights (tensors(), merged(dtype))
+        self.holder: AdapterHolder | None = None  # LoRA over collective: what is pushed
 
-
-    async def setup(self, model: torch.nn.Module, ranks=None) -> None:
+    async def setup(self, model: torch.nn.Module, ranks=None, adapter=None) -> None:
         """One rank, or every rank of a dp x tp learner (`ranks`): rank 0 meets the generators and
-        sends; the others only take part in the resharding all-gathers of each push."""
+        sends; the others only take part in the resharding all-gathers of each push. `adapter`
+        (LoRA, one rank): push only the adapter (module docstring)."""
         self.ranks, self.lead = ranks, ranks is None or ranks.lead
+        self.adapter = adapter
+        if adapter is not None and self.config.transport == "collective":
+            self.holder = AdapterHolder({k: list(v.shape) for k, v in adapter.tensors().items()})
         if self.config.transport == "cuda_ipc":
             cuda_ipc.require_cuda(self.ctx.device, self.ctx.full_name)
             if self.lead:
-                await asyncio.to_thread(self._ipc_setup, model)
+                await asyncio.to_thread(self._ipc_setup, model if adapter is None else adapter.tensors())
             return
         if self.config.transport != "collective":  # object_store: cast on the GPU, copy half the bytes
             travel = _travel_dtype(self.config, None)
@@ -158,7 +176,8 @@ class LearnerWeightSync:
         host, timeout = ray.util.get_node_ip_address(), timedelta(seconds=c.rendezvous_timeout_s)
         self._store = await asyncio.to_thread(tcp_store, host, 0, True, timeout)
         port = self._store.port
-        await self.ctx.publish(SYNC_EDGE, {"host": host, "port": port, "names": names}, version=0)
+        lora = {"lora": self.holder.shapes()} if self.holder is not None else {}
+        await self.ctx.publish(SYNC_EDGE, {"host": host, "port": port, "names": names, **lora}, version=0)
         keys = [f"end/{i}" for i in range(1, len(names))]
         try:
             await asyncio.to_thread(self._store.wait, keys, timeout)
@@ -186,14 +205,14 @@ class LearnerWeightSync:
         # push all-gathers over dp then tp on every rank and rank 0 broadcasts (dataflow/weights/reshard.py).
         layout = ranks.layout if ranks is not None else ParallelLayout(dp=1, tp=1, tp_gen=1)
         self.pusher = WeightPusher(layout, ranks.mesh if ranks is not None else None, group=group,
-                                   dtype=self.dtype, timeout_s=c.timeout_s)
+                                   dtype=torch.float32 if self.holder is not None else self.dtype, timeout_s=c.timeout_s)
         self.ctx.log(f"weight push: {backend} to {', '.join(names[1:])}, {self.dtype}")
 
     def _ipc_setup(self, model: torch.nn.Module) -> None:
         """The two shared buffers in the travel dtype (dataflow/weights/ipc.py), kept referenced here
         for the learner's lifetime."""
         self.dtype = getattr(torch, _travel_dtype(self.config, "bfloat16"))
-        self.ipc = cuda_ipc.share_buffers(model, self.dtype)
+        self.ipc = cuda_ipc.share_buffers(model, self._sent_dtype())
         buffers, device = self.ipc["buffers"], self.ipc["device"]
         size = buffers[0].numel() * buffers[0].element_size()
         self.ctx.log(f"weight sync: CUDA IPC on GPU {self.ipc['uuid']} ({device}), 2 buffers of "
@@ -202,7 +221,9 @@ class LearnerWeightSync:
     async def publish(self, model: torch.nn.Module, version: int) -> None:
         """Deliver `model`'s weights as `version` to every generator, then announce it on the edge.
         A dp x tp learner calls it on every rank (collective); rank 0 publishes."""
-        if self.config.transport == "cuda_ipc":
+        if self.adapter is not None:
+            await self._publish_adapter(version)
+        elif self.config.transport == "cuda_ipc":
             if self.ranks is None:
                 state = model.state_dict()
             else:              # the whole weights, gathered on rank 0 (CPU)
@@ -226,9 +247,32 @@ class LearnerWeightSync:
             if self.lead:
                 await self.ctx.publish(self.edge, None, version=version)
         if self.config.checksums:
-            checksum = await asyncio.to_thread(weights_checksum, model, self.dtype)
+            if self.adapter is not None:   # the merged weights a generator holds
+                checksum = await asyncio.to_thread(lambda: state_checksum(self.adapter.merged(self.dtype)))
+            else:
+                checksum = await asyncio.to_thread(weights_checksum, model, self.dtype)
             if self.lead:
                 self.ctx.metrics({"weights/version": version, "weights/checksum": checksum})
+
+    def _sent_dtype(self) -> torch.dtype | None:
+        """What travels: the adapter in float32 (megabytes; its delta is merged in float32), else
+        the weights in the travel dtype."""
+        return torch.float32 if self.adapter is not None else self.dtype
+
+    async def _publish_adapter(self, version: int) -> None:
+        """LoRA: the adapter alone (one rank), over the configured transport."""
+        state = self.adapter.tensors()
+        with self.ctx.span("weight push", version=version, adapter=True):
+            if self.config.transport == "object_store":
+                payload = encode_state({k: _travel_copy(v, torch.float32) for k, v in state.items()})
+            elif self.config.transport == "cuda_ipc":
+                payload = await asyncio.to_thread(cuda_ipc.write_version, self.ipc, state, version,
+                                                  torch.float32, self.ctx.full_name)
+            else:
+                self.holder.fill(state)
+                await asyncio.to_thread(self.pusher.push, self.holder, version)
+                payload = None
+        await self.ctx.publish(self.edge, payload, version=version)
 
 
 def _travel_dtype(config: WeightSyncConfig, auto: str | None) -> str | None:
@@ -264,6 +308,8 @@ class GeneratorWeightSync:
         self.receiver = None
         self.version = 0      # object store, cuda_ipc: the shared seed's weights are version 0
         self.ipc: cuda_ipc.IpcReceiver | None = None
+        self.holder: AdapterHolder | None = None   # LoRA over collective: the adapter as received
+        self.merger: AdapterMerger | None = None   # LoRA: the base copy and the merge
 
     async def setup(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -287,6 +333,8 @@ class GeneratorWeightSync:
         if me not in names:
             raise WeightPushError(f"{me}: not among the weight push receivers {names[1:]} of {names[0]}")
         rank, timeout = names.index(me), timedelta(seconds=c.rendezvous_timeout_s)
+        if "lora" in addr:         # only the adapter is pushed: receive it into a holder, merge at switches
+            self.holder = AdapterHolder(addr["lora"]).to(self.ctx.device)
 
         def join():
             try:
@@ -306,7 +354,8 @@ class GeneratorWeightSync:
         # Version -1: the learner's first push (version 0) is applied too, so a generator serves
         # exactly the learner's weights from the start (also after the learner resumed).
         self.version = -1
-        self.receiver = WeightReceiver(model, group=group, version=-1, name=me, timeout_s=c.timeout_s)
+        self.receiver = WeightReceiver(model if self.holder is None else self.holder, group=group, version=-1,
+                                       name=me, timeout_s=c.timeout_s)
 
     @contextlib.asynccontextmanager
     async def serving(self):
@@ -330,7 +379,7 @@ class GeneratorWeightSync:
                 if state is None:
                     raise RuntimeError(f"{self.ctx.full_name}: '{self.edge}' v{version} carries no weights: "
                                        "the learner uses weight_transport=collective, this generator object_store")
-                self.model.load_state_dict(decode_state(state))
+                self.load(decode_state(state))
                 await self._switched(version)
             yield self.version
             return
@@ -364,7 +413,21 @@ class GeneratorWeightSync:
                 raise WeightPushError(f"{self.ctx.full_name}: weights v{target} from {self.learner} not "
                                       f"received within {self.config.timeout_s:g} s (serving v{version})")
 
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        """Put a received version into the model: full weights, or an adapter merged into the base."""
+        if not is_adapter(state):
+            self.model.load_state_dict(state)
+            return
+        if self.merger is None:
+            self.merger = AdapterMerger(self.model, self.ctx.full_name)
+        try:
+            self.merger.merge(state)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+
     async def _switched(self, version: int) -> None:
+        if self.holder is not None:     # collective LoRA: the receiver copied the adapter into the holder
+            self.load(self.holder.tensors())
         self.version = version
         if self.config.checksums:
             checksum = await asyncio.to_thread(weights_checksum, self.model)

@@ -1,0 +1,295 @@
+"""What each model node holds on its GPU, computed before start from the model's shape: a plan of
+the colocated shares, a default token budget per micro-batch, and a refusal naming what to change.
+
+Pure arithmetic (no torch, no GPU), for llama / qwen2 decoders (RoPE, RMSNorm, SwiGLU):
+
+- weights: every parameter (ModelShape.params, exactly what torch counts) in the node's dtype: the
+  learner's fp32 masters; with LoRA its frozen base in the compute dtype (rl/model/lora.wrap) + the fp32
+  adapter; generator and reference in their dtype; a LoRA generator also keeps a base copy of the
+  adapted weights (dataflow/weights/lora.py).
+- grads and AdamW state: 4 bytes per trained parameter for the gradient, 8 for exp_avg and exp_avg_sq,
+  and a 4-byte `step` per trained tensor (torch's AdamW, not capturable), exactly as torch holds them.
+- autocast weight cache: bf16 autocast over fp32 weights keeps a bf16 copy of every trained linear
+  weight for the minibatch (rl/update/ppo_update.py caches them): 2 bytes per linear parameter.
+- activations: the bytes autograd keeps for backward per token of a micro-batch, per decoder layer
+      32 H + a (4 I + 2 kv_heads head_dim) + 4 heads         (a = 4 in fp32, 2 under bf16 autocast)
+  plus 4 (3 H + 2 head_dim) per token outside the layers and a V per kept logit row (the fused
+  log-prob kernel keeps no fp32 copy). Fitted to, and checked against, the tensors torch saves on
+  CPU (tests/test_memory_plan.py: within ACTIVATION_TOLERANCE). With gradient checkpointing each
+  layer keeps only its fp32 input (4 H per token) and one layer is live at a time. Transient
+  buffers (the backward's own gradients of activations, the allocator's fragmentation) are not
+  modelled: the plan keeps RESERVE of the GPU free for them and the CUDA context.
+- KV cache: 2 layers kv_heads head_dim bytes per token per slot (rl/generation/decoder_slots.kv_bytes_per_slot),
+  slots x (max prompt + max response) tokens; plus a float32 logits row per slot for sampling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+GiB = 1 << 30
+RESERVE = 0.10
+"""Fraction of the GPU the plan leaves unassigned: CUDA context, allocator fragmentation, the
+gradients of activations in backward, kernels' workspaces."""
+ACTIVATION_TOLERANCE = 0.15
+"""How far the activation model may be from torch's saved tensors in the tests (relative)."""
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    tied: bool = False
+    qkv_bias: bool = False          # qwen2: q, k, v projections have biases
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelShape":
+        heads = cfg["num_attention_heads"]
+        return cls(vocab=cfg["vocab_size"], hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"], heads=heads,
+                   kv_heads=cfg.get("num_key_value_heads") or heads,
+                   head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                   intermediate=cfg["intermediate_size"], tied=bool(cfg.get("tie_word_embeddings", False)),
+                   qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)))
+
+    @classmethod
+    def from_dir(cls, path: str) -> "ModelShape":
+        with open(os.path.join(path, "config.json")) as f:
+            return cls.from_hf_config(json.load(f))
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """One decoder layer's linear weights, name -> (out, in)."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+                "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+    def linear_params(self) -> int:
+        return self.layers * sum(o * i for o, i in self.linears().values())
+
+    def params(self) -> int:
+        """Every parameter, as sum(p.numel() for p in model.parameters()) counts it (tied once)."""
+        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+        per_layer = sum(o * i for o, i in self.linears().values()) + bias + 2 * self.hidden   # + 2 RMSNorms
+        head = 0 if self.tied else self.vocab * self.hidden
+        return self.vocab * self.hidden + self.layers * per_layer + self.hidden + head
+
+    def lora_params(self, rank: int, targets: list[str] | tuple[str, ...] = ("all-linear",)) -> tuple[int, int, int]:
+        """(adapter parameters, adapter tensors, base parameters of the adapted weights) for LoRA of `rank`."""
+        chosen = {n: s for n, s in self.linears().items() if "all-linear" in targets or n in targets}
+        adapter = self.layers * sum(rank * (o + i) for o, i in chosen.values())
+        return adapter, 2 * self.layers * len(chosen), self.layers * sum(o * i for o, i in chosen.values())
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+    def activation_bytes_per_token(self, act_bytes: int, checkpointing: bool = False) -> int:
+        """Bytes autograd keeps per token of a forward + log-prob pass (module docstring); the logits
+        rows are added by activation_bytes()."""
+        h = self.hidden
+        layer = 32 * h + act_bytes * (4 * self.intermediate + 2 * self.kv_heads * self.head_dim) + 4 * self.heads
+        outside = 4 * (3 * h + 2 * self.head_dim)
+        if checkpointing:
+            return self.layers * 4 * h + layer + outside
+        return self.layers * layer + outside
+
+    def activation_bytes(self, tokens: int, logit_rows: int, act_bytes: int, checkpointing: bool = False) -> int:
+        return tokens * self.activation_bytes_per_token(act_bytes, checkpointing) + logit_rows * self.vocab * act_bytes
+
+
+@dataclass
+class NodeNeed:
+    """One node replica's bytes, by what holds them."""
+    node: str
+    parts: dict[str, int] = field(default_factory=dict)
+    setting: str = ""
+    """The setting that shrinks it most, for the refusal line."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def text(self) -> str:
+        return f"{self.total / GiB:.2f} GiB (" + ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.parts.items() if v) + ")"
+
+
+def learner_need(shape: ModelShape, *, on_cuda: bool, micro_batch_tokens: int, logit_rows: int | None = None,
+                 lora_rank: int = 0, lora_targets=("all-linear",), checkpointing: bool = False,
+                 node: str = "learner") -> NodeNeed:
+    """AdamW over fp32 masters (full fine-tuning) or over the LoRA adapter on a frozen base held in
+    the compute dtype (bf16 on CUDA); bf16 autocast on CUDA, fp32 on CPU (rl/model/precision.py)."""
+    compute = 2 if on_cuda else 4
+    params = shape.params()
+    if lora_rank:
+        trained, tensors, _ = shape.lora_params(lora_rank, lora_targets)
+        weights = params * compute + trained * 4
+        cache = 0                                   # the frozen base already is bf16; the adapter is small
+    else:
+        trained, tensors = params, 2 + shape.layers * 9 + (0 if shape.tied else 1) + (3 * shape.layers if shape.qkv_bias else 0)
+        weights = params * 4
+        cache = shape.linear_params() * 2 if on_cuda else 0
+    rows = micro_batch_tokens if logit_rows is None else logit_rows
+    return NodeNeed(node, {"weights": weights, "grads": trained * 4, "optimizer": trained * 8 + tensors * 4,
+                           "autocast cache": cache,
+                           "activations": shape.activation_bytes(micro_batch_tokens, rows, compute, checkpointing)},
+                    f"{node}.max_tokens_per_micro_batch" + ("" if checkpointing else f" or {node}.gradient_checkpointing=true"))
+
+
+def generator_need(shape: ModelShape, *, dtype_bytes: int, slots: int, max_len: int, lora_rank: int = 0,
+                   lora_targets=("all-linear",)) -> NodeNeed:
+    base_copy = shape.lora_params(lora_rank, lora_targets)[2] * dtype_bytes if lora_rank else 0
+    return NodeNeed("generator", {"weights": shape.params() * dtype_bytes, "lora base copy": base_copy,
+                                  "kv cache": slots * max_len * shape.kv_bytes_per_token(dtype_bytes),
+                                  "sampling": slots * shape.vocab * 4},
+                    "generator.prompts_per_call (slots = prompts_per_call x group_size) or generator.max_prompt_tokens")
+
+
+def reference_need(shape: ModelShape, *, dtype_bytes: int, micro_batch_tokens: int) -> NodeNeed:
+    """Frozen weights; a no-grad pass keeps one layer's activations and the logits rows at a time."""
+    return NodeNeed("reference", {"weights": shape.params() * dtype_bytes,
+                                  "activations": shape.activation_bytes(micro_batch_tokens, micro_batch_tokens,
+                                                                        dtype_bytes, checkpointing=True)
+                                  - micro_batch_tokens * shape.layers * 4 * shape.hidden},
+                    "reference.max_tokens_per_micro_batch")
+
+
+@dataclass
+class Plan:
+    gpu_bytes: int
+    needs: list[NodeNeed]
+    shares: dict[str, float]
+    problem: str | None = None
+    suggested: dict[str, float] | None = None
+    """rlhf_plan: the shares the needs suggest (plan_shares), beside the placement's."""
+    enforced: bool = True
+    """False when the GPU's size was assumed: the problem is printed, not refused."""
+    notes: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        size = f"{self.gpu_bytes / GiB:.0f} GiB" + ("" if self.enforced else " assumed: set gpu_memory_gib")
+        lines = [f"memory plan (one GPU of {size}, {RESERVE:.0%} kept free; rl/model/memory_plan.py):"]
+        for n in self.needs:
+            tip = f" (the needs suggest {self.suggested[n.node]:.2f})" if self.suggested and n.node in self.suggested else ""
+            lines.append(f"  {n.node:<10} share {self.shares.get(n.node, 0):.2f}{tip}  needs {n.text()}")
+        lines += [f"  {note}" for note in self.notes]
+        if self.problem:
+            lines.append(f"  does not fit: {self.problem}")
+        return "\n".join(lines)
+
+
+def plan_shares(needs: list[NodeNeed], gpu_bytes: int, fixed: dict[str, float] | None = None) -> Plan:
+    """Shares of one GPU for nodes that share it: each node its need, the room left over split in
+    proportion to the needs (so activations and KV cache can grow into it); `fixed` shares (a user's
+    gpu_shares) are kept and checked. problem: the first node that does not fit, in one line."""
+    usable = gpu_bytes * (1 - RESERVE)
+    fixed = fixed or {}
+    shares: dict[str, float] = {}
+    for n in needs:
+        if n.node in fixed:
+            shares[n.node] = fixed[n.node]
+            if n.total > fixed[n.node] * usable:
+                return Plan(gpu_bytes, needs, shares, _refusal(n, fixed[n.node] * usable))
+    free = [n for n in needs if n.node not in fixed]
+    room = usable - sum(fixed.values()) * usable
+    wanted = sum(n.total for n in free)
+    if wanted > room:
+        worst = max(free, key=lambda n: n.total)
+        return Plan(gpu_bytes, needs, {**shares, **{n.node: n.total / usable for n in free}},
+                    _refusal(worst, room - (wanted - worst.total)))
+    for n in free:
+        shares[n.node] = (n.total + (room - wanted) * n.total / max(wanted, 1)) / gpu_bytes
+    return Plan(gpu_bytes, needs, shares)
+
+
+SHRINKABLE = ("activations", "kv cache", "sampling")
+"""The parts a node's `setting` shrinks; the rest (weights, grads, optimizer state) only LoRA or more GPUs do."""
+
+
+def _refusal(n: NodeNeed, room: float) -> str:
+    fixed = n.total - sum(n.parts.get(k, 0) for k in SHRINKABLE)
+    what = (f"lower {n.setting}" if fixed < room else
+            f"its weights, gradients and optimizer state alone take {fixed / GiB:.1f} GiB: use "
+            "learner.lora.rank (e.g. 32), more GPUs, or a smaller model")
+    return (f"{n.node} needs {n.total / GiB:.1f} GiB but has {max(room, 0) / GiB:.1f} GiB of the GPU "
+            f"({n.text().split(' (', 1)[1].rstrip(')')}); {what}")
+
+
+def default_micro_batch_tokens(shape: ModelShape, room_bytes: float, static_bytes: int, *, on_cuda: bool,
+                               checkpointing: bool, multiple: int = 256) -> int:
+    """The largest token budget whose activations (every token a logits row, the worst case) fit
+    in `room_bytes` less the node's static bytes; rounded down to `multiple` (0 if none fits)."""
+    act = 2 if on_cuda else 4
+    per_token = shape.activation_bytes_per_token(act, checkpointing) + shape.vocab * act
+    tokens = int((room_bytes - static_bytes) // per_token)
+    return max(0, tokens // multiple * multiple)
+
+
+def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
+    """The plan of a graph of graphs/rlhf.py's kind (`cfg`: its RLHFConfig) placed on GPUs: each
+    model node's need against the share the placement gave it (graph.nodes[...].gpus), and the
+    shares the needs would suggest. None on placement=cpu."""
+    if getattr(graph, "placement", "cpu") in (None, "cpu"):
+        return None
+    if cfg.policy.path:
+        shape = ModelShape.from_dir(cfg.policy.path)
+        with open(os.path.join(cfg.policy.path, "config.json")) as f:
+            max_pos = json.load(f).get("max_position_embeddings", 2048)
+    else:
+        from rl.data.tasks import build_tokenizer
+
+        m = cfg.policy.model
+        shape = ModelShape(vocab=len(build_tokenizer()), hidden=m.n_embd, layers=m.n_layer, heads=m.n_head,
+                           kv_heads=m.n_kv_head or m.n_head, head_dim=m.n_embd // m.n_head,
+                           intermediate=m.intermediate_size, tied=False, qkv_bias=m.family == "qwen2")
+        max_pos = m.max_position_embeddings
+    g, lc = cfg.generator, cfg.learner
+    # The generator's rule for its longest prompt (nodes/generator.py), then the longest sample.
+    max_len = (g.max_prompt_tokens or min(max(max_pos - g.max_new_tokens, 256), 1024)) + g.max_new_tokens
+    lora_rank, targets = lc.lora.rank, tuple(lc.lora.target_modules)
+
+    def tokens(c, rows: int) -> int:
+        """Tokens per pass, every sample at the longest (worst case)."""
+        return c.max_tokens_per_micro_batch or (c.micro_batch_size or rows) * max_len
+
+    def logit_rows(c, rows: int) -> int:
+        """Logits are kept from the first response column on: about max_new_tokens + 1 per sample."""
+        return tokens(c, rows) * (g.max_new_tokens + 1) // max_len
+
+    usable = gpu_bytes * (1 - RESERVE)
+    gen_dtype = DTYPE_BYTES.get(g.dtype, 2)
+    slots = g.prompts_per_call * g.group_size
+    if not slots:   # auto (rl/generation/decoder_slots.py): up to 256 slots, the KV cache within half of the room left
+        room = graph.nodes["generator"].gpus * usable - generator_need(shape, dtype_bytes=gen_dtype, slots=0,
+                                                                         max_len=max_len, lora_rank=lora_rank,
+                                                                         lora_targets=targets).total
+        slots = max(g.group_size, min(256, int(room // 2 // (max_len * shape.kv_bytes_per_token(gen_dtype)))))
+    needs = [generator_need(shape, dtype_bytes=gen_dtype, slots=slots, max_len=max_len,
+                            lora_rank=lora_rank, lora_targets=targets),
+             learner_need(shape, on_cuda=True, micro_batch_tokens=tokens(lc, lc.minibatch_size),
+                          logit_rows=logit_rows(lc, lc.minibatch_size), lora_rank=lora_rank,
+                          lora_targets=targets, checkpointing=lc.gradient_checkpointing)]
+    if "reference" in graph.nodes:
+        needs.append(reference_need(shape, dtype_bytes=2, micro_batch_tokens=tokens(cfg.reference, 32)))
+    if "critic" in graph.nodes:
+        c = cfg.critic
+        needs.append(learner_need(shape, on_cuda=True, micro_batch_tokens=tokens(c, c.minibatch_size), logit_rows=0,
+                                  checkpointing=c.gradient_checkpointing, node="critic"))
+    given = {n.node: graph.nodes[n.node].gpus for n in needs if n.node in graph.nodes}
+    suggested = plan_shares(needs, gpu_bytes)
+    problem = next((_refusal(n, given[n.node] * usable) for n in needs
+                    if n.node in given and n.total > given[n.node] * usable), None)
+    notes = []
+    learner = needs[1]
+    if "learner" in given and not lc.max_tokens_per_micro_batch:
+        budget = default_micro_batch_tokens(shape, given["learner"] * usable,
+                                            learner.total - learner.parts["activations"], on_cuda=True,
+                                            checkpointing=lc.gradient_checkpointing)
+        notes.append(f"learner.max_tokens_per_micro_batch that fits the learner's share: {budget} "
+                     f"(planned now: {tokens(lc, lc.minibatch_size)} tokens per pass)")
+    return Plan(gpu_bytes, needs, given, problem, suggested=suggested.shares, enforced=enforced, notes=notes)
