@@ -27,6 +27,7 @@ import math
 import numbers
 import os
 import re
+import sys
 import traceback
 from typing import Any, Callable
 
@@ -172,22 +173,8 @@ def load_reward_fn(path: str, name: str | None = None,
     class that cannot be built with no arguments, or a signature that fits no form.
     """
     name = name or "reward"
-    if not os.path.isfile(path):
-        raise RewardLoadError(f"{path}: reward file does not exist")
-    with open(path, encoding="utf-8") as f:
-        source = f.read()
-    try:
-        compile(source, path, "exec")
-    except SyntaxError as e:
-        raise RewardLoadError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
-    module_name = "user_reward_" + re.sub(r"\W", "_", os.path.abspath(path))
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        line = _innermost_line(e, path)
-        raise RewardLoadError(f"{path}{line}: importing it raised {type(e).__name__}: {e}") from e
+    module = import_user_file(path, "reward", RewardLoadError)
+    module_name = module.__name__
     obj = getattr(module, name, None)
     if obj is None or not callable(obj):
         defined = sorted(k for k, v in vars(module).items()
@@ -202,6 +189,33 @@ def load_reward_fn(path: str, name: str | None = None,
             raise RewardLoadError(f"{path}: building class {name}() with no arguments raised "
                                   f"{type(e).__name__}: {e}") from e
     return RewardFn(obj, weights, source=path, name=name)
+
+
+def import_user_file(path: str, what: str, error: type[UserError] = UserError):
+    """Import a user's Python file as a fresh module (its `what`: "reward", "environment", ...).
+
+    Raises `error`, one line naming the file: missing file, syntax error (with its line), or an
+    exception while importing (with the file's innermost line). Shared by every user-file loader.
+    """
+    if not os.path.isfile(path):
+        raise error(f"{path}: {what} file does not exist")
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    try:
+        compile(source, path, "exec")
+    except SyntaxError as e:
+        raise error(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
+    module_name = f"user_{what}_" + re.sub(r"\W", "_", os.path.abspath(path))
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module       # dataclasses and pickling look classes up there
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        sys.modules.pop(module_name, None)
+        line = _innermost_line(e, path)
+        raise error(f"{path}{line}: importing it raised {type(e).__name__}: {e}") from e
+    return module
 
 
 def _innermost_line(exc: BaseException, path: str) -> str:
