@@ -53,6 +53,14 @@ class AgentGraphConfig(GRPOGraphConfig):
     env.tools, env.reward, env.max_turns, env.max_episode_tokens, timeouts."""
     rules: ClassVar[tuple] = GRPOGraphConfig.rules + (check(_env_problem), share("env", "generator.env"))
 
+    def preflight(self) -> list[str]:
+        """As graphs/rlhf.py's; with env.reward=env no reward function scores anything, so the data
+        needs no answer field (the environment's reward is the score)."""
+        from rl.preflight import pipeline_problems
+
+        reward = self.reward if self.env.reward != "env" and self.reward_kind == "function" else None
+        return pipeline_problems(self.prompts, self.generator, reward, None, max_new_tokens_key="max_new_tokens")
+
 
 config = AgentGraphConfig()
 
