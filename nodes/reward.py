@@ -191,7 +191,7 @@ class Reward(Node):
                 f"{what} failed for every response of {self.failing_prompts} "
                 f"consecutive prompts (reward.max_failed_batches={k} batches of reward.items_per_call="
                 f"{per_batch}); first error: "
-                f"{self.streak_first_error}. Fix the function (or the fields it reads), or set "
+                f"{self.streak_first_error}. Fix the {'environment' if what == 'the episodes' else 'function (or the fields it reads)'}, or set "
                 "reward.max_failed_batches=0 to go on regardless")
 
     def _report(self) -> None:

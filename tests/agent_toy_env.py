@@ -36,13 +36,18 @@ class SlowCopyDigits(CopyDigits):
 
 
 class FailsOnSecondTurn(CopyDigits):
-    """Raises in its second step when the row says so (fail=1): that episode fails."""
+    """Raises in its second step when the row says so (fail=1): that episode fails. Each step
+    takes delay_s (env.kwargs), so a generator killed mid-run holds episodes mid-way."""
+
+    def __init__(self, delay_s=0.0):
+        self.delay_s = delay_s
 
     def reset(self, prompt, target="123", fail=0, **row):
         self.fail = fail
         return super().reset(prompt, target)
 
     def step(self, action):
+        time.sleep(self.delay_s)
         if self.fail and self.turn == 1:
             raise RuntimeError("the toy environment broke")
         return super().step(action)

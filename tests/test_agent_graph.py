@@ -102,3 +102,53 @@ def test_three_turn_samples_are_exact_against_the_episode_and_the_model(tmp_path
     events = json.loads(trace.read_text())["traceEvents"]
     env_steps = [e for e in events if e.get("name") == "env step"]
     assert env_steps, "no env step slices in the trace"
+
+
+AGENT = ["max_new_tokens=4", "group_size=2", "prompts_per_step=4", "learner.minibatch_size=8",
+         "learner.kl.coef=0", "channel_capacity=16", "reward.items_per_call=2"]
+
+
+@pytest.mark.usefixtures("ray_instance")
+def test_failed_episodes_are_counted_and_a_generator_killed_mid_episode_loses_none(tmp_path, model_dir):
+    """graphs/agent.py on 24 prompts read once, the first of every 4 failing in its second turn
+    (both its episodes). Each step counts its 2 failed episodes (samples/failed, env/failed) and
+    still trains. The generator is killed after step 1 while it holds episodes mid-way (each
+    environment step sleeps 0.1 s; later batches are admitted, max_staleness=2): restarted, its
+    prompts re-issued, every prompt trained exactly once."""
+    run_dir = tmp_path / "run"
+    from dataflow.runtime import RunOptions, load_graph
+
+    graph, config = load_graph(str(ROOT / "graphs/agent.py"), AGENT + [
+        f"policy.path={model_dir}", f"prompts.path={_data(tmp_path / 'd.jsonl', 24, fail=lambda i: int(i % 4 == 0))}",
+        "prompts.epochs=1", f"env.path={ENV}", "env.name=FailsOnSecondTurn", 'env.kwargs={"delay_s": 0.1}',
+        "max_staleness=2", "learner.record_prompt_ids=true"])
+    thread, outcome = run_in_thread(graph, config, RunOptions(out_dir=str(run_dir), quiet=True))
+    steps = lambda: [r for r in _records(run_dir) if "step" in r]  # noqa: E731
+    wait_until(lambda: len(steps()) >= 1, 600, "step 1", thread, outcome)
+    os.kill(json.loads((run_dir / "processes.json").read_text())["generator"], signal.SIGKILL)
+    thread.join(600)
+    assert not thread.is_alive() and "error" not in outcome, outcome.get("error")
+    assert outcome["summary"].status == "done" and outcome["summary"].restarts == {"generator": 1}
+    done = steps()
+    assert sorted(i for r in done for i in r["prompt_ids"]) == list(range(24))   # every prompt once
+    assert len(done) == 6
+    assert all(r["samples/failed"] == 2 and r["env/failed"] == 2 for r in done), done
+    assert all(r["env/turns"] == (2 * 2 + 6 * 3) / 8 for r in done), [r["env/turns"] for r in done]  # failed: in turn 2
+
+
+@pytest.mark.usefixtures("ray_instance")
+def test_every_episode_failing_stops_the_run_in_one_line(tmp_path, model_dir):
+    """Every episode fails (its environment raises in the second turn): after
+    reward.max_failed_batches=2 batches of reward.items_per_call=2 prompts the run stops with one
+    line naming the episodes and the environment's error."""
+    from dataflow.errors import UserError
+
+    with pytest.raises(UserError) as info:
+        _run("graphs/agent.py", AGENT + [
+            f"policy.path={model_dir}", f"prompts.path={_data(tmp_path / 'd.jsonl', 16, fail=1)}",
+            f"env.path={ENV}", "env.name=FailsOnSecondTurn", "reward.max_failed_batches=2"], tmp_path / "run", 20)
+    message = str(info.value)
+    assert "\n" not in message
+    assert ("the episodes failed for every response of 4 consecutive prompts (reward.max_failed_batches=2 "
+            "batches of reward.items_per_call=2)") in message
+    assert "episode failed:" in message and "the toy environment broke" in message and "Fix the environment" in message
