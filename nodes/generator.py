@@ -62,7 +62,7 @@ from dataflow import Node
 from dataflow.channel import EndOfChannel, WouldBlock
 from dataflow.checks import AtLeast, Each, NonNegative
 from dataflow.errors import UserError
-from nodes.generator_episodes import Episodes
+from nodes.generator_episodes import Episodes, hf_episodes
 from nodes.generator_reports import Drain, ValidationSpan
 from rl import policy
 from rl.agent import EnvConfig, load_environment
@@ -174,10 +174,10 @@ class Generator(Node):
         self.ctx.log(f"generator: backend {backend} ({why})")
         self.env = None
         if c.env.path:
-            if backend != "static":
-                raise UserError(f"generator: env.path (multi-turn episodes) runs on the static decoder only, and "
-                                f"the backend is {backend} ({why}); use a llama / qwen2 policy with "
-                                "generator.backend=static or auto")
+            if backend == "vllm":
+                raise UserError(f"generator: env.path (multi-turn episodes) runs on the static decoder or the HF "
+                                f"loop, and the backend is vllm ({why}); set generator.backend=static (llama / "
+                                "qwen2) or hf")
             with self.ctx.span("load environment"):
                 self.env = load_environment(c.env, self.tokenizer, self.stop_ids)
         if backend != "static" and (c.partial_rollout or c.max_new_tokens_key):
@@ -425,6 +425,8 @@ class Generator(Node):
     async def _generate_batch(self, batch: list, span: str) -> None:
         c = self.config
         plans = [self._plan(m) for m in batch]
+        if self.env is not None:
+            return await self._episodes_batch(batch, plans, span)
         ids = [self._tokenize(m) for m in batch]
         repeated = [p for p, plan in zip(ids, plans) for _ in plan]
         temps = [c.temperature if t is None else t for plan in plans for _, t in plan]
@@ -439,6 +441,26 @@ class Generator(Node):
         for msg, plan in zip(batch, plans):
             group = [self._stop_strings(s) for s in samples[at:at + len(plan)]]
             at += len(plan)
+            item = {**self._fields(msg), "version": self.version, "samples": group}
+            await self.ctx.outputs["samples"].send(item, **{**msg.meta, "version": self.version})
+
+
+    async def _episodes_batch(self, batch: list, plans: list, span: str) -> None:
+        """The HF loop's episodes (nodes/generator_episodes.hf_episodes): the weights stay the same
+        for the whole batch of episodes (one serving() block), every turn re-prefills its history."""
+        c = self.config
+        first = batch[0].data
+        rng = torch.Generator().manual_seed(c.seed * 2**32 + (first["val"]["row"] if "val" in first else first["id"]))
+        episodes = Episodes(self.ctx, self.env, None, c.max_new_tokens)
+
+        async def sample(histories, temps, cap):
+            temps = [c.temperature if t is None else t for t in temps]
+            return await asyncio.to_thread(sample_responses, self.model, self.tokenizer, histories, cap, temps,
+                                           c.top_k or None, rng, None, c.min_new_tokens, self.stop_ids)
+        async with self.weight_sync.serving() as self.version:
+            with self.ctx.span(span, prompts=len(batch), version=self.version):
+                groups = await hf_episodes(episodes, batch, plans, sample, self.version)
+        for msg, group in zip(batch, groups):
             item = {**self._fields(msg), "version": self.version, "samples": group}
             await self.ctx.outputs["samples"].send(item, **{**msg.meta, "version": self.version})
 

@@ -173,3 +173,49 @@ class Episodes:
         for task in self.steps:
             task.cancel()
         self.factory.close()
+
+
+async def hf_episodes(episodes: Episodes, msgs: list, plans: list, sample, version: int) -> list[list[dict]]:
+    """The HF loop's episodes (generator.backend=hf): each prompt's group of episodes, turn by turn
+    in lockstep: every live episode's whole history (prompt + response so far) is re-prefilled and
+    sampled in one sample_responses call `sample(histories, temperatures, caps)`, then their
+    environment steps run concurrently. Simpler than the static decoder's slots (no KV cache kept
+    across turns; one slow environment holds the batch's next turn). Returns the final samples per
+    prompt, in order."""
+    groups = [await episodes.start(m, plan, None) for m, plan in zip(msgs, plans)]
+    out: list[list] = [[None] * len(runs) for runs in groups]
+    live = []
+    for g, runs in enumerate(groups):
+        for j, r in enumerate(runs):
+            r.tag = (g, j)
+            episodes.counts["episodes"] += 1
+            if r.prompt_ids:
+                live.append(r)
+            else:
+                out[g][j] = episodes._final(r)
+    while live:
+        caps = [r.ep.turn_token_limit(episodes.max_new_tokens) for r in live]
+        samples = await sample([r.prompt_ids + r.response_ids for r in live], [r.temperature for r in live], max(caps))
+        turns = []
+        for r, s, cap in zip(live, samples, caps):
+            ids, lps = s["response_ids"][:cap], s["logprobs"][:cap]
+            finished = bool(ids) and len(ids) == len(s["response_ids"]) and s["finished"]
+            r.response_ids += ids
+            r.loss_mask += [1] * len(ids)
+            r.logprobs += lps
+            r.token_versions += [version] * len(ids)
+            r.finished = finished
+            episodes.counts["turns"] += 1
+            turns.append(episodes._step(r, ids, finished))
+        still = []
+        for r, turn in zip(live, await asyncio.gather(*turns)):
+            if turn.done or not turn.append_ids:
+                out[r.tag[0]][r.tag[1]] = episodes._final(r)
+                continue
+            r.response_ids += list(turn.append_ids)
+            r.loss_mask += [0] * len(turn.append_ids)
+            r.logprobs += [0.0] * len(turn.append_ids)
+            r.token_versions += [version] * len(turn.append_ids)
+            still.append(r)
+        live = still
+    return out

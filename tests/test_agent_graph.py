@@ -50,20 +50,22 @@ def _run(graph_file: str, overrides: list[str], run_dir: Path, max_steps: int, t
 
 
 @pytest.mark.usefixtures("ray_instance")
-def test_three_turn_samples_are_exact_against_the_episode_and_the_model(tmp_path, model_dir):
+@pytest.mark.parametrize("backend", ["static", "hf"])
+def test_three_turn_samples_are_exact_against_the_episode_and_the_model(tmp_path, model_dir, backend):
     """CopyDigits (3 turns) through prompts -> generator -> recorder (tests/graphs/agent_probe.py):
     every sample is prompt + 3 sampled turns with the environment's tokens between them; the mask,
     log-probs and versions line up with the ids; each sampled turn decodes to the chat's assistant
     message and each environment part to the next "copy <digit>"; and every behaviour log-prob is
     the model's own on the whole sequence (one unpadded forward): the turns decoded from the slot's
-    extended KV cache are the model's distribution on the full history. The environment's steps are
-    "env step" slices in the trace."""
+    extended KV cache (static; the HF loop re-prefills the history) are the model's distribution on
+    the full history. The environment's steps are "env step" slices in the trace."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run_dir, trace = tmp_path / "run", tmp_path / "trace.json"
     summary = _run("tests/graphs/agent_probe.py", [
         f"policy.path={model_dir}", f"prompts.path={_data(tmp_path / 'd.jsonl', 4)}", f"env.path={ENV}",
-        "env.name=CopyDigits", "generator.group_size=2", "generator.max_new_tokens=4", "generator.seed=5"],
+        "env.name=CopyDigits", "generator.group_size=2", "generator.max_new_tokens=4", "generator.seed=5",
+        f"generator.backend={backend}"],
         run_dir, max_steps=4, trace=trace)
     assert summary.steps == 4
     items = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
