@@ -330,11 +330,22 @@ class Generator(Node):
                     continue
                 if episodes and not dec.decoding:
                     # every live episode waits on its environment (or its start): wait here, out of
-                    # serving(), so the weights may switch meanwhile (module docstring)
-                    starting = [waiting[0][1]] if waiting else []
-                    if not (dec.free_slots() and starting and starting[0].done()):
-                        await episodes.wait(starting, 0.05 if dec.free_slots() else 1.0)
-                        if not episodes.done_steps and not (starting and starting[0].done()):
+                    # serving(), so the weights may switch meanwhile (module docstring); meanwhile
+                    # free slots take new prompts
+                    if not waiting and not ended and dec.free_slots() >= c.group_size:
+                        try:
+                            waiting.append(take(prompts.recv_nowait()))
+                        except WouldBlock:
+                            pass
+                        except EndOfChannel:
+                            ended = True
+
+                    def admissible() -> bool:
+                        return bool(waiting) and waiting[0][1].done() and \
+                            dec.free_slots() >= len(self._plan(waiting[0][0]))
+                    if not episodes.done_steps and not admissible():
+                        await episodes.wait([waiting[0][1]] if waiting else [], 0.05 if dec.free_slots() else 1.0)
+                        if not episodes.done_steps and not admissible():
                             continue
                 async with self.weight_sync.serving() as self.version:
                     await asyncio.to_thread(dec.refresh)   # re-captures graphs if weights moved
