@@ -40,8 +40,9 @@ user's environment, which runs here, inside the generator (nodes/generator_episo
 whose turn ends waits (parked, its KV cache kept) while its environment step runs on this actor's
 event loop and the other slots keep decoding; the environment's tokens are then prefilled after the
 slot's cache (no re-prefill of the history) and the next turn decodes. A group goes downstream
-once all its episodes ended. Static decoder only (the HF and vLLM backends are refused with
-env.path); stop_strings do not apply to episodes.
+once all its episodes ended. The HF loop runs episodes too, simpler: each turn re-prefills the
+whole history, a batch's episodes turn in lockstep (nodes/generator_episodes.hf_episodes). vLLM
+is refused with env.path (not built yet). stop_strings do not apply to episodes.
 
 Determinism: the static decoder's noise is a function of (seed, prompt id, sample index, token
 index) only, so a prompt samples the same responses on any replica, in any batch or slot, after a
