@@ -167,3 +167,31 @@ def test_critic_gae_skips_environment_tokens_as_verl_does():
     assert torch.allclose(ours, ref * mask, atol=1e-14)
     assert torch.allclose(returns, ref_returns * mask, atol=1e-14)
     assert torch.equal(ours * (1 - mask), torch.zeros_like(ours))
+
+
+def test_critic_values_and_advantages_of_an_episode_skip_its_environment_tokens():
+    """nodes/critic.advantages_for on episode samples: per-token lists as long as the response,
+    0 on the environment tokens, and the advantages of the sampled tokens those of GAE over the
+    sampled tokens alone (the environment tokens cut out of the sequence)."""
+    from nodes.critic import CriticConfig, advantages_for
+    from rl.models import ValueModel
+
+    tok = build_tokenizer()
+    base = _model(tok)
+    samples = _episodes(tok, base)
+    for s in samples:
+        last = max(i for i, m in enumerate(s["loss_mask"]) if m)
+        s["token_rewards"] = [s["score"] if i == last else 0.0 for i in range(len(s["response_ids"]))]
+    critic = ValueModel.from_policy(base).double().eval()
+    c = CriticConfig(gamma=0.9, lam=0.8)
+    advantages_for(critic, [{"samples": samples}], tok.pad_token_id, c, "cpu")
+    for s in samples:
+        n, mask = len(s["response_ids"]), s["loss_mask"]
+        assert len(s["values"]) == len(s["advantages"]) == len(s["returns"]) == n
+        assert all(a == 0.0 and v == 0.0 for a, v, m in zip(s["advantages"], s["values"], mask) if not m)
+        kept = [i for i in range(n) if mask[i]]
+        v = torch.tensor([[s["values"][i] for i in kept]], dtype=torch.float64)
+        r = torch.tensor([[s["token_rewards"][i] for i in kept]], dtype=torch.float64)
+        ref, _ = gae_advantages(r, v, torch.ones_like(v), 0.9, 0.8)
+        got = torch.tensor([s["advantages"][i] for i in kept], dtype=torch.float64)
+        assert torch.allclose(got, ref[0].to(got.dtype), atol=1e-6)
