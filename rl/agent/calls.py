@@ -34,9 +34,10 @@ class EpisodeTimeout(EnvFailure):
 
 
 def one_line(e: BaseException, limit: int = 200) -> str:
-    """`Type: first line of the message`, at most `limit` characters."""
+    """`Type: first line of the message`, at most `limit` characters (the message alone for an
+    error that names its type itself: one raised in an environment's own process)."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    line = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    line = text if getattr(e, "names_its_type", False) else f"{type(e).__name__}: {text}" if text else type(e).__name__
     return line if len(line) <= limit else line[:limit - 3] + "..."
 
 

@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from dataflow.checks import AtLeast, ExistingPath, NonNegative, Positive
+from dataflow.errors import UserError
+
+
+class EnvLoadError(UserError, ValueError):
+    """An environment file or setting that cannot be used; the message names the file."""
 
 
 @dataclass(kw_only=True)
@@ -39,11 +44,17 @@ class EnvConfig:
     """Longest one environment call (constructor, reset, step, a tool, get_reward, close) may take;
     past it the episode fails (a tool's call returns an error message instead)."""
     episode_timeout_s: Annotated[float, Positive] = 300.0
-    """Longest the environment may take in one episode, all its calls together (decoding time is
-    not counted: a slow GPU or a weight push never fails an episode)."""
-    threads: Annotated[int, AtLeast(1)] = 64
-    """Threads running sync environment code (one pool per generator; async methods run on the
-    event loop). An environment that sleeps or waits on I/O holds a thread, not the loop."""
+    """Longest the environment may take in one episode, all its calls together, each measured from
+    the call to its answer (decoding time is not counted: a slow GPU or a weight push never fails
+    an episode)."""
+    threads: Annotated[int, AtLeast(1)] = 256
+    """Threads running sync environment code (one pool per generator, started as needed; async
+    methods run on the event loop). An environment that sleeps or waits on I/O holds a thread, not
+    the loop. Give at least as many as episodes run at once (the generator's slots: 256 on a GPU by
+    default): a call waiting for a free thread waits inside its step_timeout_s."""
+    isolate: bool = False
+    """Run a gym-style environment in a process of its own per episode, killed when a call runs
+    past step_timeout_s (a hung thread cannot be killed). Costs a process start per episode."""
     non_append_template: Literal["keep", "error"] = "keep"
     """When the chat template re-renders earlier turns differently once a message is added (not
     append-only): keep = keep the history as sampled and render the new messages alone (counted in

@@ -75,11 +75,14 @@ class GymSession:
         self.cls, self.kwargs, self.env = cls, kwargs, None
 
     async def reset(self, call: EnvCalls, row: dict) -> list[dict]:
-        self.env = await call(f"{self.cls.__name__}()", self.cls, **self.kwargs)
+        self.env = await self._build(call)
         first = await call("reset", self.env.reset, **accepted(self.env.reset, row))
         if first is None:
             return prompt_messages(row.get("prompt"))
         return as_messages(first, "reset")
+
+    async def _build(self, call: EnvCalls) -> Any:
+        return await call(f"{self.cls.__name__}()", self.cls, **self.kwargs)
 
     async def step(self, call: EnvCalls, text: str) -> Step:
         out = await call("step", self.env.step, text)
@@ -127,12 +130,11 @@ class ToolSession:
                 if not isinstance(extra, str):
                     raise Garbage(f"reset returned {type(extra).__name__}; TRL's environment_factory form "
                                   "returns None or a text (appended to the last user message)")
-                last = max(i for i, m in enumerate(messages) if m.get("role") == "user") if any(
-                    m.get("role") == "user" for m in messages) else None
-                if last is None:
-                    messages.append({"role": "user", "content": extra})
+                users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+                if users:
+                    messages[users[-1]] = {**messages[users[-1]], "content": messages[users[-1]]["content"] + extra}
                 else:
-                    messages[last] = {**messages[last], "content": messages[last]["content"] + extra}
+                    messages.append({"role": "user", "content": extra})
         return messages if self.in_template else T.system_message(self.schemas, messages)
 
     async def step(self, call: EnvCalls, text: str) -> Step:

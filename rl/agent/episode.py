@@ -31,6 +31,13 @@ if TYPE_CHECKING:
     from rl.agent.loading import EnvFactory
 
 
+COUNTERS = ("tool_calls", "tool_errors", "malformed_tool_calls", "unknown_tool_calls", "bad_tool_arguments",
+            "tool_exceptions", "tool_timeouts", "truncated_observations", "non_append_renders", "truncated_turns",
+            "close_errors")
+"""Every episode's counters (EpisodeResult.counters), all present: tool_errors is the sum of the five
+kinds after it; truncated_turns are turns cut by the token limit (finished=False)."""
+
+
 @dataclass
 class Turn:
     append_ids: list[int]
@@ -91,8 +98,7 @@ class Episode:
         self.turns = 0
         self.failed: str | None = None
         self.ended_by = ""
-        self.counters: dict[str, int] = {"tool_calls": 0, "tool_errors": 0, "truncated_observations": 0,
-                                         "non_append_renders": 0, "truncated_turns": 0, "close_errors": 0}
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._first = 0
         self._closed = False
 
@@ -115,12 +121,13 @@ class Episode:
         tools, generation prompt). [] when that failed (self.failed says why)."""
         try:
             self.messages = await self.session.reset(self.calls, self.row)
-            self._first = len(self.messages)
-            self.prompt_ids = self.factory.renderer.first(self.messages)
         except EnvFailure as e:
             await self._end("failed", f"reset: {e}" if isinstance(e, Garbage) else str(e))
             return []
-        except Exception as e:       # the chat template refused the first messages
+        self._first = len(self.messages)
+        try:
+            self.prompt_ids = self.factory.renderer.first(self.messages)
+        except Exception as e:       # the chat template refused the messages (a role it does not know, ...)
             await self._end("failed", f"rendering the first messages: {one_line(e)}")
             return []
         return list(self.prompt_ids)
@@ -153,6 +160,9 @@ class Episode:
             ids, new = self._observation(sampled_ids, out.messages)
         except TemplateMismatch as e:
             await self._end("failed", str(e))
+            return Turn([], True, self.calls.spent_s - spent)
+        except Exception as e:       # the template refused the messages (Gemma's: roles must alternate)
+            await self._end("failed", f"rendering the observation: {one_line(e)}")
             return Turn([], True, self.calls.spent_s - spent)
         if len(self.response_ids) + len(ids) >= self.cfg.max_episode_tokens:
             await self._end("max_episode_tokens")

@@ -14,32 +14,33 @@ setting the environment cannot give.
 from __future__ import annotations
 
 import inspect
+import os
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Callable
 
-from dataflow.errors import UserError
 from rl.agent import tools as T
-from rl.agent.config import EnvConfig
+from rl.agent.calls import one_line
+from rl.agent.config import EnvConfig, EnvLoadError
 from rl.agent.envs import GymSession, ToolSession
 from rl.agent.episode import Episode
 from rl.agent.render import Renderer
 from rl.rewards import import_user_file
 
 
-class EnvLoadError(UserError, ValueError):
-    """An environment file or setting that cannot be used; the message names the file."""
-
-
 class EnvFactory:
     """Starts episodes of one loaded environment; owns the thread pool its sync code runs in.
 
-    form: "gym", "tools" or "trl"; reward_mode: env | function | sum (EnvConfig.reward);
+    form: "gym", "tools" or "trl" (TRL's environment_factory class);
+    reward_mode: env | function | sum (EnvConfig.reward);
     uses_function: the reward node's function scores the final chat (function, sum).
     """
 
     def __init__(self, cfg: EnvConfig, tokenizer: Any, renderer: Renderer, session: Callable,
-                 form: str, stop_ids: tuple[int, ...] = ()):
+                 form: str, tool_schemas: list[dict], stop_ids: tuple[int, ...] = ()):
         self.cfg, self.tokenizer, self.renderer, self.form = cfg, tokenizer, renderer, form
+        self.tool_schemas = tool_schemas
+        """The tools' OpenAI function schemas ([] for a gym-style class)."""
         self._session = session
         self.reward_mode = cfg.reward
         self.uses_function = cfg.reward in ("function", "sum")
@@ -58,6 +59,8 @@ class EnvFactory:
 
 
 def load_environment(cfg: EnvConfig, tokenizer: Any, stop_ids: tuple[int, ...] | list[int] = ()) -> EnvFactory | None:
+    """The factory of env.path's episodes (None without one), every mistake an EnvLoadError.
+    `tokenizer` renders the chats (its chat template); `stop_ids`: the generator's stop tokens."""
     if not cfg.path:
         if cfg.tools or cfg.name:
             raise EnvLoadError("env.tools / env.name are set but env.path is empty; set env.path=FILE")
@@ -72,24 +75,34 @@ def load_environment(cfg: EnvConfig, tokenizer: Any, stop_ids: tuple[int, ...] |
                                "set one form, not both")
         fns = {name: _tool_function(module, name, path) for name in cfg.tools}
         schemas = [T.tool_schema(fn, f"{path}: tool {name}") for name, fn in fns.items()]
-        form, session = "tools", (lambda: ToolSession(fns, schemas, in_template))
+        form, session = "tools", partial(ToolSession, fns, schemas, in_template)
     else:
         cls = _pick_class(classes, cfg.name, path, vars(module))
         if callable(getattr(cls, "step", None)):
             _check_signatures(cls, path)
             form, schemas = "gym", []
-            session = lambda: GymSession(cls, dict(cfg.kwargs))   # noqa: E731
+            session = partial(GymSession, cls, dict(cfg.kwargs))
+            if cfg.isolate:
+                from rl.agent.isolated_env import IsolatedGymSession
+                in_file = cfg.name or next(k for k, v in classes.items() if v is cls)
+                session = partial(IsolatedGymSession, cls, dict(cfg.kwargs), os.path.abspath(path),
+                                  cfg.step_timeout_s, in_file)
         else:
             methods = T.method_tools(cls)
             schemas = [T.method_schema(cls, name, fn, path) for name, fn in methods.items()]
             form = "trl"
-            session = lambda: ToolSession(methods, schemas, in_template, cls, dict(cfg.kwargs))  # noqa: E731
+            session = partial(ToolSession, methods, schemas, in_template, cls, dict(cfg.kwargs))
+    if cfg.isolate and form != "gym":
+        raise EnvLoadError(f"{path}: env.isolate=true runs a gym-style class (reset and step) in its own process; "
+                           f"this file's form is {form}")
     _check_reward(cfg, form, path, None if cfg.tools else cls)
     try:
         renderer = Renderer(tokenizer, schemas if in_template else None, cfg.non_append_template == "keep")
     except ValueError as e:
         raise EnvLoadError(f"{path}: {e}") from None
-    return EnvFactory(cfg, tokenizer, renderer, session, form, tuple(stop_ids))
+    except Exception as e:           # the template raised on a user/assistant chat
+        raise EnvLoadError(f"{path}: the chat template cannot render a user/assistant chat: {one_line(e)}") from None
+    return EnvFactory(cfg, tokenizer, renderer, session, form, schemas, tuple(stop_ids))
 
 
 def _tool_function(module, name: str, path: str) -> Callable:
@@ -111,8 +124,9 @@ def _pick_class(classes: dict[str, type], name: str, path: str, namespace: dict)
             raise EnvLoadError(f"{path}: class {name} has no reset method; an environment class defines "
                                "reset(**row) and step(action), or reset and tool methods (TRL's form)")
         return cls
-    gym = sorted(k for k, c in classes.items() if callable(getattr(c, "reset", None)) and callable(getattr(c, "step", None)))
-    trl = sorted(k for k, c in classes.items() if callable(getattr(c, "reset", None)) and T.method_tools(c))
+    resettable = {k: c for k, c in classes.items() if callable(getattr(c, "reset", None))}
+    gym = sorted(k for k, c in resettable.items() if callable(getattr(c, "step", None)))
+    trl = sorted(k for k, c in resettable.items() if T.method_tools(c))
     for found, what in ((gym, "reset and step"), (trl, "reset and public tool methods")):
         if len(found) > 1:
             raise EnvLoadError(f"{path}: several classes have {what}: {', '.join(found)}; "

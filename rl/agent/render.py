@@ -38,8 +38,8 @@ class TemplateMismatch(ValueError):
 class Renderer:
     """Renders chats with one tokenizer's template, for one environment's tool schemas.
 
-    `tools` (OpenAI function schemas) are passed as `tools=` when `tools_in_template`, else the
-    caller has put them in a system message already (rl/agent/tools.py).
+    `tools`: OpenAI function schemas passed as `tools=` to every render; empty when the template
+    has no tools section (the tools are then in a system message: rl/agent/tools.py).
     """
 
     def __init__(self, tokenizer: Any, tools: list[dict] | None = None, keep_on_mismatch: bool = True):
@@ -49,14 +49,15 @@ class Renderer:
         self.tokenizer = tokenizer
         self.tools = list(tools or [])
         self.keep_on_mismatch = keep_on_mismatch
-        before, after = self._around_sentinel([{"role": "user", "content": "x"}])
-        self.tail = after
+        self.tail = self._around_sentinel([{"role": "user", "content": "x"}])[1]
         """The template's text after an assistant message's content ("<|im_end|>\\n" in ChatML)."""
         tail_ids = self.encode(self.tail)
-        self.end_of_turn_id: int | None = tail_ids[0] if tail_ids and self._is_special(tail_ids[0]) else None
+        first = self.tokenizer.convert_ids_to_tokens(tail_ids[0]) if tail_ids else ""
+        special = bool(tail_ids) and tail_ids[0] in set(self.tokenizer.all_special_ids) | set(
+            getattr(self.tokenizer, "added_tokens_decoder", {}))
+        self.end_of_turn_id: int | None = tail_ids[0] if special and self.tail.startswith(first) else None
         """The first token of `tail` when it is a special token: the model stops on it."""
-        self._tail_rest = self.tail[len(self.tokenizer.convert_ids_to_tokens(self.end_of_turn_id)):] \
-            if self.end_of_turn_id is not None else self.tail
+        self._tail_rest = self.tail[len(first):] if self.end_of_turn_id is not None else self.tail
 
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
         kwargs = {"tools": self.tools} if self.tools else {}
@@ -65,10 +66,6 @@ class Renderer:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def _is_special(self, token_id: int) -> bool:
-        return token_id in set(self.tokenizer.all_special_ids) or \
-            self.tokenizer.convert_ids_to_tokens(token_id) in getattr(self.tokenizer, "added_tokens_encoder", {})
 
     def _around_sentinel(self, history: list[dict]) -> tuple[str, str]:
         text = self.render(history + [{"role": "assistant", "content": SENTINEL}], generation_prompt=False)

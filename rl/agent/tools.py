@@ -27,7 +27,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from dataflow.errors import UserError
+from rl.agent.config import EnvLoadError
 
 CALL_PATTERN = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 OPEN_TAG = "<tool_call>"
@@ -41,12 +41,12 @@ SYSTEM_PROMPT = (
 
 
 def tool_schema(fn: Callable, where: str) -> dict:
-    """The OpenAI function schema of a typed, documented function; UserError naming `where`."""
+    """The OpenAI function schema of a typed, documented function; EnvLoadError naming `where`."""
     from transformers.utils import get_json_schema
     try:
         return get_json_schema(fn)
     except Exception as e:   # TypeHintParsingException, DocstringParsingException
-        raise UserError(f"{where}: {e}; a tool needs a type hint on every argument and a docstring "
+        raise EnvLoadError(f"{where}: {e}; a tool needs a type hint on every argument and a docstring "
                         "describing it and each argument (Google style: Args:)") from None
 
 
