@@ -96,7 +96,10 @@ async def play(model, tokenizer, rows: list[dict], task: str, samples: int, temp
                 chunk = live[start:start + batch]
                 seqs = [ep.prompt_ids + ep.response_ids for ep, _ in chunk]
                 limits = [ep.turn_token_limit(settings["max_turn_tokens"]) for ep, _ in chunk]
+                t = time.perf_counter()
                 turns = decode_batch(model, tokenizer, seqs, limits, factory.stop_ids, temperature)
+                print(f"judge: {len(chunk)} of {len(live)} live episodes decoded a turn in "
+                      f"{time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
                 await asyncio.gather(*(ep.step(ids, stopped) for (ep, _), (ids, stopped) in zip(chunk, turns)))
         return [{"row": r, **vars(ep.result())} for ep, r in episodes]
     finally:
