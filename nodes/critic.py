@@ -111,7 +111,7 @@ def critic_update(model, optimizer, samples: list[dict], pad_id: int, c: CriticC
         for start in range(0, len(order), c.minibatch_size):
             mb = [samples[i] for i in order[start:start + c.minibatch_size]]
             batch = pad_batch(mb, pad_id, token_keys=("values", "returns"), device=device, multiple_of=COLUMN_MULTIPLE)
-            mask = batch["response_mask"]
+            mask = batch["loss_mask"]          # an episode's environment tokens are not regressed on
             row_tokens = mask.sum(1).tolist()   # read once: slice weights are Python floats from these
             mb_tokens = max(sum(row_tokens), 1.0)
             lengths = sample_lengths(mb)
@@ -185,11 +185,14 @@ def advantages_for(model, items: list[dict], pad_id: int, c: CriticConfig, devic
         processed = int(ranks.sum_over_dp({"p": processed})["p"])   # every rank's passes
         batch = {k: v[:num] if torch.is_tensor(v) else v for k, v in batch.items()}
     tokens = {"critic/tokens_processed": processed, "critic/tokens_real": sum(map(sum, lengths[:num]))}
-    mask = batch["response_mask"]
+    # GAE over the sampled tokens only: an episode's environment tokens (loss_mask 0) are skipped,
+    # the recursion jumping from a turn's last token to the next turn's first (verl's multi-turn
+    # GAE, compute_gae_advantage_return with its response_mask); their values, advantages are 0.
+    mask = batch["loss_mask"]
     values = values * mask
     advantages, returns = gae_advantages(batch["token_rewards"], values, mask, c.gamma, c.lam)
     for key, tensor in (("values", values), ("advantages", advantages), ("returns", returns)):
-        for s, row in zip(samples, unpad_tokens(tensor, mask)):
+        for s, row in zip(samples, unpad_tokens(tensor, batch["response_mask"])):
             s[key] = row
     return {"critic/values": masked_mean(values, mask).item(), "critic/returns": masked_mean(returns, mask).item(),
             **tokens}

@@ -35,6 +35,14 @@ the training temperature. In the continuous decoder they share decode steps with
 (the span "generate val" on the track "val" marks them); the HF loop decodes them in calls of their
 own (span "generate val").
 
+Multi-turn episodes (env.path set; graphs/agent.py): each sample of a group is an episode of the
+user's environment, which runs here, inside the generator (nodes/generator_episodes.py): a slot
+whose turn ends waits (parked, its KV cache kept) while its environment step runs on this actor's
+event loop and the other slots keep decoding; the environment's tokens are then prefilled after the
+slot's cache (no re-prefill of the history) and the next turn decodes. A group goes downstream
+once all its episodes ended. Static decoder only (the HF and vLLM backends are refused with
+env.path); stop_strings do not apply to episodes.
+
 Determinism: the static decoder's noise is a function of (seed, prompt id, sample index, token
 index) only, so a prompt samples the same responses on any replica, in any batch or slot, after a
 restart or a resume (up to float differences between batch shapes). The HF loop seeds a
@@ -54,8 +62,10 @@ from dataflow import Node
 from dataflow.channel import EndOfChannel, WouldBlock
 from dataflow.checks import AtLeast, Each, NonNegative
 from dataflow.errors import UserError
+from nodes.generator_episodes import Episodes
 from nodes.generator_reports import Drain, ValidationSpan
 from rl import policy
+from rl.agent import EnvConfig, load_environment
 from rl.decoder_slots import kv_bytes_per_slot, prompts_per_call, room_bytes
 from rl.decoding import StaticDecoder, sample_key, unsupported_reason
 from rl.models import cut_at_stop_strings, sample_responses
@@ -122,6 +132,9 @@ class GeneratorConfig:
     at most max_new_tokens (empty = off): a per-row length, e.g. a long-tailed benchmark's
     (bench/partial_rollout.py)."""
     seed: int = 0
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn episodes: the user's environment or tools (rl/agent/config.py; graphs/agent.py
+    sets it from its env.* settings). env.path "" = single-turn responses."""
 
     def preflight(self) -> list[str]:
         """backend=vllm where vllm is not installed: one line, before anything starts."""
@@ -159,6 +172,14 @@ class Generator(Node):
                          + (f" and strings {c.stop_strings}" if c.stop_strings else ""))
         backend, why = choose_backend(c.backend, unsupported_reason(self.model), self.ctx.device)
         self.ctx.log(f"generator: backend {backend} ({why})")
+        self.env = None
+        if c.env.path:
+            if backend != "static":
+                raise UserError(f"generator: env.path (multi-turn episodes) runs on the static decoder only, and "
+                                f"the backend is {backend} ({why}); use a llama / qwen2 policy with "
+                                "generator.backend=static or auto")
+            with self.ctx.span("load environment"):
+                self.env = load_environment(c.env, self.tokenizer, self.stop_ids)
         if backend != "static" and (c.partial_rollout or c.max_new_tokens_key):
             self.ctx.log(f"generator: partial_rollout and max_new_tokens_key are the static decoder's: the {backend} "
                          "backend drains its requests before each weight switch and ignores per-row caps")
@@ -174,7 +195,10 @@ class Generator(Node):
         if backend == "hf":
             return
         max_pos = self.model.config.max_position_embeddings
-        self.max_prompt = c.max_prompt_tokens or min(max(max_pos - c.max_new_tokens, 256), 1024)
+        # an episode's slot holds its prompt and every turn's sampled and environment tokens
+        self.max_response = c.env.max_episode_tokens if self.env else c.max_new_tokens
+        turn_tokens = max(c.max_new_tokens, c.env.max_turn_tokens) if self.env else c.max_new_tokens
+        self.max_prompt = c.max_prompt_tokens or min(max(max_pos - self.max_response, 256), 1024)
         if backend == "vllm":
             from rl.vllm_engine import build_decoder
             # a minute or so: in a thread, so the actor keeps answering (weight sync, channels)
@@ -187,7 +211,7 @@ class Generator(Node):
         if c.prompts_per_call == 0:
             # A real model's slot is large (SmolLM2: 30 layers x 1,152 positions, 53 MiB in fp32 on a
             # CPU; 32 prompts x 8 would be 13 GiB): auto takes fewer slots where they do not fit.
-            slot = kv_bytes_per_slot(self.model, self.max_prompt + c.max_new_tokens)
+            slot = kv_bytes_per_slot(self.model, self.max_prompt + self.max_response)
             room = room_bytes(self.ctx.device, self.ctx.gpu_share)
             wanted = self.prompts_per_call     # auto without the memory rule (set above)
             self.prompts_per_call = prompts_per_call(c, self.ctx.device, slot, room)
@@ -198,8 +222,8 @@ class Generator(Node):
                              "(and generator.max_prompt_tokens) to choose")
         with self.ctx.span("build decoder"):
             self.decoder = StaticDecoder(
-                self.model, self.prompts_per_call * c.group_size, self.max_prompt + c.max_new_tokens,
-                eos_id=self.stop_ids, max_new_tokens=c.max_new_tokens,
+                self.model, self.prompts_per_call * c.group_size, self.max_prompt + self.max_response,
+                eos_id=self.stop_ids, max_new_tokens=turn_tokens,
                 min_new_tokens=c.min_new_tokens, temperature=c.temperature, top_k=c.top_k,
                 seed=c.seed, cuda_graphs=c.cuda_graphs, compile_layers=c.compile)
 
@@ -255,8 +279,30 @@ class Generator(Node):
         ended, number = False, 0
         val_span, drain = ValidationSpan(self.ctx), Drain(self.ctx, dec.num_slots)
         partial = c.partial_rollout and isinstance(dec, StaticDecoder)   # vLLM's requests drain (logged)
-        if partial:
+        # Episodes: a group is admitted once its starts are done; each turn's end goes to the
+        # environment; a group's counter falls as its episodes end (nodes/generator_episodes.py).
+        episodes = Episodes(self.ctx, self.env, dec, c.max_new_tokens) if self.env else None
+        if partial or episodes:
             dec.token_versions = True
+
+        def take(msg):
+            if episodes is None:
+                return msg, self._tokenize(msg)
+            return msg, episodes.start(msg, self._plan(msg), None)
+
+        def finish(n: int, j: int, sample: dict) -> None:
+            group = groups[n]
+            group[1][j] = sample if episodes else self._stop_strings(sample)
+            group[2] -= 1
+            if group[2] == 0:
+                del groups[n]
+                msg = group[0]
+                val_span.finished(msg)
+                # the version admitted under: its oldest token's (partial rollout, episodes)
+                item = ({**self._fields(msg), "version": group[3], "samples": group[1]},
+                        {**msg.meta, "version": group[3]})
+                if ready or not emit(item):   # keep the order of completion
+                    ready.append(item)
 
         def emit(item) -> bool:     # never wait for room while holding the weights
             try:
@@ -275,16 +321,24 @@ class Generator(Node):
                 if not waiting and not ended and not dec.active:   # live slots (partial rollout): no wait
                     try:
                         for msg in await prompts.recv_batch(self.prompts_per_call, 0.02):
-                            waiting.append((msg, self._tokenize(msg)))
+                            waiting.append(take(msg))
                     except EndOfChannel:
                         ended = True
                 if not waiting and not dec.active:
                     if ended:
                         return
                     continue
+                if episodes and not dec.decoding:
+                    # every live episode waits on its environment (or its start): wait here, out of
+                    # serving(), so the weights may switch meanwhile (module docstring)
+                    starting = [waiting[0][1]] if waiting else []
+                    if not (dec.free_slots() and starting and starting[0].done()):
+                        await episodes.wait(starting, 0.05 if dec.free_slots() else 1.0)
+                        if not episodes.done_steps and not (starting and starting[0].done()):
+                            continue
                 async with self.weight_sync.serving() as self.version:
                     await asyncio.to_thread(dec.refresh)   # re-captures graphs if weights moved
-                    if partial:
+                    if partial or episodes:
                         dec.set_version(self.version)      # live slots' next tokens are this version's
                     with self.ctx.span("generate", version=self.version):
                         while True:
@@ -297,6 +351,12 @@ class Generator(Node):
                             # bench/RESULTS.md, "our GRPO and TRL's GRPOTrainer back to back").
                             while ready and emit(ready[0]):
                                 ready.popleft()
+                            if episodes:   # environment steps that ended: extend their slots or finish
+                                extend, final = episodes.harvest()
+                                for (n, j), sample in final:
+                                    finish(n, j, sample)
+                                if extend:
+                                    await asyncio.to_thread(dec.extend, extend)
                             admit = []
                             newer = self.ctx.latest_version(self.weight_sync.edge) > self.version
                             drain.newer(newer)
@@ -305,45 +365,53 @@ class Generator(Node):
                             while not newer and not ready and dec.free_slots() - len(admit) >= c.group_size:
                                 if not waiting and not ended:
                                     try:
-                                        msg = prompts.recv_nowait()
-                                        waiting.append((msg, self._tokenize(msg)))
+                                        waiting.append(take(prompts.recv_nowait()))
                                     except WouldBlock:
                                         break
                                     except EndOfChannel:
                                         ended = True
                                         break
-                                if not waiting:
+                                if not waiting or (episodes and not waiting[0][1].done()):
                                     break
                                 plan = self._plan(waiting[0][0])
                                 if dec.free_slots() - len(admit) < len(plan):   # a larger validation group
                                     break
                                 msg, ids = waiting.popleft()
                                 groups[number] = [msg, [None] * len(plan), len(plan), self.version]
-                                cap = self._cap(msg)
-                                admit += [(ids, (number, j), key, temp, cap) for j, (key, temp) in enumerate(plan)]
                                 val_span.admitted(msg)
+                                if episodes:
+                                    requests, failed = episodes.admit(self._episode_prompts(msg, ids.result()), number)
+                                    admit += requests
+                                    for (n, j), sample in failed:
+                                        finish(n, j, sample)
+                                else:
+                                    cap = self._cap(msg)
+                                    admit += [(ids, (number, j), key, temp, cap) for j, (key, temp) in enumerate(plan)]
                                 number += 1
                             if admit:
-                                await asyncio.to_thread(dec.add, admit)
-                            if not dec.active:
+                                await asyncio.to_thread(dec.add, admit, episodes is not None)
+                            if not dec.decoding:   # idle, or (episodes) every slot waits on its environment
                                 break
                             drain.stepping(dec.free_slots())
-                            for (n, j), sample in await asyncio.to_thread(dec.step):
-                                group = groups[n]
-                                group[1][j] = self._stop_strings(sample)
-                                group[2] -= 1
-                                if group[2] == 0:
-                                    del groups[n]
-                                    msg = group[0]
-                                    val_span.finished(msg)
-                                    # the version admitted under: its oldest token's (partial rollout)
-                                    item = ({**self._fields(msg), "version": group[3], "samples": group[1]},
-                                            {**msg.meta, "version": group[3]})
-                                    if ready or not emit(item):   # keep the order of completion
-                                        ready.append(item)
+                            for tag, sample in await asyncio.to_thread(dec.step):
+                                if episodes:
+                                    episodes.turn_ended(tag, sample)     # tag: the episode
+                                else:
+                                    finish(*tag, sample)
                         drain.ended()     # the slots are empty, or (partial rollout) newer weights are due
         finally:
             val_span.close()
+            if episodes:
+                episodes.close()
+
+    def _episode_prompts(self, msg, runs: list) -> list:
+        """The started episodes of msg's group, their first renders checked against the slots."""
+        for r in runs:
+            if len(r.prompt_ids) > self.max_prompt:
+                raise UserError(f"generator: prompt {msg.data['id']} renders to {len(r.prompt_ids)} tokens in its "
+                                f"episode's first turn, more than generator.max_prompt_tokens={self.max_prompt}; "
+                                "raise it")
+        return runs
 
     async def _run_batched(self):
         prompts = self.ctx.inputs["prompts"]

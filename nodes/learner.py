@@ -399,6 +399,12 @@ class Learner(RankCommands, Node):
                 }
                 if c.record_prompt_ids:
                     metrics["prompt_ids"] = [item["id"] for item in items]
+                episodes = [s for s in samples if "env" in s]    # multi-turn (nodes/generator_episodes.py)
+                if episodes:
+                    metrics.update({"env/turns": sum(s["turns"] for s in episodes) / len(episodes),
+                                    "env/failed": sum(bool(s["env"]["failed"]) for s in episodes),
+                                    "env/env_s": sum(s["env"]["env_s"] for s in episodes) / len(episodes),
+                                    "env/trained_tokens": sum(sum(s["loss_mask"]) for s in episodes) / len(episodes)})
                 t_last = now
                 go_on = await self.ctx.step_done(metrics)
             # Checkpoint before the new weights go out: in synchronous mode nothing of the next

@@ -15,6 +15,11 @@ timeouts (at most every `log_every_s`). A reward that fails for every response o
 `max_failed_batches` consecutive batches stops the run, naming the function, its file and the
 first error.
 
+Multi-turn episodes (samples with "env", nodes/generator_episodes.py): env.reward=env takes the
+episode's reward as the score, the function is not called; function scores the episode's final
+assistant message with the function (or the built-in task's scorer); sum adds both. A failed
+episode is a failed response (its reason as the error). The score sits on the last sampled token.
+
 Validation items (data "val", nodes/evaluator.py) are scored the same way, keep each response's
 decoded "text", and go out on the port `validation` to the evaluator, never on `scored`: the
 reference, critic and learner never see them. That port exists on RewardWithValidation, the kind a
@@ -122,6 +127,35 @@ class Reward(Node):
             s["timed_out"] = outcome.timed_out
             s["token_rewards"] = _on_last_token(s)
 
+    async def _score_episodes(self, items: list[dict]) -> None:
+        """Scores of episodes (module docstring): the environment's reward, the function's score of
+        the final assistant message, or both."""
+        samples = [(item, s) for item in items for s in item["samples"]]
+        scored = [(item, s) for item, s in samples if s["env"]["reward_mode"] in ("function", "sum")]
+        if scored and self.runner is not None:
+            outcomes = await self.runner.score([Request(item["prompt"], s["env"]["final_text"], item["fields"],
+                                                        list(s["response_ids"])) for item, s in scored])
+        else:
+            outcomes = [None] * len(scored)
+        by_sample = {id(s): outcome for (_, s), outcome in zip(scored, outcomes)}
+        for item, s in samples:
+            env, error, timed_out = s["env"], "", False
+            s["text"] = env["final_text"]
+            score = env["reward"] if env["reward_mode"] in ("env", "sum") else 0.0
+            if env["reward_mode"] in ("function", "sum"):
+                if self.runner is None:
+                    score = (score or 0.0) + float(tasks.score(item["fields"], env["final_text"]))
+                else:
+                    outcome = by_sample[id(s)]
+                    timed_out = outcome.timed_out
+                    error = "" if outcome.error is None else f"prompt {item['id']}: {outcome.error}"
+                    score = None if outcome.score is None else (score or 0.0) + outcome.score
+            if env["failed"]:
+                error, score = f"prompt {item['id']}: episode failed: {env['failed']}", None
+            s["failed"], s["score"] = score is None, 0.0 if score is None else float(score)
+            s["error"], s["timed_out"] = error, timed_out
+            s["token_rewards"] = _on_last_token(s)
+
     def _account(self, items: list[dict]) -> None:
         """Counters, the on-screen line, and the stop after max_failed_batches all-failed batches."""
         samples = [s for item in items for s in item["samples"]]
@@ -151,8 +185,10 @@ class Reward(Node):
                 self.failing_prompts = 0
         k, per_batch = self.config.max_failed_batches, self.config.items_per_call
         if k > 0 and self.failing_prompts >= k * per_batch:
+            what = "the episodes" if any("env" in s for item in items for s in item["samples"]) else (
+                f"reward function {self.fn.where}" if self.fn else "the built-in scorer")
             raise RewardFailing(
-                f"reward function {self.fn.where} failed for every response of {self.failing_prompts} "
+                f"{what} failed for every response of {self.failing_prompts} "
                 f"consecutive prompts (reward.max_failed_batches={k} batches of reward.items_per_call="
                 f"{per_batch}); first error: "
                 f"{self.streak_first_error}. Fix the function (or the fields it reads), or set "
@@ -197,7 +233,9 @@ class Reward(Node):
             async for batch in inp.batches(self.config.items_per_call, 0.01):
                 items = [m.data for m in batch]
                 with self.ctx.span("score", items=len(batch)):
-                    if self.runner is None:
+                    if any("env" in s for item in items for s in item["samples"]):
+                        await self._score_episodes(items)
+                    elif self.runner is None:
                         await asyncio.to_thread(lambda items=items: [self._score_builtin(item) for item in items])
                     else:
                         await self._score_with_fn(items)
@@ -221,8 +259,10 @@ class Reward(Node):
 
 
 def _on_last_token(s: dict) -> list[float]:
-    n = len(s["response_ids"])
-    return [0.0] * (n - 1) + [s["score"]] if n else []
+    """The score on the last trained token (an episode's may end with environment tokens)."""
+    n, mask = len(s["response_ids"]), s.get("loss_mask")
+    last = max((i for i, m in enumerate(mask) if m), default=n - 1) if mask else n - 1
+    return [0.0] * last + [s["score"]] + [0.0] * (n - 1 - last) if n else []
 
 
 class RewardWithValidation(Reward):

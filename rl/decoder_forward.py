@@ -122,6 +122,44 @@ def prefill(dec, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> 
     return dec.model.lm_head(inner.norm(last)).float()
 
 
+def extend_prefill(dec, ids: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor,
+                   slots: torch.Tensor) -> torch.Tensor:
+    """Right-padded continuations [n, A] of live slots (a multi-turn episode's next turn: the last
+    sampled token, then the environment's tokens) -> their K/V into `slots` at positions
+    starts .. starts + lens - 1, float32 logits [n, V] at each last token. The slots' earlier K/V
+    stay as they are and are attended to: only the appended tokens are computed (no re-prefill of
+    the history). A padding position's K/V is never written."""
+    inner = dec.model.model
+    n, A = ids.shape
+    pos = starts[:, None] + torch.arange(A, device=ids.device)[None]          # [n, A]
+    real = torch.arange(A, device=ids.device)[None] < lens[:, None]            # [n, A]
+    h = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(h, pos)
+    L = int((starts + lens).max())
+    # query i of row r sees cache positions <= starts[r] + i (its history and the new tokens before it)
+    allowed = dec.positions[None, None, :L] <= pos[:, :, None]                 # [n, A, L]
+    mask = torch.zeros(allowed.shape, device=h.device, dtype=h.dtype).masked_fill_(~allowed, float("-inf"))
+    rows, cols = real.nonzero(as_tuple=True)
+    slot_of, at = slots[rows], pos[rows, cols]
+    g = dec.n_head // dec.n_kv
+    for i, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        q, k, v = attention_input(layer, h, cos, sin)                          # k, v [n, A, kv, d]
+        if dec._flash:
+            dec.k_cache[i][slot_of, at], dec.v_cache[i][slot_of, at] = k[rows, cols], v[rows, cols]
+            kc, vc = dec.k_cache[i][slots, :L].transpose(1, 2), dec.v_cache[i][slots, :L].transpose(1, 2)
+        else:
+            dec.k_cache[i][slot_of, :, at] = k[rows, cols]
+            dec.v_cache[i][slot_of, :, at] = v[rows, cols]
+            kc, vc = dec.k_cache[i][slots, :, :L], dec.v_cache[i][slots, :, :L]   # [n, kv, L, d]
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), kc.repeat_interleave(g, 1), vc.repeat_interleave(g, 1),
+            attn_mask=mask[:, None], scale=attn.scaling)
+        h = attention_output(layer, h, o.transpose(1, 2).reshape(n, A, -1))
+    last = h[torch.arange(n, device=h.device), lens - 1]
+    return dec.model.lm_head(inner.norm(last)).float()
+
+
 def decode_logits(dec, B: int, L: int | None = None) -> torch.Tensor:
     """One token for slots [0, B): writes its K/V at `lengths`, float32 logits [B, V].
     Attends over cache positions [0, L) (default all: a fixed shape for CUDA graphs; eager

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from rl.decoder_forward import (attention_input, attention_output, compile_layer_halves, decode_logits,
-                                flash_with_kvcache, prefill, teacher_forced_logits, unsupported_reason)
+                                extend_prefill, flash_with_kvcache, prefill, teacher_forced_logits,
+                                unsupported_reason)
 from rl.sampling import M32, _fmix32, gumbel_noise, sample_key, sample_tokens  # noqa: F401 (decoding.sample_key)
 
 
@@ -49,6 +50,13 @@ class StaticDecoder:
     A sample dict is {"prompt_ids", "response_ids", "logprobs", "finished"} as sample_responses',
     plus "token_versions" with `token_versions=True`: per response token, the weight version that
     sampled it (set_version; partial rollouts, below).
+
+    Multi-turn episodes (nodes/generator.py with env.path): add(..., keep=True) keeps a slot when its
+    sequence finishes a turn: step() returns its sample with "slot", the slot is parked (its KV
+    cache kept, skipped by the decode steps' bookkeeping) until extend() appends the environment's
+    tokens to it (only those are prefilled, after the turn's last sampled token, which was never
+    fed) and decoding resumes, or release() frees it. A turn's noise counter is the token's index
+    in the episode (extend's `noise_start`), so no turn replays another's noise.
     `eos_id`: the stop token id, or a list of them (every one ends a sequence).
     `attention`: "auto" (flash-attn when importable on CUDA, else sdpa), "sdpa" or "flash".
     `cuda_graphs`: None = on CUDA. `compile_sampler`: torch.compile the sampling ops (CUDA; falls
@@ -123,7 +131,8 @@ class StaticDecoder:
         z = dict(device=device, dtype=torch.long)
         self.lengths = torch.zeros(S, **z)          # tokens in the cache (= next write position)
         self.last = torch.zeros(S, **z)             # token to feed at the next step
-        self.n_gen = torch.zeros(S, **z)            # tokens generated so far
+        self.n_gen = torch.zeros(S, **z)            # tokens generated so far (this turn)
+        self.noise_base = torch.zeros(S, **z)       # noise counter of the turn's first token (episodes)
         self.keys = torch.zeros(S, **z)
         self.temps = torch.full((S,), float(self.temperature), device=device, dtype=torch.float32)
         self.alive = torch.zeros(S, device=device, dtype=torch.bool)
@@ -140,6 +149,8 @@ class StaticDecoder:
         self.is_stop = torch.zeros(vocab, device=device, dtype=torch.bool)   # a lookup: capturable
         self.is_stop[self.stop_tensor] = True
         self.slots: list = [None] * S              # (tag, prompt_ids) per busy slot
+        self.keep = [False] * S                     # park the slot when its turn ends (episodes)
+        self.parked: set[int] = set()               # slots between two turns of an episode
         self._versions: list = [None] * S          # per busy slot [(first token index, version)]
         # Slots whose request asked for another temperature than the decoder's (0 = greedy). While
         # there are any, steps sample with the per-slot tensor `temps` (one more graph per bucket);
@@ -165,13 +176,19 @@ class StaticDecoder:
 
     @property
     def active(self) -> int:
+        """Busy slots, parked ones included."""
         return sum(s is not None for s in self.slots)
+
+    @property
+    def decoding(self) -> int:
+        """Busy slots that are not parked (a decode step has work)."""
+        return self.active - len(self.parked)
 
     def free_slots(self) -> int:
         return self.slots.count(None)
 
     # ----- model pieces (rl/decoder_forward.py) ---------------------------------------------------
-    _prefill, _decode_logits = prefill, decode_logits
+    _prefill, _decode_logits, _extend_prefill = prefill, decode_logits, extend_prefill
     teacher_forced_logits = teacher_forced_logits   # dec.teacher_forced_logits(prompts, continuations)
 
     def _sampler(self, *args):
@@ -193,7 +210,7 @@ class StaticDecoder:
         temperature = self.temps[rows] if self._odd_temps else self.temperature
         tok, lp = (sampler or self._sampler)(logits, self.keys[rows], steps, self.vocab_hash,
                                              temperature, self.top_k, self.stop_tensor,
-                                             self.min_new_tokens)
+                                             self.min_new_tokens, steps + self.noise_base[rows])
         col = steps.clamp(max=self.max_new_tokens - 1)
         self.out_tokens[rows, col] = torch.where(live, tok, self.out_tokens[rows, col])
         self.out_logp[rows, col] = torch.where(live, lp, self.out_logp[rows, col])
@@ -246,11 +263,12 @@ class StaticDecoder:
 
     # ----- public API -------------------------------------------------------------------------
     @torch.no_grad()
-    def add(self, requests: list[tuple]) -> None:
+    def add(self, requests: list[tuple], keep: bool = False) -> None:
         """Prefill requests (prompt_ids, tag, key[, temperature[, max_new_tokens]]) into free slots
         (lowest first, so the decode bucket stays small); a request's own temperature (0 = greedy)
         overrides the decoder's for that sequence, its own max_new_tokens (None = the decoder's)
-        caps its response below the decoder's. Raises ValueError if they do not fit."""
+        caps its response below the decoder's. Raises ValueError if they do not fit.
+        keep: park each slot at the end of its turn instead of freeing it (episodes; extend())."""
         if not requests:
             return
         temps = [float(r[3]) if len(r) > 3 and r[3] is not None else float(self.temperature) for r in requests]
@@ -276,7 +294,7 @@ class StaticDecoder:
         rows = torch.tensor(slots, dtype=torch.long).to(dev)
         ids, lens, keys = ids.to(dev), lens.to(dev), keys.to(dev)
         logits = self._prefill(ids, lens, rows)
-        self.lengths[rows], self.keys[rows], self.n_gen[rows] = lens, keys, 0
+        self.lengths[rows], self.keys[rows], self.n_gen[rows], self.noise_base[rows] = lens, keys, 0, 0
         self.temps[rows] = torch.tensor(temps, dtype=torch.float32).to(dev)
         self.caps[rows] = torch.tensor(caps, dtype=torch.long).to(dev)
         self._odd_temps.update(s for s, t in zip(slots, temps) if t != self.temperature)
@@ -284,9 +302,63 @@ class StaticDecoder:
         self._record(rows, logits, torch.ones(len(slots), dtype=torch.bool, device=dev), sample_tokens)
         for s, (p, tag, _) in zip(slots, requests):
             self.slots[s] = (tag, list(p))
+            self.keep[s] = keep
             self._versions[s] = [(0, self.version)]
             self._prompt_len[s], self._added_at[s] = len(p), self._steps
         self.model.train(was_training)
+
+    @torch.no_grad()
+    def extend(self, requests: list[tuple[int, list[int], int, int | None]]) -> None:
+        """Resume parked slots: requests (slot, appended ids, noise_start, max_new_tokens or None).
+        The turn's last sampled token and the appended ids are prefilled after the slot's cache
+        (rl/decoder_forward.extend_prefill), then the next turn is sampled; its token t uses noise
+        counter noise_start + t (the token's index in the episode's response). Raises ValueError
+        for a slot that is not parked or a sequence that would outgrow max_len."""
+        if not requests:
+            return
+        slots = [r[0] for r in requests]
+        if any(s not in self.parked for s in slots):
+            raise ValueError(f"StaticDecoder.extend: slots {slots} are not all parked ({sorted(self.parked)})")
+        starts = self.lengths[torch.tensor(slots, device=self._device)].tolist()
+        last = self.last[torch.tensor(slots, device=self._device)].tolist()
+        new = [[t] + list(ids) for t, (_, ids, _, _) in zip(last, requests)]
+        caps = [max(1, min(int(r[3]), self.max_new_tokens)) if r[3] is not None else self.max_new_tokens
+                for r in requests]
+        for s, start, ids, cap in zip(slots, starts, new, caps):
+            if start + len(ids) + cap > self.max_len:
+                raise ValueError(f"StaticDecoder.extend: slot {s} holds {start} tokens; {len(ids)} more and "
+                                 f"{cap} new ones exceed max_len={self.max_len}")
+        was_training = self.model.training
+        self.model.eval()
+        dev = self._device
+        ids = torch.zeros(len(new), max(map(len, new)), dtype=torch.long)
+        for r, t in enumerate(new):
+            ids[r, :len(t)] = torch.tensor(t, dtype=torch.long)
+        lens = torch.tensor([len(t) for t in new], dtype=torch.long, device=dev)
+        rows = torch.tensor(slots, dtype=torch.long, device=dev)
+        logits = self._extend_prefill(ids.to(dev), lens, torch.tensor(starts, device=dev), rows)
+        self.lengths[rows] = torch.tensor(starts, device=dev) + lens
+        self.n_gen[rows] = 0
+        self.noise_base[rows] = torch.tensor([r[2] for r in requests], dtype=torch.long, device=dev)
+        self.caps[rows] = torch.tensor(caps, dtype=torch.long, device=dev)
+        self._record(rows, logits, torch.ones(len(slots), dtype=torch.bool, device=dev), sample_tokens)
+        for s, start, t in zip(slots, starts, new):
+            self.parked.discard(s)
+            self._versions[s] = [(0, self.version)]
+            self._prompt_len[s], self._added_at[s] = start + len(t), self._steps
+        self.model.train(was_training)
+
+    def release(self, slot: int) -> None:
+        """Free a parked slot (its episode ended)."""
+        self.parked.discard(slot)
+        self._free(slot)
+
+    def _free(self, s: int) -> None:
+        self.slots[s], self.keep[s] = None, False
+        if s in self._odd_temps:
+            self._odd_temps.discard(s)
+            self.temps[s] = float(self.temperature)
+        self.lengths[s] = 0      # a free slot decodes harmlessly at position 0 until refilled
 
     def set_version(self, version: int) -> None:
         """The weights are now `version` (call between step() calls): the live sequences' next
@@ -306,7 +378,7 @@ class StaticDecoder:
     def step(self, num_steps: int | None = None) -> list[tuple[object, dict]]:
         """Up to `num_steps` (default sync_every) decode steps, then [(tag, sample)] for the
         sequences that finished (their slots are free again)."""
-        busy = [i for i, s in enumerate(self.slots) if s is not None]
+        busy = [i for i, s in enumerate(self.slots) if s is not None and i not in self.parked]
         if not busy:
             return []
         # power-of-two bucket covering the busy slots; at least 8 so there are few graphs to capture
@@ -346,12 +418,12 @@ class StaticDecoder:
                       "finished": bool(response) and response[-1] in self.stop_ids}
             if self.token_versions:
                 sample["token_versions"] = expand_versions(self._versions[s], n_gen[i])
+            if self.keep[s]:       # an episode's turn: the slot waits, cache kept, for extend()
+                sample["slot"] = s
+                self.parked.add(s)
+            else:
+                self._free(s)
             out.append((tag, sample))
-            self.slots[s] = None
-            if s in self._odd_temps:
-                self._odd_temps.discard(s)
-                self.temps[s] = float(self.temperature)
-        self.lengths[idx] = 0      # free slots decode harmlessly at position 0 until refilled
         return out
 
 

@@ -48,6 +48,10 @@ def pad_batch(samples: list[dict], pad_id: int, token_keys: tuple[str, ...] = ("
     `multiple_of` (extra right padding; the model passes' batches use COLUMN_MULTIPLE). Returns
       input_ids [B, T] long, attention_mask [B, T] long (1 = real token),
       response_mask [B, T] float (1 = response token), prompt_len P,
+      loss_mask [B, T] float: response_mask times each sample's "loss_mask" (a multi-turn episode's:
+      1 on the sampled tokens, 0 on the environment's; absent = all ones): the tokens that are
+      trained, counted, and enter KL, entropy and advantages. response_mask keeps the layout
+      (per-token lists are read back with it: unpad_tokens),
       and for each key in token_keys (per-response-token lists, e.g. behaviour "logprobs",
       "token_rewards") a float [B, T] tensor laid on the response columns, 0 elsewhere.
     """
@@ -58,6 +62,7 @@ def pad_batch(samples: list[dict], pad_id: int, token_keys: tuple[str, ...] = ("
     input_ids = torch.full((num, total), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((num, total), dtype=torch.long)
     response_mask = torch.zeros((num, total), dtype=torch.float32)
+    loss_mask = torch.zeros((num, total), dtype=torch.float32)
     per_token = {k: torch.zeros((num, total), dtype=torch.float32) for k in token_keys}
     for i, s in enumerate(samples):
         p, r = s["prompt_ids"], s["response_ids"]
@@ -65,13 +70,20 @@ def pad_batch(samples: list[dict], pad_id: int, token_keys: tuple[str, ...] = ("
         input_ids[i, start:end] = torch.tensor(list(p) + list(r), dtype=torch.long)
         attention_mask[i, start:end] = 1
         response_mask[i, prompt_len:end] = 1
+        if s.get("loss_mask") is None:
+            loss_mask[i, prompt_len:end] = 1
+        elif len(s["loss_mask"]) != len(r):
+            raise ValueError(f"pad_batch: sample {i} has {len(s['loss_mask'])} 'loss_mask' values for "
+                             f"{len(r)} response tokens")
+        else:
+            loss_mask[i, prompt_len:end] = torch.tensor(s["loss_mask"], dtype=torch.float32)
         for k in token_keys:
             if len(s[k]) != len(r):
                 raise ValueError(f"pad_batch: sample {i} has {len(s[k])} {k!r} values for "
                                  f"{len(r)} response tokens")
             per_token[k][i, prompt_len:end] = torch.tensor(s[k], dtype=torch.float32)
     batch = {"input_ids": input_ids, "attention_mask": attention_mask,
-             "response_mask": response_mask, **per_token}
+             "response_mask": response_mask, "loss_mask": loss_mask, **per_token}
     batch = {k: v.to(device) for k, v in batch.items()}
     batch["prompt_len"] = prompt_len
     return batch

@@ -98,6 +98,7 @@ def _last_token_index(batch: dict, lengths: torch.Tensor) -> torch.Tensor:
     return batch["prompt_len"] + (lengths - 1).clamp(min=0)
 
 
+
 def compute_advantages(samples: list[dict], batch: dict, c, kl_coef: float = 0.0,
                        old_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Per-token advantages [B, T] (float64, 0 off the responses) of `samples` laid out as `batch`
@@ -111,7 +112,8 @@ def compute_advantages(samples: list[dict], batch: dict, c, kl_coef: float = 0.0
     penalty on each token, the overlong penalty on the last.
     """
     kind = resolved_advantage(c)
-    response_mask = batch["response_mask"].to(torch.float64)
+    # the trained tokens: an episode's environment tokens are 0 here (pad_batch's loss_mask)
+    response_mask = batch["loss_mask"].to(torch.float64)
     if kind == "gae":
         advantages = batch["advantages"].to(torch.float64)
         failed = torch.tensor([s["failed"] for s in samples], device=response_mask.device)
@@ -235,7 +237,7 @@ def ppo_update(model, optimizer, samples: list[dict], kl_coef: float, pad_id: in
 
     keep = torch.tensor([not s["failed"] and (s.get("finished", True) or not c.mask_truncated) for s in samples],
                         device=device)
-    mask = full["response_mask"] * keep[:, None]
+    mask = full["loss_mask"] * keep[:, None]     # environment tokens (episodes) and failed samples: 0
     # Every epoch's sample order, drawn up front (the same rng draws as shuffling per epoch).
     orders = []
     for _ in range(c.ppo_epochs):

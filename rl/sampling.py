@@ -39,7 +39,8 @@ def gumbel_noise(keys: torch.Tensor, steps: torch.Tensor, vocab_hash: torch.Tens
 
 def sample_tokens(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor,
                   vocab_hash: torch.Tensor, temperature: float | torch.Tensor, top_k: int,
-                  eos_id: int | torch.Tensor, min_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  eos_id: int | torch.Tensor, min_new_tokens: int,
+                  noise_steps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B], behaviour log-probs [B]) for float32 logits [B, V]; steps [B] = tokens already
     generated per row (the noise counter, and what min_new_tokens compares with). Only tensor ops:
     capturable in a CUDA graph. temperature 0: greedy, log-probs of the temperature-1 distribution.
@@ -47,7 +48,10 @@ def sample_tokens(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor,
     greedy for that row (no top_k there either): a tensor, not a Python branch, so one captured
     graph serves any mix (validation's greedy rows beside sampled ones; nodes/generator.py).
     eos_id: one id, or a long tensor of stop ids on the logits' device (all masked before
-    min_new_tokens)."""
+    min_new_tokens).
+    noise_steps [B]: the noise counter where it is not `steps` (a multi-turn episode: the token's
+    index in the whole episode, so a later turn never replays an earlier turn's noise; None = steps)."""
+    noise_steps = steps if noise_steps is None else noise_steps
     if min_new_tokens > 0:
         block = steps < min_new_tokens
         logits = logits.clone()
@@ -62,7 +66,7 @@ def sample_tokens(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor,
             kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill((logits < kth) & ~greedy, float("-inf"))
         logp = torch.log_softmax(logits, dim=-1)
-        sampled = (logp + gumbel_noise(keys, steps, vocab_hash)).argmax(-1)
+        sampled = (logp + gumbel_noise(keys, noise_steps, vocab_hash)).argmax(-1)
         tokens = torch.where(greedy[:, 0], logits.argmax(-1), sampled)   # as the float path's greedy
     elif temperature > 0:
         logits = logits / temperature
@@ -70,7 +74,7 @@ def sample_tokens(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor,
             kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         logp = torch.log_softmax(logits, dim=-1)
-        tokens = (logp + gumbel_noise(keys, steps, vocab_hash)).argmax(-1)
+        tokens = (logp + gumbel_noise(keys, noise_steps, vocab_hash)).argmax(-1)
     else:
         logp = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(-1)

@@ -101,6 +101,8 @@ def _merged_causes(nodes: dict, names: list) -> list:
 def _cause_text(c: dict, with_who: bool = False) -> str:
     verb = "wait" if c["kind"] == "wait_input" else "blocked"
     who = f"{c['who']} " if with_who else ""
+    if c["kind"] == "wait_input" and c["channel"] == "environment":
+        return f"{who}waiting on the environment {100 * c['fraction']:.0f}%"
     return f"{who}{verb} {c['channel']} {100 * c['fraction']:.0f}%"
 
 
@@ -145,8 +147,9 @@ def format_report(summary: dict) -> str:
         lines.append("  top idle causes:")
         for i, c in enumerate(summary["idle_causes"], start=1):
             verb = "waiting for input on" if c["kind"] == "wait_input" else "blocked on output to"
-            lines.append(f"    {i}. {c['who']} {verb} '{c['channel']}': {c['seconds']:.2f} s "
-                         f"({_pct(c['fraction'])} of its time)")
+            what = ("waiting on the environment" if c["kind"] == "wait_input" and c["channel"] == "environment"
+                    else f"{verb} '{c['channel']}'")    # a generator's env calls (nodes/generator_episodes.py)
+            lines.append(f"    {i}. {c['who']} {what}: {c['seconds']:.2f} s ({_pct(c['fraction'])} of its time)")
     if summary.get("dropped_events"):
         lines.append(f"  (trace: {summary['dropped_events']} fine-grained events sampled out; totals are exact)")
     return "\n".join(lines)

@@ -113,6 +113,12 @@ class Tracer:
         """Context manager around waiting for an item on input `channel` (track "io")."""
         return _Span(self, "wait " + channel, "io", WAIT_INPUT, channel, None)
 
+    def waiting(self, channel: str, name: str, track: str = "io") -> "_Span":
+        """Context manager around waiting on something that is not an input channel (e.g. a
+        generator's environment calls: channel "environment"), counted as waiting for input on
+        `channel` while nothing is busy; several may be open at once (concurrent tasks)."""
+        return _Span(self, name, track, WAIT_INPUT, channel, None)
+
     def blocked_output(self, channel: str) -> "_Span":
         """Context manager around waiting for room in the full output `channel` (track "io")."""
         return _Span(self, "blocked " + channel, "io", BLOCKED_OUTPUT, channel, None)

@@ -1,0 +1,175 @@
+"""Multi-turn episodes inside the generator (env.path set; nodes/generator.py's continuous loop).
+
+Each sample of a prompt's group is an episode of the user's environment (rl/agent: its reset, step,
+tools, limits and failures). The environment runs inside the generator process: its sync code in
+rl/agent's thread pool, its coroutines on this actor's event loop, never in the decode thread.
+
+    start    when a prompt is taken: ep.start() for each sample (reset + the first render), a task
+    admit    once every start of the group is done: the prompt ids go into decoder slots that are
+             parked, not freed, at the end of each turn (rl/decoding.StaticDecoder keep=True)
+    turn     a slot's turn ended: ep.step(sampled, finished) runs as a task while the other slots
+             keep decoding; the slot waits, its KV cache kept
+    harvest  a finished step: not done -> extend the slot with turn.append_ids (only those tokens
+             are prefilled) and decode the next turn; done -> release the slot, the sample is final
+
+A sample: "prompt_ids" (the episode's first render), "response_ids" (sampled and environment ids
+interleaved), "loss_mask" (1 sampled, 0 environment), "logprobs" (0 on environment ids),
+"token_versions" (the version that sampled each token; an environment token carries the one of the
+token before it), "finished" (the last turn ended on a stop token), "turns", and "env": the
+episode's reward, failed reason, ended_by, counters, environment seconds, the chat's messages and
+the reward mode (for the reward node, nodes/reward.py).
+
+Noise: a turn's token t uses counter (index of the turn's first token in response_ids) + t, so no
+turn replays another's noise and a re-issued episode with a deterministic environment samples the
+same tokens. Versions: the weights may switch between two turns (the loop leaves serving() while
+every slot waits on its environment); the earlier turns' KV cache is kept, as partial rollouts keep
+it (rl/decoding.py), and each token carries its own version.
+
+Trace: each environment call is an "env step" slice on the track "env", of the wait kind on the
+channel "environment": while nothing decodes, the generator's time is "waiting on the environment"
+in the end-of-run table (dataflow/trace/report.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+
+ENVIRONMENT = "environment"
+"""The trace's idle cause for time spent waiting on environment calls."""
+
+
+@dataclass
+class _Run:
+    """One live episode: the rl/agent Episode and the trajectory as the decoder produced it."""
+    ep: object
+    tag: tuple
+    key: int
+    temperature: float | None
+    slot: int | None = None
+    prompt_ids: list = field(default_factory=list)
+    response_ids: list = field(default_factory=list)
+    loss_mask: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    token_versions: list = field(default_factory=list)
+    finished: bool = False
+
+
+class Episodes:
+    """The episodes of one generator replica (module docstring)."""
+
+    def __init__(self, ctx, factory, decoder, max_new_tokens: int):
+        self.ctx, self.factory, self.dec, self.max_new_tokens = ctx, factory, decoder, max_new_tokens
+        self.steps: dict[asyncio.Task, _Run] = {}     # environment steps running
+        self.done_steps: list[tuple[_Run, object]] = []
+        self.counts = {"episodes": 0, "failed": 0, "turns": 0}
+
+    # ----- start / admit -------------------------------------------------------------------------
+    def start(self, msg, plan: list[tuple[int, float | None]], number_of) -> asyncio.Task:
+        """ep.start() of each sample of msg's group, as one task; its result: the group's _Runs.
+        number_of(): the group number, read when the task is admitted."""
+        row = {**msg.data.get("fields", {}), "prompt": msg.data["prompt"]}
+        runs = [_Run(self.factory.episode(row), (None, j), key, temp) for j, (key, temp) in enumerate(plan)]
+
+        async def start_all():
+            with self._env_span("env start"):
+                ids = await asyncio.gather(*(r.ep.start() for r in runs))
+            for r, p in zip(runs, ids):
+                r.prompt_ids = list(p)
+            return runs
+        return asyncio.ensure_future(start_all())
+
+    def admit(self, runs: list[_Run], number: int) -> tuple[list[tuple], list[tuple]]:
+        """(decoder requests of the started episodes, [(tag, sample)] of those whose start failed)."""
+        requests, failed = [], []
+        for r in runs:
+            r.tag = (number, r.tag[1])
+            self.counts["episodes"] += 1
+            if not r.prompt_ids:          # reset or the first render failed: nothing to decode
+                failed.append((r.tag, self._final(r)))
+                continue
+            cap = r.ep.turn_token_limit(self.max_new_tokens)
+            requests.append((r.prompt_ids, r, r.key, r.temperature, cap))
+        return requests, failed
+
+    # ----- turns ---------------------------------------------------------------------------------
+    def turn_ended(self, run: _Run, sample: dict) -> None:
+        """A turn's sample from the decoder: record it and send it to the environment (a task)."""
+        ids = sample["response_ids"]
+        run.slot, run.finished = sample["slot"], sample["finished"]
+        run.response_ids += ids
+        run.loss_mask += [1] * len(ids)
+        run.logprobs += sample["logprobs"]
+        run.token_versions += sample.get("token_versions") or [self.dec.version] * len(ids)
+        self.counts["turns"] += 1
+        task = asyncio.ensure_future(self._step(run, ids, sample["finished"]))
+        self.steps[task] = run
+        task.add_done_callback(self._stepped)
+
+    async def _step(self, run: _Run, ids: list[int], finished: bool):
+        with self._env_span("env step"):
+            return await run.ep.step(ids, finished)
+
+    def _stepped(self, task: asyncio.Task) -> None:
+        run = self.steps.pop(task)
+        self.done_steps.append((run, task))
+
+    def harvest(self) -> tuple[list[tuple], list[tuple]]:
+        """(extend requests for the decoder, [(tag, final sample)] of the episodes that ended)."""
+        extend, final = [], []
+        done, self.done_steps = self.done_steps, []
+        for run, task in done:
+            turn = task.result()          # an error here is the library's bug: it fails the node
+            if turn.done or not turn.append_ids:
+                self.dec.release(run.slot)
+                final.append((run.tag, self._final(run)))
+                continue
+            ids = list(turn.append_ids)
+            run.response_ids += ids
+            run.loss_mask += [0] * len(ids)
+            run.logprobs += [0.0] * len(ids)
+            run.token_versions += [run.token_versions[-1] if run.token_versions else self.dec.version] * len(ids)
+            # the next turn's first token is response token len(response_ids): its noise counter
+            extend.append((run.slot, ids, len(run.response_ids), run.ep.turn_token_limit(self.max_new_tokens)))
+        return extend, final
+
+    @property
+    def waiting(self) -> int:
+        """Episodes waiting on their environment (steps running or not yet harvested)."""
+        return len(self.steps) + len(self.done_steps)
+
+    async def wait(self, others: list, timeout_s: float) -> None:
+        """Until an environment step (or one of `others`, e.g. start tasks) is done, or timeout_s;
+        traced as waiting on the environment."""
+        tasks = [t for t in (*self.steps, *others) if not t.done()]
+        if self.done_steps or not tasks:
+            return
+        tracer = self.ctx.tracer
+        span = tracer.waiting(ENVIRONMENT, "wait environment") if tracer is not None else contextlib.nullcontext()
+        with span:
+            await asyncio.wait(tasks, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+
+    def _env_span(self, name: str):
+        tracer = self.ctx.tracer
+        return tracer.waiting(ENVIRONMENT, name, track="env") if tracer is not None else contextlib.nullcontext()
+
+    # ----- the final sample ----------------------------------------------------------------------
+    def _final(self, run: _Run) -> dict:
+        result = run.ep.result()
+        if result.failed:
+            self.counts["failed"] += 1
+        elif result.response_ids != run.response_ids or result.loss_mask != run.loss_mask:
+            raise RuntimeError(f"episode {run.tag}: the decoder's trajectory differs from the episode's record "
+                               f"({len(run.response_ids)} vs {len(result.response_ids)} tokens)")
+        return {"prompt_ids": run.prompt_ids, "response_ids": run.response_ids, "loss_mask": run.loss_mask,
+                "logprobs": run.logprobs, "token_versions": run.token_versions, "finished": run.finished,
+                "turns": result.turns,
+                "env": {"reward": result.reward, "failed": result.failed, "ended_by": result.ended_by,
+                        "counters": result.counters, "env_s": result.env_s, "messages": result.messages,
+                        "final_text": result.final_text, "reward_mode": self.factory.reward_mode}}
+
+    def close(self) -> None:
+        for task in self.steps:
+            task.cancel()
+        self.factory.close()

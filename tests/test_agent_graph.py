@@ -1,0 +1,104 @@
+"""Multi-turn episodes through the graph on a real Ray, with the tiny chat model (tests/chat_model.py)
+and the toy environments of tests/agent_toy_env.py: the generator's samples exact against the
+episodes and the model, failures counted and stopping the run, a generator killed mid-episode
+(every prompt trained once), the environment in the trace."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.chat_model import make_chat_model_dir
+from tests.conftest import run_in_thread, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = str(ROOT / "tests/agent_toy_env.py")
+RAY_NUM_CPUS = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chat_model")
+    make_chat_model_dir(path, always_emit=None)
+    return path
+
+
+def _data(path: Path, n: int, **extra) -> Path:
+    rows = [{"prompt": f"copy {i % 10}", "target": f"{i % 10}{(i + 3) % 10}{(i + 7) % 10}",
+             **{k: v(i) if callable(v) else v for k, v in extra.items()}} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _run(graph_file: str, overrides: list[str], run_dir: Path, max_steps: int, trace: Path | None = None):
+    from dataflow.runtime import RunOptions, load_graph, run_graph
+
+    graph, config = load_graph(str(ROOT / graph_file), overrides)
+    return asyncio.run(run_graph(graph, RunOptions(max_steps=max_steps, out_dir=str(run_dir), quiet=True,
+                                                   trace_path=str(trace) if trace else None), config))
+
+
+@pytest.mark.usefixtures("ray_instance")
+def test_three_turn_samples_are_exact_against_the_episode_and_the_model(tmp_path, model_dir):
+    """CopyDigits (3 turns) through prompts -> generator -> recorder (tests/graphs/agent_probe.py):
+    every sample is prompt + 3 sampled turns with the environment's tokens between them; the mask,
+    log-probs and versions line up with the ids; each sampled turn decodes to the chat's assistant
+    message and each environment part to the next "copy <digit>"; and every behaviour log-prob is
+    the model's own on the whole sequence (one unpadded forward): the turns decoded from the slot's
+    extended KV cache are the model's distribution on the full history. The environment's steps are
+    "env step" slices in the trace."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir, trace = tmp_path / "run", tmp_path / "trace.json"
+    summary = _run("tests/graphs/agent_probe.py", [
+        f"policy.path={model_dir}", f"prompts.path={_data(tmp_path / 'd.jsonl', 4)}", f"env.path={ENV}",
+        "env.name=CopyDigits", "generator.group_size=2", "generator.max_new_tokens=4", "generator.seed=5"],
+        run_dir, max_steps=4, trace=trace)
+    assert summary.steps == 4
+    items = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    for item in items:
+        target = item["fields"]["target"]
+        for s in item["samples"]:
+            n = len(s["response_ids"])
+            assert len(s["loss_mask"]) == len(s["logprobs"]) == len(s["token_versions"]) == n
+            assert s["turns"] == 3 and s["env"]["failed"] is None and s["env"]["ended_by"] == "done"
+            assert s["token_versions"] == [0] * n
+            # segments: sampled, environment, sampled, environment, sampled
+            segments, start = [], 0
+            for t in range(1, n + 1):
+                if t == n or s["loss_mask"][t] != s["loss_mask"][start]:
+                    segments.append((s["loss_mask"][start], s["response_ids"][start:t]))
+                    start = t
+            assert [m for m, _ in segments] == [1, 0, 1, 0, 1]
+            assistant = [m["content"] for m in s["env"]["messages"] if m["role"] == "assistant"]
+            for (_, ids), text in zip(segments[::2], assistant):
+                stop = ids[-1] if ids[-1] in (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id) else None
+                assert tok.decode(ids[:-1] if stop is not None else ids, skip_special_tokens=True) == text
+            for (_, ids), digit in zip(segments[1::2], target[1:]):
+                assert f"copy {digit}" in tok.decode(ids)
+            assert all(lp == 0.0 for lp, m in zip(s["logprobs"], s["loss_mask"]) if not m)
+            with torch.no_grad():
+                ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])
+                logp = torch.log_softmax(model(input_ids=ids).logits[0, len(s["prompt_ids"]) - 1:-1].float(), -1)
+                ref = logp.gather(1, ids[0, len(s["prompt_ids"]):, None])[:, 0]
+            got = torch.tensor(s["logprobs"])
+            sampled = torch.tensor(s["loss_mask"]).bool()
+            assert (got[sampled] - ref[sampled]).abs().max() < 1e-4
+    # two samples of a prompt are two episodes: different noise, not one response twice
+    assert any(item["samples"][0]["response_ids"] != item["samples"][1]["response_ids"] for item in items)
+    events = json.loads(trace.read_text())["traceEvents"]
+    env_steps = [e for e in events if e.get("name") == "env step"]
+    assert env_steps, "no env step slices in the trace"
