@@ -86,7 +86,8 @@ def graph_sets(args, variant: str, model: str, data: Path, on_gpu: bool) -> tupl
         rows, function = BASELINE[args.task]
         sets += [f"prompts.path={data / rows / 'train.jsonl'}", f"reward.path={REWARDS}", f"reward.function={function}"]
     sets += ["placement=colocated", "num_gpus=1"] if on_gpu else \
-        [f"generator.prompts_per_call={args.prompts_per_step}", "generator.max_prompt_tokens=512"]
+        [f"generator.prompts_per_call={args.prompts_per_step}", "generator.max_prompt_tokens=512",
+         "stall_action=warn"]   # a busy CPU can take minutes per step: report a stall, do not stop
     return str(ROOT / "graphs" / graph), sets + args.set
 
 

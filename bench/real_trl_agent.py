@@ -48,13 +48,19 @@ from real_common import GpuMemory, plot_curves  # noqa: E402
 TINY = {"steps": 2, "eval_every": 1, "val_n": 4, "prompts_per_step": 2, "group": 2, "max_turn_tokens": 12}
 
 # SmolLM2's ChatML template, with tool messages written as rl/agent/tools.result_messages writes
-# them for a template without tools (a user turn, the result inside <tool_response>).
+# them for a template without tools (a user turn, the result inside <tool_response>), and an
+# assistant message's parsed tool_calls written back in Hermes form (TRL refuses a template that
+# drops them: trl.chat_template_utils.supports_tool_calling; the trained ids are the sampled ones).
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant "
     "named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
     "{% if message['role'] == 'tool' %}{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + "
     "'\n</tool_response><|im_end|>\n' }}"
+    "{% elif message['role'] == 'assistant' and message.tool_calls is defined and message.tool_calls %}"
+    "{{ '<|im_start|>assistant\n' + (message['content'] or '') }}{% for call in message.tool_calls %}"
+    "{{ '<tool_call>\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' + call.function.arguments | tojson "
+    "+ '}\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\n' }}"
     "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
