@@ -49,7 +49,7 @@ def prepare(args) -> tuple[str, Path]:
     work = Path(args.work)
     model = args.model or str(work / "smollm2")
     if not (Path(model) / "model.safetensors").is_file():
-        from tools import smollm2
+        from examples.smollm2_arithmetic import smollm2
         log(f"converting SmolLM2-135M-Instruct into {model}")
         smollm2.convert(model, check=True, log=log)
     data = work / "agent_data"
@@ -112,7 +112,7 @@ def run_variant(args, variant: str, model: str, data: Path, on_gpu: bool, out: P
 
 def judge_run(args, run: dict, model: str, data: Path, device: str) -> list[dict]:
     """Held-out success of the base model and of every checkpoint of `run`."""
-    from dataflow import checkpoint
+    from dataflow.actor import checkpoint
     single = run["variant"] == "single"
     rows_dir = BASELINE[args.task][0] if single else args.task
     rows = J.read_rows(str(data / rows_dir / "val.jsonl"), args.val_n)

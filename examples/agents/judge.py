@@ -5,7 +5,7 @@
     python examples/agents/judge.py MODEL_DIR DATA/calculator_no_tool/val.jsonl --task calculator --single-turn
     ... --samples 2 --temperature 0.8     # sampled episodes instead of greedy (the base rates)
 
-Greedy by default (as tools/heldout.py), on CPU or GPU. Episodes are rl/agent's Episode runner
+Greedy by default (as examples/smollm2_arithmetic/heldout.py), on CPU or GPU. Episodes are rl/agent's Episode runner
 with the settings of TASKS (the same file, chat, tool listing and observation tokens the engine
 trains on); the judge only decodes: every live episode's ids (prompt, then sampled and
 environment ids) as one left-padded batch per turn, each turn stopping at the end-of-turn token or
