@@ -179,10 +179,27 @@ def _row(key: str, per_graph: dict, names: dict) -> str:
     return f"| `{key}` | {_cell(row['type'])} | {_cell(default)} | {_cell(allowed_text)} | {_cell(doc)} |"
 
 
+# A graph that refuses to build without a setting is built with a stand-in value for it, and the
+# page shows that setting's own default.
+STAND_INS = {"graphs/agent.py": {"env.path": "examples/agents/guess_env.py"}}
+
+
+def _load_for_page(path: str):
+    stand_ins = STAND_INS.get(path, {})
+    graph, config = load_graph(str(ROOT / path), [f"{k}={v}" for k, v in stand_ins.items()])
+    for key in stand_ins:
+        *parents, name = key.split(".")
+        owner = config
+        for part in parents:
+            owner = getattr(owner, part)
+        setattr(owner, name, getattr(type(owner)(), name))
+    return graph, config
+
+
 def render() -> str:
     per_graph = {}
     for path in GRAPHS:
-        graph, config = load_graph(str(ROOT / path))
+        graph, config = _load_for_page(path)
         notes = _rule_notes(config)
         assert len(flatten(config)) == sum("type" in r for r in settings(config))
         per_graph[path] = ({r["key"]: r for r in settings(config)}, notes, type(config).__name__)
