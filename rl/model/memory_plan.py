@@ -282,9 +282,17 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
                                   checkpointing=c.gradient_checkpointing, node="critic"))
     given = {n.node: graph.nodes[n.node].gpus for n in needs if n.node in graph.nodes}
     suggested = plan_shares(needs, gpu_bytes)
+    # Refused before start: a node whose weights, gradients and optimizer state alone overflow its
+    # share (no token budget helps). The shrinkable parts are worst-case estimates (every sample at
+    # the longest prompt the model allows), far above what short-prompt runs use: an overflow there
+    # is printed with the setting to lower if a step runs out of memory, not refused.
+    def static(n: NodeNeed) -> int:
+        return n.total - sum(n.parts.get(k, 0) for k in SHRINKABLE)
+
     problem = next((_refusal(n, given[n.node] * usable) for n in needs
-                    if n.node in given and n.total > given[n.node] * usable), None)
-    notes = []
+                    if n.node in given and static(n) > given[n.node] * usable), None)
+    notes = [f"worst case over its share: {_refusal(n, given[n.node] * usable)}" for n in needs
+             if n.node in given and static(n) <= given[n.node] * usable < n.total]
     learner = needs[1]
     if "learner" in given and not lc.max_tokens_per_micro_batch:
         budget = default_micro_batch_tokens(shape, given["learner"] * usable,
