@@ -203,45 +203,6 @@ def test_use_varlen_attention_switches_the_trunk():
     assert value_model.backbone.config._attn_implementation == "eager"
 
 
-def test_compiled_layers_with_flex_attention_compile_once_for_many_pack_lengths():
-    """compile_layers on a flex_attention model (packed passes on CUDA without flash_attn), on CPU:
-    the layers compile with automatic dynamic shapes (rl/model/precision.compile_layers says why not
-    dynamic=True: its flex kernel does not build on CPU), so the first pack length compiles static,
-    the second recompiles with the lengths dynamic, and packs of three more lengths run that graph
-    with no new one. (A pack of one flex block, N <= 128, compiles one more variant once, the block
-    counts' size 1 being specialized; not run here, to save a compile.) Log-probs equal eager
-    sdpa's (the block-diagonal mask). No gradients: CPU flex has no backward ("FlexAttention does
-    not support backward on CPU")."""
-    import copy
-
-    from torch._dynamo.utils import counters
-
-    from rl.update.packing import use_varlen_attention
-    from rl.model.precision import compile_layers
-
-    eager = tiny_model("llama").float().eval()
-    model = copy.deepcopy(eager)
-    assert use_varlen_attention(model, "cpu", "flex_attention") == "flex_attention"
-    torch._dynamo.reset()        # graphs another test compiled for the same layer class would be reused
-    assert compile_layers(model, True, "cpu")
-    g = torch.Generator().manual_seed(5)
-    lengths = [(int(p), int(r)) for p, r in torch.randint(1, 12, (60, 2), generator=g)]
-    samples = random_samples(lengths, seed=6)
-    batch = pad_batch(samples, 0, token_keys=())
-    graphs, start = [], 0
-    for rows in (14, 20, 17, 26, 15):                   # packs of N = 187, 226, 208, 338, 163: 2-3 blocks of 128
-        packed = pack_rows(batch["input_ids"], batch["attention_mask"], batch["response_mask"],
-                           list(range(start, start + rows)))
-        start = (start + rows) % 30
-        with torch.no_grad():
-            lp, ent = packed_sequence_logprobs(model, packed)
-            want_lp, want_ent = packed_sequence_logprobs(eager, packed)
-        assert lp.abs().sum() > 1.0
-        assert (lp - want_lp).abs().max() < 1e-4 and (ent - want_ent).abs().max() < 1e-4
-        graphs.append(counters["stats"]["unique_graphs"])
-    assert graphs[0] < graphs[1] == graphs[2] == graphs[3] == graphs[4], graphs
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_torch_varlen_attention_equals_padded_sdpa(family):
     """torch_varlen (rl/update/varlen_attention.py; on CPU its per-sequence path: the glue around the CUDA
