@@ -40,7 +40,10 @@ PROMPTS = """
 import sys, time
 t = time.perf_counter()
 import nodes.prompts
-from rl import policy
+try:
+    from rl.data import policy
+except ImportError:      # a checkout before rl/ was split by role
+    from rl import policy
 tok = policy.load_tokenizer(policy.PolicySpec(path=sys.argv[1]))
 text = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=False, add_generation_prompt=True)
 ids = tok([text], add_special_tokens=False)["input_ids"]
@@ -51,9 +54,12 @@ REWARD = """
 import sys, time
 t = time.perf_counter()
 import nodes.reward
-from rl import tasks
 try:
-    from rl import fast_tokenizer
+    from rl.data import tasks
+except ImportError:      # a checkout before rl/ was split by role
+    from rl import tasks
+try:
+    from rl.data import fast_tokenizer
     tok = fast_tokenizer.load(sys.argv[1])
 except ImportError:      # the checkout before: what its reward node loads
     tok = tasks.load_tokenizer(sys.argv[1])

@@ -117,7 +117,7 @@ def test_policy_tokenizer_imports_no_transformers(tmp_path):
     """The prompt source's tokenizer (policy.load_tokenizer) in a fresh process: no transformers,
     no torch."""
     make_chat_model_dir(tmp_path)
-    code = ("import sys; from rl import policy; t = policy.load_tokenizer(policy.PolicySpec(path=sys.argv[1])); "
+    code = ("import sys; from rl.data import policy; t = policy.load_tokenizer(policy.PolicySpec(path=sys.argv[1])); "
             "t.apply_chat_template([{'role': 'user', 'content': 'add 1'}], add_generation_prompt=True); "
             "print(sorted(m for m in ('transformers', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True,
