@@ -5,7 +5,7 @@ the last `window` steps, and the wall time.
 
     PYTHONPATH=. python bench/agent_learns.py [--steps 80] [--lr 5e-3] [--window 5]
 
-A benchmark, not a test: the run takes minutes on a loaded 2-core machine (tests/test_agent_graph.py
+A benchmark, not a test: the run takes minutes on a loaded 2-core machine (tests/integration/test_agent_graph.py
 keeps to seconds-long runs).
 """
 

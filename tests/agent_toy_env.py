@@ -1,4 +1,4 @@
-"""Toy environments for the multi-turn tests (tests/test_agent_graph.py, bench/agent_learns.py),
+"""Toy environments for the multi-turn tests (tests/integration/test_agent_graph.py, bench/agent_learns.py),
 written as a user writes an env file (docs/agents.md): gym-style classes, one instance per episode.
 
 CopyDigits: three turns; each observation asks for a digit ("copy 4"); a turn whose answer starts

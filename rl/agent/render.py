@@ -20,7 +20,7 @@ the new messages are rendered alone, after a stand-in user/assistant pair (TRL's
 turn is counted; with non_append_template=error the episode fails with the reason.
 
 Renders are text (tokenize=False) and only the delta's text is encoded; its boundaries are special
-tokens (`<|im_start|>`), so the ids equal the full render's ids there (tests/test_agent_env.py).
+tokens (`<|im_start|>`), so the ids equal the full render's ids there (tests/unit/test_agent_env.py).
 """
 
 from __future__ import annotations

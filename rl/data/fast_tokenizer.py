@@ -8,7 +8,7 @@ The model nodes keep AutoTokenizer (rl/model/causal_lm.py): they import torch an
 
 What transformers (5.x, tokenization_utils_tokenizers.TokenizersBackend and
 utils/chat_template_utils) does, and what is mirrored here so the ids are the same
-(tests/test_fast_tokenizer.py compares them with AutoTokenizer's):
+(tests/integration/test_fast_tokenizer.py compares them with AutoTokenizer's):
   - special tokens: bos/eos/unk/sep/pad/cls/mask from tokenizer_config.json (a string or an
     AddedToken dict), then special_tokens_map.json; one the vocabulary lacks is added as special;
   - the post-processor of tokenizer.json as it is (none: `$A`, no special tokens added);

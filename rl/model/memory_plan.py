@@ -15,7 +15,7 @@ Pure arithmetic (no torch, no GPU), for llama / qwen2 decoders (RoPE, RMSNorm, S
       32 H + a (4 I + 2 kv_heads head_dim) + 4 heads         (a = 4 in fp32, 2 under bf16 autocast)
   plus 4 (3 H + 2 head_dim) per token outside the layers and a V per kept logit row (the fused
   log-prob kernel keeps no fp32 copy). Fitted to, and checked against, the tensors torch saves on
-  CPU (tests/test_memory_plan.py: within ACTIVATION_TOLERANCE). With gradient checkpointing each
+  CPU (tests/unit/test_memory_plan.py: within ACTIVATION_TOLERANCE). With gradient checkpointing each
   layer keeps only its fp32 input (4 H per token) and one layer is live at a time. Transient
   buffers (the backward's own gradients of activations, the allocator's fragmentation) are not
   modelled: the plan keeps RESERVE of the GPU free for them and the CUDA context.

@@ -1,5 +1,5 @@
 """prompts -> generator (episodes of env.path) -> recorder: the generator's multi-turn samples as
-they leave it, on a real Ray (tests/test_agent_graph.py).
+they leave it, on a real Ray (tests/integration/test_agent_graph.py).
 
 The recorder stands in for the learner: it publishes the policy's weights once (version 0, as the
 learner does at start, so the generator and the prompt source start), then writes every item it
