@@ -13,8 +13,8 @@ import pytest
 from rl.agent import EnvConfig, load_environment
 from rl.agent.tools import template_has_tools
 from tests.agent_tokenizers import smollm2_tokenizer
-from tests.test_agent_env import GUESS_ENV, full_render, play, write
-from tests.test_agent_tools import TOOLS, call_text
+from tests.unit.test_agent_env import GUESS_ENV, full_render, play, write
+from tests.unit.test_agent_tools import TOOLS, call_text
 
 
 @pytest.fixture(scope="module")
