@@ -35,7 +35,7 @@ from typing import ClassVar
 
 from dataflow import Graph, check, policy_edge, share
 from graphs.grpo import GRPOGraphConfig
-from graphs.rlhf import PROGRESS
+from graphs.rlhf import PROGRESS, RLHFConfig, runs
 from nodes import Generator, Learner, PromptSource
 from rl.agent import EnvConfig
 
@@ -51,7 +51,11 @@ class AgentGraphConfig(GRPOGraphConfig):
     env: EnvConfig = field(default_factory=EnvConfig)
     """The environment or tools every episode runs (rl/agent/config.py): env.path, env.name,
     env.tools, env.reward, env.max_turns, env.max_episode_tokens, timeouts."""
-    rules: ClassVar[tuple] = GRPOGraphConfig.rules + (check(_env_problem), share("env", "generator.env"))
+    # grpo.py's rules with this file named in the algorithm refusal
+    rules: ClassVar[tuple] = RLHFConfig.rules + (
+        share("group_size", "generator.group_size", "learner.group_size"),
+        runs("grpo", "graphs/agent.py", "episodes train with group advantages"),
+        check(_env_problem), share("env", "generator.env"))
 
     def preflight(self) -> list[str]:
         """As graphs/rlhf.py's; with env.reward=env no reward function scores anything, so the data
@@ -66,7 +70,6 @@ config = AgentGraphConfig()
 
 
 def build(cfg: AgentGraphConfig) -> Graph:
-    cfg.learner.algorithm = "grpo"
     g = Graph("agent", config=cfg, progress=PROGRESS + ["samples/failed", "env/turns"])
     g.node("prompts", PromptSource, cfg.prompts, cpus=0.1)
     # the environment runs inside the generator (module docstring)
