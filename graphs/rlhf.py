@@ -185,7 +185,7 @@ class RLHFConfig:
         share("generator.temperature", "learner.temperature", "reference.temperature"),  # log-probs at the sampling temperature
         share("target_reward", "learner.target_reward"),
         share("max_new_tokens", "generator.max_new_tokens", value=_max_new_tokens),
-        fill("learner.max_response_tokens", "generator.max_new_tokens"),  # overlong shaping's cap
+        fill("learner.max_new_tokens", "generator.max_new_tokens"),  # overlong shaping's cap
         fill("generator.max_prompt_tokens", "prompts.max_prompt_tokens"),  # the source's bound holds in the decoder
         fill("weight_transport", lambda cfg: auto_weight_transport(cfg.placement, cfg.num_gpus)),
         share("weight_transport", "learner.weight_sync.transport", "generator.weight_sync.transport"),

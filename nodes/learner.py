@@ -110,7 +110,7 @@ class LearnerConfig:
     seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO). auto:
     seq-mean-token-mean for gspo, seq-mean-token-sum-norm for dr_grpo, else token-mean."""
     loss_scale_factor: Annotated[float, NonNegative] = 0.0
-    """seq-mean-token-sum-norm's constant divisor (0 = max_response_tokens)."""
+    """seq-mean-token-sum-norm's constant divisor (0 = max_new_tokens)."""
     clip_eps: Annotated[float, Range(0, 1, low_open=True, high_open=True)] = 0.2
     clip_eps_low: Annotated[float | None, Range(0, 1, low_open=True, high_open=True)] = None
     """Lower clip range 1 - clip_eps_low (None = clip_eps)."""
@@ -129,11 +129,11 @@ class LearnerConfig:
     whiten_advantages: bool = True
     """advantage=gae: whiten the critic's advantages over the batch's tokens (verl's GAE). The
     learner-side estimators are normalised already and are never whitened again."""
-    max_response_tokens: Annotated[int, NonNegative] = 0
+    max_new_tokens: Annotated[int, NonNegative] = 0
     """The generators' max_new_tokens (the graph should share it): overlong shaping's cap and
     seq-mean-token-sum-norm's default divisor."""
     overlong_buffer: Annotated[int, NonNegative] = 0
-    """DAPO's overlong shaping: over the last this many tokens before max_response_tokens the score
+    """DAPO's overlong shaping: over the last this many tokens before max_new_tokens the score
     falls linearly by up to overlong_penalty (rl/algorithm/shaping.overlong_penalty; 0 = off)."""
     overlong_penalty: Annotated[float, NonNegative] = 1.0
     mask_truncated: bool = False

@@ -41,7 +41,7 @@ class _NoStep:
 def made_up_samples(c, vocab_size: int, prompt_tokens: tuple[int, int] = (16, 64), seed: int = 0) -> list[dict]:
     """A step's samples as the learner receives them (c: LearnerConfig): prompts_per_step x
     group_size of them, prompt lengths in `prompt_tokens`, response lengths spread from 1 to the
-    generators' cap (learner.max_response_tokens; 64 when unset), random tokens and scores, with
+    generators' cap (learner.max_new_tokens; 64 when unset), random tokens and scores, with
     the per-token fields the configured advantage and KL need. Prompts are short (chat-templated
     arithmetic questions for SmolLM2 are ~50 tokens): the warm-up should be no bigger than a real
     step, whose memory its passes reserve: prompts wider than the real ones raised the learner's
@@ -49,7 +49,7 @@ def made_up_samples(c, vocab_size: int, prompt_tokens: tuple[int, int] = (16, 64
     from rl.update.ppo_update import resolved_advantage
 
     rng = random.Random(seed)
-    cap = c.max_response_tokens or 64
+    cap = c.max_new_tokens or 64
     kind = resolved_advantage(c)
     samples = []
     for i in range(c.prompts_per_step * c.group_size):

@@ -76,12 +76,12 @@ def check_config(c, max_steps: int | None) -> None:
         raise UserError("learner.kl.placement=reward and learner.overlong_buffer change the rewards, but with "
                         "advantage=gae the critic has computed GAE from them before the learner sees the batch; "
                         "use them with a learner-side advantage (grpo, dr_grpo, rloo, reinforce_pp)")
-    if resolved_loss_agg_mode(c) == "seq-mean-token-sum-norm" and not (c.loss_scale_factor or c.max_response_tokens) > 0:
+    if resolved_loss_agg_mode(c) == "seq-mean-token-sum-norm" and not (c.loss_scale_factor or c.max_new_tokens) > 0:
         raise UserError("learner.loss_agg_mode=seq-mean-token-sum-norm divides by a constant: set "
-                        "learner.loss_scale_factor or learner.max_response_tokens (the generators' max_new_tokens)")
-    if c.overlong_buffer and not 0 < c.overlong_buffer <= c.max_response_tokens:
-        raise UserError(f"learner.overlong_buffer={c.overlong_buffer} must be in (0, learner.max_response_tokens="
-                        f"{c.max_response_tokens}]; set max_response_tokens to the generators' max_new_tokens")
+                        "learner.loss_scale_factor or learner.max_new_tokens (the generators' max_new_tokens)")
+    if c.overlong_buffer and not 0 < c.overlong_buffer <= c.max_new_tokens:
+        raise UserError(f"learner.overlong_buffer={c.overlong_buffer} must be in (0, learner.max_new_tokens="
+                        f"{c.max_new_tokens}]; set learner.max_new_tokens to the generators' max_new_tokens")
     s = c.schedule
     if s.decay != "constant" and not (s.total_steps or max_steps or 0) > s.warmup_steps:
         raise UserError(f"learner.schedule.decay={s.decay} decays over the run's steps: set "
@@ -90,7 +90,7 @@ def check_config(c, max_steps: int | None) -> None:
 
 def loss_scale_factor(c) -> float:
     """Dr. GRPO's constant normaliser: learner.loss_scale_factor, else the longest response."""
-    return float(c.loss_scale_factor or c.max_response_tokens)
+    return float(c.loss_scale_factor or c.max_new_tokens)
 
 
 def _last_token_index(batch: dict, lengths: torch.Tensor) -> torch.Tensor:
@@ -128,7 +128,7 @@ def compute_advantages(samples: list[dict], batch: dict, c, kl_coef: float = 0.0
     token_rewards = batch["token_rewards"].to(torch.float64) * mask if kind == "reinforce_pp" else None
     stats: dict[str, float] = {}
     if c.overlong_buffer:
-        penalty = overlong_penalty(lengths, c.max_response_tokens, c.overlong_buffer, c.overlong_penalty)
+        penalty = overlong_penalty(lengths, c.max_new_tokens, c.overlong_buffer, c.overlong_penalty)
         penalty = penalty.to(device) * valid
         scores = scores + penalty
         if token_rewards is not None:

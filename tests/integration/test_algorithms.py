@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("ray_instance")  # one Ray for the module (
 
 MAX_TOKENS = make_task().max_new_tokens    # the built-in task's response cap (graphs' default)
 TINY = ["prompts_per_step=4", "group_size=4", "channel_capacity=16", "learner.minibatch_size=8",
-        "max_staleness=0", f"learner.max_response_tokens={MAX_TOKENS}"]
+        "max_staleness=0", f"learner.max_new_tokens={MAX_TOKENS}"]
 
 
 def run(graph_file: str, tmp_path: Path, overrides: list[str], max_steps: int) -> list[dict]:

@@ -162,7 +162,7 @@ def test_the_compile_warm_up_compiles_what_the_first_update_runs_and_changes_not
 
     tok, model, samples = setup
     cfg = LearnerConfig(algorithm="grpo", group_size=2, prompts_per_step=len(samples) // 2, minibatch_size=8,
-                        ppo_epochs=1, micro_batch_size=4, max_response_tokens=8)
+                        ppo_epochs=1, micro_batch_size=4, max_new_tokens=8)
     cfg.kl.coef = 0.0                     # no reference: the samples carry no ref_logprobs
     samples = [{k: v for k, v in s.items() if k != "ref_logprobs"} for s in samples]
     made_up = made_up_samples(cfg, model.config.vocab_size)
@@ -196,7 +196,7 @@ def test_the_warm_up_task_holds_the_state_lock_and_logs_a_failure(setup):
     from rl.update.compile_warm_up import start_warm_up
 
     tok, model, _ = setup
-    cfg = LearnerConfig(algorithm="grpo", group_size=2, prompts_per_step=2, minibatch_size=4, max_response_tokens=4)
+    cfg = LearnerConfig(algorithm="grpo", group_size=2, prompts_per_step=2, minibatch_size=4, max_new_tokens=4)
     lines = []
 
     async def main(pad_id):

@@ -42,7 +42,7 @@ def _budget(samples, rows_per_pass: int = 3) -> int:
     (True, False, {}),
     (False, False, {}),
     (True, True, dict(loss_agg_mode="seq-mean-token-mean", policy_loss="gspo", advantage="rloo", **GRPO2)),
-    (True, False, dict(advantage="dr_grpo", max_response_tokens=8, policy_loss="dual_clip", **GRPO2)),
+    (True, False, dict(advantage="dr_grpo", max_new_tokens=8, policy_loss="dual_clip", **GRPO2)),
     (False, False, dict(loss_agg_mode="seq-mean-token-sum", mask_truncated=True, advantage="reinforce_pp", **GRPO2)),
 ])
 def test_learner_token_budget_step_equals_the_unsplit_step(setup, packing, stale, settings):

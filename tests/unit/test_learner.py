@@ -133,9 +133,9 @@ GRPO2 = dict(algorithm="grpo", group_size=2)
     (False, {}), (True, {}),
     (False, dict(loss_agg_mode="seq-mean-token-mean", policy_loss="dual_clip", **GRPO2)),
     (True, dict(loss_agg_mode="seq-mean-token-sum", policy_loss="gspo", advantage="rloo", **GRPO2)),
-    (False, dict(advantage="dr_grpo", max_response_tokens=8, policy_loss="reinforce", **GRPO2)),
+    (False, dict(advantage="dr_grpo", max_new_tokens=8, policy_loss="reinforce", **GRPO2)),
     (False, dict(advantage="reinforce_pp", clip_eps_high=0.28, mask_truncated=True, overlong_buffer=2,
-                 max_response_tokens=4, **GRPO2)),
+                 max_new_tokens=4, **GRPO2)),
 ])
 def test_micro_batches_equal_the_whole_minibatch_in_float64(setup, stale, settings):
     # Responses of different lengths and two failed samples: slices hold different numbers of
@@ -378,14 +378,14 @@ def test_settings_that_do_not_fit_together_are_clear_errors():
 
     assert "graphs/ppo.py" in error(algorithm="grpo", advantage="gae")
     assert "learner-side advantage" in error(**{"kl.placement": "reward"})       # gae: the critic's GAE
-    assert "learner-side advantage" in error(overlong_buffer=2, max_response_tokens=8)
-    assert "max_response_tokens" in error(algorithm="grpo", advantage="dr_grpo")  # no constant to divide by
-    assert "max_response_tokens" in error(algorithm="grpo", overlong_buffer=4)
+    assert "learner-side advantage" in error(overlong_buffer=2, max_new_tokens=8)
+    assert "max_new_tokens" in error(algorithm="grpo", advantage="dr_grpo")  # no constant to divide by
+    assert "max_new_tokens" in error(algorithm="grpo", overlong_buffer=4)
     # ranges of one setting are declared beside it (dataflow/checks.py), checked before start
     assert problems(LearnerConfig(policy_loss="dual_clip", dual_clip_c=1.0)) == ["dual_clip_c=1.0: must be > 1"]
     assert problems(LearnerConfig(betas=[0.9])) == ["betas=[0.9]: give 2 values"]
     assert "--max-steps" in error(**{"schedule.decay": "cosine"})
-    check_config(LearnerConfig(algorithm="grpo", advantage="dr_grpo", max_response_tokens=8), None)   # fits
+    check_config(LearnerConfig(algorithm="grpo", advantage="dr_grpo", max_new_tokens=8), None)   # fits
     cfg = LearnerConfig()
     cfg.schedule.decay = "cosine"
     check_config(cfg, 100)                              # decays over the run's max_steps
