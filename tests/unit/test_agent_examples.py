@@ -52,6 +52,19 @@ def test_guessing_game_answers_and_ends():
     assert (reward, done, info["won"]) == (0.0, True, False) and "7" in obs
 
 
+def test_guessing_game_bonus_pays_each_guess_the_answers_still_allowed():
+    game = G.GuessingGame(max_guesses=5, consistent_bonus=0.1)
+    game.reset(secret=40)
+    assert game.step("50")[1] == 0.1          # 1..100 allowed it; now 1..49
+    assert game.step("60")[1] == 0.0          # "Lower." was said after 50
+    assert game.step("30")[1] == 0.1          # inside 1..49; now 31..49
+    assert game.step("no number")[1] == 0.0
+    obs, reward, done, _ = game.step("45")    # the last guess: allowed, wrong, the game ends
+    assert (reward, done) == (0.1, True) and "40" in obs
+    game.reset(secret=7)
+    assert game.step("7")[1:3] == (1.0, True)  # a win pays 1.0, no bonus on top
+
+
 def test_task_data_is_deterministic_and_splits_do_not_overlap(tmp_path):
     a, b = T.write_all(str(tmp_path / "a"), num_val=50, num_train=200), T.write_all(str(tmp_path / "b"), num_val=50, num_train=200)
     for name in a:
