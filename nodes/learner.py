@@ -37,6 +37,7 @@ from dataflow.weights.sync import SYNC_EDGE, LearnerWeightSync, WeightSyncConfig
 from nodes.reference import add_logprobs
 from rl.model import lora
 from rl.data import policy
+from rl.generation.episodes import episode_metrics
 from rl.update.compile_warm_up import start_warm_up
 from rl.algorithm.kl import AdaptiveKLController, FixedKLController, KLConfig
 from rl.model.lora import LoraConfig
@@ -450,12 +451,7 @@ class Learner(RankCommands, Node):
                 }
                 if c.record_prompt_ids:
                     metrics["prompt_ids"] = [item["id"] for item in items]
-                episodes = [s for s in samples if "env" in s]    # multi-turn (rl/generation/episodes.py)
-                if episodes:
-                    metrics.update({"env/turns": sum(s["turns"] for s in episodes) / len(episodes),
-                                    "env/failed": sum(bool(s["env"]["failed"]) for s in episodes),
-                                    "env/env_s": sum(s["env"]["env_s"] for s in episodes) / len(episodes),
-                                    "env/trained_tokens": sum(sum(s["loss_mask"]) for s in episodes) / len(episodes)})
+                metrics.update(episode_metrics(samples))    # multi-turn (rl/generation/episodes.py)
                 t_last = now
                 go_on = await self.ctx.step_done(metrics)
             # Checkpoint before the new weights go out: in synchronous mode nothing of the next

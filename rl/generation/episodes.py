@@ -17,7 +17,9 @@ interleaved), "loss_mask" (1 sampled, 0 environment), "logprobs" (0 on environme
 "token_versions" (the version that sampled each token; an environment token carries the one of the
 token before it), "finished" (the last turn ended on a stop token), "turns", and "env": the
 episode's reward, failed reason, ended_by, counters, environment seconds, the chat's messages and
-the reward mode (for the reward node, nodes/reward.py).
+the reward mode (for the reward node, nodes/reward.py), and the tokens it prefilled against those a
+re-prefill of the whole history at every turn would have (env/prefilled_tokens, env/history_tokens
+on the learner's line).
 
 Noise: a turn's token t uses counter (index of the turn's first token in response_ids) + t, so no
 turn replays another's noise and a re-issued episode with a deterministic environment samples the
@@ -54,6 +56,17 @@ class _Run:
     logprobs: list = field(default_factory=list)
     token_versions: list = field(default_factory=list)
     finished: bool = False
+    prefilled: int = 0
+    """Tokens this episode prefilled: its prompt, then each turn's appended environment tokens (the
+    static decoder keeps the cache), or its whole history every turn (the HF loop re-prefills)."""
+    history: int = 0
+    """Tokens that re-prefilling the whole history at every turn would have prefilled."""
+
+    def count_prefill(self, appended: int, reprefilled: bool) -> None:
+        """A turn starts: `appended` new tokens (the prompt, or the environment's reply) were added."""
+        whole = len(self.prompt_ids) + len(self.response_ids)
+        self.history += whole
+        self.prefilled += whole if reprefilled else appended
 
 
 class Episodes:
@@ -90,6 +103,7 @@ class Episodes:
                 failed.append((r.tag, self._final(r)))
                 continue
             cap = r.ep.turn_token_limit(self.max_new_tokens)
+            r.count_prefill(len(r.prompt_ids), reprefilled=False)
             requests.append((r.prompt_ids, r, r.key, r.temperature, cap))
         return requests, failed
 
@@ -130,6 +144,7 @@ class Episodes:
             run.loss_mask += [0] * len(ids)
             run.logprobs += [0.0] * len(ids)
             run.token_versions += [run.token_versions[-1] if run.token_versions else self.dec.version] * len(ids)
+            run.count_prefill(len(ids), reprefilled=False)
             # the next turn's first token is response token len(response_ids): its noise counter
             extend.append((run.slot, ids, len(run.response_ids), run.ep.turn_token_limit(self.max_new_tokens)))
         return extend, final
@@ -165,7 +180,7 @@ class Episodes:
         return {"prompt_ids": run.prompt_ids, "response_ids": run.response_ids, "loss_mask": run.loss_mask,
                 "logprobs": run.logprobs, "token_versions": run.token_versions, "finished": run.finished,
                 "turns": result.turns,
-                "env": {"reward": result.reward, "failed": result.failed, "ended_by": result.ended_by,
+                "env": {"prefilled_tokens": run.prefilled, "history_tokens": run.history,"reward": result.reward, "failed": result.failed, "ended_by": result.ended_by,
                         "counters": result.counters, "env_s": result.env_s, "messages": result.messages,
                         "final_text": result.final_text, "reward_mode": self.factory.reward_mode}}
 
@@ -173,6 +188,22 @@ class Episodes:
         for task in self.steps:
             task.cancel()
         self.factory.close()
+
+
+def episode_metrics(samples: list[dict]) -> dict:
+    """The learner's env/* metrics of a batch: per episode, means of turns, environment seconds,
+    trained (sampled) tokens, and tokens prefilled against what re-prefilling the history at every
+    turn would have cost; env/failed counts. {} when no sample is an episode."""
+    episodes = [s for s in samples if "env" in s]
+    if not episodes:
+        return {}
+    n = len(episodes)
+    return {"env/turns": sum(s["turns"] for s in episodes) / n,
+            "env/failed": sum(bool(s["env"]["failed"]) for s in episodes),
+            "env/env_s": sum(s["env"]["env_s"] for s in episodes) / n,
+            "env/trained_tokens": sum(sum(s["loss_mask"]) for s in episodes) / n,
+            "env/prefilled_tokens": sum(s["env"].get("prefilled_tokens", 0) for s in episodes) / n,
+            "env/history_tokens": sum(s["env"].get("history_tokens", 0) for s in episodes) / n}
 
 
 async def hf_episodes(episodes: Episodes, msgs: list, plans: list, sample, version: int) -> list[list[dict]]:
@@ -195,6 +226,8 @@ async def hf_episodes(episodes: Episodes, msgs: list, plans: list, sample, versi
                 out[g][j] = episodes._final(r)
     while live:
         caps = [r.ep.turn_token_limit(episodes.max_new_tokens) for r in live]
+        for r in live:
+            r.count_prefill(0, reprefilled=True)
         samples = await sample([r.prompt_ids + r.response_ids for r in live], [r.temperature for r in live], max(caps))
         turns = []
         for r, s, cap in zip(live, samples, caps):

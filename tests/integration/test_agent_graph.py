@@ -58,7 +58,8 @@ def test_three_turn_samples_are_exact_against_the_episode_and_the_model(tmp_path
     message and each environment part to the next "copy <digit>"; and every behaviour log-prob is
     the model's own on the whole sequence (one unpadded forward): the turns decoded from the slot's
     extended KV cache (static; the HF loop re-prefills the history) are the model's distribution on
-    the full history. The environment's steps are "env step" slices in the trace."""
+    the full history. Prefilled tokens: prompt + environment parts (static) or the whole history at
+every turn (HF). The environment's steps are "env step" slices in the trace."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run_dir, trace = tmp_path / "run", tmp_path / "trace.json"
@@ -92,6 +93,12 @@ def test_three_turn_samples_are_exact_against_the_episode_and_the_model(tmp_path
             for (_, ids), digit in zip(segments[1::2], target[1:]):
                 assert f"copy {digit}" in tok.decode(ids)
             assert all(lp == 0.0 for lp, m in zip(s["logprobs"], s["loss_mask"]) if not m)
+            # prefill: the prompt, then only each environment part (static: the slot keeps its cache),
+            # against the whole history before each of the 3 turns (what the HF loop prefills)
+            p, (a, b, c, d, _) = len(s["prompt_ids"]), [len(ids) for _, ids in segments]
+            history = p + (p + a + b) + (p + a + b + c + d)
+            assert s["env"]["history_tokens"] == history
+            assert s["env"]["prefilled_tokens"] == (p + b + d if backend == "static" else history)
             with torch.no_grad():
                 ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])
                 logp = torch.log_softmax(model(input_ids=ids).logits[0, len(s["prompt_ids"]) - 1:-1].float(), -1)
