@@ -7,10 +7,11 @@ tool / feedback (graphs/grpo.py), both judged on held-out episodes by examples/a
     python bench/real_agent.py --task guess --tiny --out /tmp/agent_tiny   # CPU smoke (minutes)
 
 Tasks (examples/agents/README.md): calculator = 3-digit x 2-digit products with the calculator
-tool (env.name=CalculatorEnv, env.reward=sum: the answer's reward examples/agents/rewards.py
-calculator_reward + the environment's 0.1 format bonus); its baseline trains on the same products
+tool as a typed function (env.tools=[calculator], env.reward=function: examples/agents/rewards.py
+calculator_reward on the final answer); its baseline trains on the same products
 asked without a tool, rewarded by calculator_reward. guess = the higher/lower game
-(examples/agents/guess_env.py, env.reward=env: 1 for a win); its baseline trains on one guess
+(examples/agents/guess_env.py, env.reward=env: 1 for a win, + --guess-bonus for each wrong guess the
+answers still allowed); its baseline trains on one guess
 (rewards.py one_guess_reward). --variants agent,single picks the runs.
 
 Each run saves a checkpoint every --eval-every steps; after the run, the base model (step 0) and
@@ -76,11 +77,12 @@ def graph_sets(args, variant: str, model: str, data: Path, on_gpu: bool) -> tupl
         sets += [f"prompts.path={data / args.task / 'train.jsonl'}", f"env.path={task['path']}",
                  f"env.max_turns={task['max_turns']}", f"env.max_turn_tokens={turn_tokens}",
                  f"env.max_episode_tokens={task['max_episode_tokens']}"]
-        if args.task == "calculator":   # the class form: its get_reward is the format bonus
-            sets += ["env.name=CalculatorEnv", "env.reward=sum", f"reward.path={REWARDS}",
+        if args.task == "calculator":   # the typed-function form; the answer's reward on the final message
+            sets += ["env.tools=[calculator]", "env.reward=function", f"reward.path={REWARDS}",
                      "reward.function=calculator_reward"]
-        else:
-            sets += [f"env.name={task['name']}", "env.reward=env"]
+        else:   # the game's reward: 1 for a win + the bonus per wrong guess the answers still allowed
+            sets += [f"env.name={task['name']}", "env.reward=env",
+                     f'env.kwargs={{"consistent_bonus": {args.guess_bonus}}}']
     else:
         graph = "grpo.py"
         rows, function = BASELINE[args.task]
@@ -159,6 +161,8 @@ def main() -> int:
     p.add_argument("--kl", type=float, default=0.0)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--staleness", type=int, default=1, help="max_staleness")
+    p.add_argument("--guess-bonus", type=float, default=0.1,
+                   help="guess: reward per wrong guess inside the range the answers leave (guess_env.py)")
     p.add_argument("--timeout", type=float, default=1200, help="per run, s")
     p.add_argument("--trace", action="store_true")
     p.add_argument("--tiny", action="store_true", help="CPU smoke: " + ", ".join(f"{k}={v}" for k, v in TINY.items()))

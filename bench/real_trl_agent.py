@@ -1,12 +1,11 @@
-"""TRL 1.16's GRPOTrainer on the calculator task with its `environment_factory`, beside
+"""TRL 1.16's GRPOTrainer on the calculator task with its `tools=`, beside
 bench/real_agent.py (issue 36, item 6): same model dir, data, tool file, reward and held-out judge.
 
     python bench/real_trl_agent.py --out runs/trl_agent_calc                # one H200 (bf16 autocast)
     python bench/real_trl_agent.py --tiny --out /tmp/trl_agent_tiny         # CPU smoke
 
-The same pieces as ours: environment_factory=examples/agents/calculator.CalculatorEnv (its
-`calculator` method is the tool, its get_reward() the 0.1 format bonus, which TRL adds with weight
-1 as ours adds it with env.reward=sum), reward_funcs = examples/agents/rewards.calculator_reward on
+The same pieces as ours: tools=[examples/agents/calculator.calculator] (ours: env.tools=[calculator]),
+reward_funcs = examples/agents/rewards.calculator_reward on
 the last assistant message (0 when the episode ends on a tool result), the data rows of
 examples/agents/tasks.py, the held-out judge examples/agents/judge.py (greedy; after training, on
 weight snapshots taken every --eval-every steps, the copy left out of train time).
@@ -67,9 +66,9 @@ CHAT_TEMPLATE = (
 
 def tool_rows(path: str) -> list[dict]:
     """The calculator rows with the tool listed in the system message, as our engine renders them."""
-    from calculator import CalculatorEnv
+    from calculator import calculator
     from rl.agent import tools as T
-    schemas = [T.method_schema(CalculatorEnv, name, fn, "calculator.py") for name, fn in T.method_tools(CalculatorEnv).items()]
+    schemas = [T.tool_schema(calculator, "calculator.py")]
     rows = J.read_rows(path)
     return [{"prompt": T.system_message(schemas, r["prompt"]), "answer": r["answer"]} for r in rows]
 
@@ -119,7 +118,7 @@ def main() -> int:
     from trl import GRPOConfig, GRPOTrainer
     from trl import chat_template_utils as ctu
 
-    from calculator import CalculatorEnv
+    from calculator import calculator
 
     on_gpu = torch.cuda.is_available() and not args.tiny
     out = Path(args.out)
@@ -179,7 +178,7 @@ def main() -> int:
                 logs.append({"step": state.global_step, **entry})
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward_for_trl, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, environment_factory=CalculatorEnv, callbacks=[Snapshots()])
+                          processing_class=tokenizer, tools=[calculator], callbacks=[Snapshots()])
     with GpuMemory() as memory:
         trainer.train()
     t_end = time.time()
@@ -209,7 +208,7 @@ def main() -> int:
                "settings": {k: getattr(args, k) for k in ("steps", "prompts_per_step", "group", "max_turns",
                                                           "max_turn_tokens", "lr", "kl", "temperature")}}
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    lines = [f"# TRL GRPOTrainer (environment_factory), calculator: held-out success ({args.val_n} rows)", "",
+    lines = [f"# TRL GRPOTrainer (tools=), calculator: held-out success ({args.val_n} rows)", "",
              "| step | wall s | held-out success | mean turns |", "|---:|---:|---:|---:|"]
     lines += [f"| {pt['step']} | {pt['wall_s']:.0f} | {pt['success']:.3f} | {pt['mean_turns']:.2f} |" for pt in points]
     (out / "table.md").write_text("\n".join(lines) + "\n")

@@ -63,3 +63,46 @@ variants() {  # variants <name> <timeout s> <bench/real_variants.py args...>
   done
   pack "$name"
 }
+
+agent() {  # agent <name> <timeout s> <bench/real_agent.py args...>: ours on an agent task (+ its baseline)
+  local name=$1 limit=$2; shift 2
+  local run=/tmp/runs/$name dest=$OUT/$name
+  mkdir -p "$dest"
+  echo "== $name $(date +%T) (call at ${SECONDS}s)"
+  timeout "$limit" python3 bench/real_agent.py --model /tmp/real/smollm2 --work /tmp/real --out "$run" "$@" \
+    > "$dest/log.txt" 2>&1
+  echo "   rc=$? $(date +%T)"; grep -h "held-out\|rc \|start-up " "$dest/log.txt" | cut -c1-200
+  cp "$run"/results.json "$run"/table.md "$run"/curve.png "$dest"/ 2>/dev/null
+  for d in "$run"/*/; do
+    local b; b=$(basename "$d")
+    [ -f "$d/run/metrics.jsonl" ] && gzip -c "$d/run/metrics.jsonl" > "$dest/${b}_metrics.jsonl.gz"
+    [ -f "$d/run.log" ] && tail -c 20000 "$d/run.log" > "$dest/${b}_run_tail.log"
+  done
+  pack "$name"
+}
+
+trlagent() {  # trlagent <name> <timeout s> <bench/real_trl_agent.py args...>: TRL on the calculator task
+  local name=$1 limit=$2; shift 2
+  local run=/tmp/runs/$name dest=$OUT/$name
+  mkdir -p "$dest"
+  echo "== $name $(date +%T) (call at ${SECONDS}s)"
+  timeout "$limit" python3 bench/real_trl_agent.py --model /tmp/real/smollm2 --work /tmp/real --out "$run" "$@" \
+    > "$dest/log.txt" 2>&1
+  echo "   rc=$? $(date +%T)"; grep -h "held-out\|trl step [0-9]*0 " "$dest/log.txt" | cut -c1-200
+  cp "$run"/results.json "$run"/table.md "$run"/curve.png "$dest"/ 2>/dev/null
+  pack "$name"
+}
+
+baserates() {  # baserates <name> <rows> [tasks...]: sampled base success of the agent tasks (judge.py)
+  local name=$1 rows=$2; shift 2
+  local dest=$OUT/$name
+  mkdir -p "$dest"
+  [ -f /tmp/real/agent_data/READY ] || { python3 examples/agents/tasks.py /tmp/real/agent_data > /dev/null && echo "seed 0" > /tmp/real/agent_data/READY; }
+  for t in "$@"; do
+    echo "== $name $t $(date +%T) (call at ${SECONDS}s)"
+    timeout 240 python3 examples/agents/judge.py /tmp/real/smollm2 /tmp/real/agent_data/$t/val.jsonl --task $t \
+      --limit "$rows" --samples 2 --temperature 0.8 --batch 256 > "$dest/$t.txt" 2>&1
+    echo "   rc=$?"; tail -4 "$dest/$t.txt" | cut -c1-300
+  done
+  pack "$name"
+}

@@ -6,9 +6,13 @@ Writes OUT_DIR/calculator/{train,val}.jsonl and OUT_DIR/guess/{train,val}.jsonl;
 (the same seed gives the same bytes); the two splits of a task never share a problem.
 
 calculator: "What is 347 * 68?" (a 3-digit times a 2-digit number, 100..999 x 10..99). The rows'
-  prompt is [system, user]: the system message shows one worked calculator call; the engine appends
-  the tool's listing to it (SmolLM2's chat template has no tools section, so the tool reaches the
-  model in the system prompt, as issue 36 asks). `--no-tools` rows (the single-turn baseline) say nothing of a tool.
+  prompt is a chat that already holds one solved question: [system, user "What is 123 * 45?",
+  assistant (the calculator call), user (the tool's result), assistant (the answer), user (the
+  question)]. The engine appends the tool's listing to the system message (SmolLM2's chat template
+  has no tools section, so the tool reaches the model in the system prompt, as issue 36 asks).
+  Why a solved turn in the chat: a 135M model never copied a call shown only in the system prompt
+  (README.md, base rates), and copies what it sees itself do in the conversation.
+  The single-turn baseline's rows (calculator_no_tool) say nothing of a tool.
 guess: a secret number in 1..100 and the game's opening message (guess_env.GuessingGame.reset
   writes the same text); `--no-feedback` baseline rows allow one guess.
 """
@@ -32,12 +36,18 @@ EXAMPLE_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": 
 TOOL_SYSTEM = ("You are a helpful assistant with a calculator. To multiply, call the calculator first, "
                f"for example:\n{EXAMPLE_CALL}\nThe result comes back to you. Then answer with the number.")
 CALC_QUESTION = "What is {a} * {b}?"
+# The solved question every calculator row's chat starts with; the tool's result is written as the
+# engine writes it for a template without tools (rl/agent/tools.result_messages).
+SOLVED = [{"role": "user", "content": CALC_QUESTION.format(a=123, b=45)},
+          {"role": "assistant", "content": EXAMPLE_CALL},
+          {"role": "user", "content": "<tool_response>\n5535\n</tool_response>"},
+          {"role": "assistant", "content": "123 * 45 = 5535"}]
 NO_TOOL_SUFFIX = " Answer with only the number."
 
 
 def calculator_row(a: int, b: int, tools: bool = True) -> dict:
     question = CALC_QUESTION.format(a=a, b=b)
-    prompt = ([{"role": "system", "content": TOOL_SYSTEM}, {"role": "user", "content": question}] if tools
+    prompt = ([{"role": "system", "content": TOOL_SYSTEM}, *SOLVED, {"role": "user", "content": question}] if tools
               else [{"role": "user", "content": question + NO_TOOL_SUFFIX}])
     return {"prompt": prompt, "answer": str(a * b), "data_source": "calculator" if tools else "calculator_no_tool"}
 
@@ -51,7 +61,8 @@ def guess_row(secret: int, feedback: bool = True) -> dict:
 
 def calculator_splits(seed: int, num_val: int, num_train: int, tools: bool = True) -> tuple[list, list]:
     rng = random.Random(seed)
-    pairs = rng.sample([(a, b) for a in range(100, 1000) for b in range(10, 100)], num_val + num_train)
+    pairs = rng.sample([(a, b) for a in range(100, 1000) for b in range(10, 100) if (a, b) != (123, 45)],
+                       num_val + num_train)   # the solved question is never asked
     return ([calculator_row(a, b, tools) for a, b in pairs[num_val:]],
             [calculator_row(a, b, tools) for a, b in pairs[:num_val]])
 

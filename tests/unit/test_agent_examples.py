@@ -77,6 +77,8 @@ def test_task_data_is_deterministic_and_splits_do_not_overlap(tmp_path):
     x, y = (int(n) for n in question(row).removeprefix("What is ").rstrip("?").split(" * "))
     assert 100 <= x <= 999 and 10 <= y <= 99 and row["answer"] == str(x * y)
     assert row["prompt"][0]["role"] == "system" and "<tool_call>" in row["prompt"][0]["content"]
+    assert [m["role"] for m in row["prompt"]] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert "<tool_call>" in row["prompt"][2]["content"] and "5535" in row["prompt"][3]["content"]
     no_tool = J.read_rows(a["calculator_no_tool"][1])[0]
     assert len(no_tool["prompt"]) == 1 and "tool" not in no_tool["prompt"][0]["content"]
     guess = J.read_rows(a["guess"][1])[0]
