@@ -205,17 +205,24 @@ class RLHFConfig:
                                  None if by_function else self.reward_model, max_new_tokens_key="max_new_tokens")
 
     def memory_plan(self, graph):
-        """Each model node's bytes against its GPU share (rl/model/memory_plan.rlhf_plan); None on CPU.
-        dataflow's --describe prints it, its preflight refuses a node that does not fit."""
-        from rl.model.memory_plan import GiB, rlhf_plan
+        """The memory plan of `graph` on its GPUs (rl/model/applied_plan.py), applied to it once: the
+        shares, token budgets and checkpointing the user left at their defaults; None on CPU.
+        dataflow's load_graph applies it, --describe prints it, its preflight refuses one that does
+        not fit. Applied only when the GPU's size is known (gpu_memory_gib, or the driver's GPU 0)."""
+        if getattr(graph, "memory_plan", None) is not None or graph.placement in (None, "cpu"):
+            return graph.memory_plan
+        from rl.model.applied_plan import apply, rlhf_plan
+        from rl.model.memory_plan import GiB
 
         size, known = self.gpu_memory_gib * GiB, self.gpu_memory_gib > 0
         if not known:
-            import torch
-
-            if torch.cuda.is_available():
-                size, known = torch.cuda.get_device_properties(0).total_memory, True
-        return rlhf_plan(self, graph, int(size or 141 * GiB), known)
+            size = gpu_total_bytes()
+            known = size > 0
+        plan = rlhf_plan(self, graph, int(size or 141 * GiB), known)
+        if plan is not None and plan.enforced and not plan.problem:
+            apply(plan, self, graph)
+        graph.memory_plan = plan
+        return plan
 
     def reward_node(self) -> dict:
         """g.node() arguments of the reward node reward_kind asks for: a program, or a sequence
@@ -247,6 +254,25 @@ class RLHFConfig:
             g.node("evaluator", Evaluator, self.val, cpus=0.1)
             g.channel("reward.validation", "evaluator.validation", capacity=self.channel_capacity, name="validation")
             g.versioned(VALIDATED, src="evaluator", dst=["prompts"])
+
+
+def gpu_total_bytes() -> int:
+    """GPU 0's memory as nvidia-smi reports it (no CUDA context in the driver), else torch's; 0
+    without a GPU."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+                                 capture_output=True, text=True, timeout=20)
+            if out.returncode == 0 and out.stdout.strip():
+                return int(float(out.stdout.split()[0]) * (1 << 20))   # MiB
+        except (OSError, ValueError, subprocess.SubprocessError):
+            pass
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
 
 
 def _check_rules(cls: type) -> None:
