@@ -105,7 +105,9 @@ def _need(ctx: _Graph, cfg, node: str, tokens: int, ckpt: bool, slots: int = 0) 
         n = learner_need(s, on_cuda=True, micro_batch_tokens=tokens, logit_rows=0, checkpointing=ckpt, node="critic")
     else:
         n = reference_need(s, dtype_bytes=2, micro_batch_tokens=tokens)
-    if node in TRAINERS and node not in ctx.user_budget:   # the plan chose the budget: what shrinks the need is the longest sample
+    if node in ctx.user_budget and not ctx.configs[node].max_tokens_per_micro_batch:
+        n.setting = f"{node}.micro_batch_size (yours: {ctx.configs[node].micro_batch_size}; or 0, for the plan's budget)"
+    elif node in TRAINERS and node not in ctx.user_budget:   # the plan chose the budget: what shrinks the need is the longest sample
         n.setting = (f"generator.max_prompt_tokens / max_new_tokens (the longest sample, {ctx.max_len} tokens, "
                      f"bounds the smallest pass){'' if lc.lora.rank else ', or learner.lora.rank (e.g. 32)'}")
     n.parts["allocator slack"] = int(ALLOCATOR_SLACK * n.total)
@@ -143,14 +145,14 @@ def _decide(ctx: _Graph, cfg, graph, ckpt: bool) -> tuple[dict, dict, dict, str 
         members = [n for n in ctx.nodes if ctx.pool_of[n] == pool and _plannable(ctx, n)]
         taken = sum(share * math.ceil(graph.nodes[n].replicas / ctx.pool_gpus[pool])
                     for n, share in kept.items() if graph.nodes[n].pool == pool)
-        room = (1 - RESERVE - taken) * ctx.gpu
-        for n in members:
-            if n == "generator":
-                room -= ctx.per_gpu[n] * _need(ctx, cfg, n, 0, False, _slots(ctx, cfg, 0)[0]).total
-            elif n in ctx.user_budget:
-                room -= ctx.per_gpu[n] * _need(ctx, cfg, n, ctx.user_budget[n], checkpointing(n)).total
-            else:
-                room -= ctx.per_gpu[n] * static[n]
+        least = {n: _need(ctx, cfg, n, 0, False, _slots(ctx, cfg, 0)[0]) if n == "generator" else
+                 _need(ctx, cfg, n, ctx.user_budget.get(n, ctx.floor), checkpointing(n)) for n in members}
+        room = (1 - RESERVE - taken) * ctx.gpu - sum(ctx.per_gpu[n] * (least[n].total if n == "generator" or
+                                                                      n in ctx.user_budget else static[n])
+                                                     for n in members)
+        if room < 0:   # the static bytes (and the budgets a user set) alone overflow: name the largest
+            worst = max([n for n in members if n in ctx.user_budget] or members, key=lambda n: least[n].total)
+            return {}, {}, {}, _refusal(least[worst], room + least[worst].total)
         per = sum(ctx.per_gpu[n] * per_token[n] for n in members if n in planned)
         if per:
             half = room / 2 if "generator" in members else room
@@ -186,7 +188,7 @@ def _decide(ctx: _Graph, cfg, graph, ckpt: bool) -> tuple[dict, dict, dict, str 
         fewest, most = _slots(ctx, cfg, room)
         needs["generator"] = _need(ctx, cfg, "generator", 0, False, most)
         smallest = _need(ctx, cfg, "generator", 0, False, fewest)
-        if smallest.total > shares["generator"] * ctx.gpu:
+        if smallest.total > shares["generator"] * ctx.gpu * (1 + 1e-9):
             return tokens, shares, needs, _refusal(smallest, shares["generator"] * ctx.gpu)
     for n in tokens:                      # a trainer whose share is kept: its need must fit it
         if needs[n].total > shares[n] * ctx.gpu * (1 + 1e-9):
@@ -232,7 +234,7 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
     settings = []
     for n in nodes:
         if n in shares:
-            settings.append((f"gpu_shares.{n}", round(shares[n], 4), "you" if n in ctx.user_shares else
+            settings.append((f"gpu_shares.{n}", shares[n], "you" if n in ctx.user_shares else
                              "plan" if _plannable(ctx, n) else "placement"))
     for n in TRAINERS:
         if n in user_budget:
@@ -258,8 +260,12 @@ def apply(plan: Plan, cfg, graph) -> None:
             graph.nodes[name].gpus = value
         else:
             setattr(graph.nodes[node].config, name, value)
-    size = plan.gpu_bytes / GiB
     for need in plan.needs:
-        share = plan.shares.get(need.node, graph.nodes[need.node].gpus)
-        graph.nodes[need.node].memory_note = (f"the memory plan gave it {share:.2f} of a {size:.0f} GiB GPU for "
-                                              f"{need.text()}; to lower it: {need.setting}")
+        c = graph.nodes[need.node].config
+        advice = f"lower {need.setting}"
+        if need.node in TRAINERS:
+            key = "max_tokens_per_micro_batch" if c.max_tokens_per_micro_batch else "micro_batch_size"
+            advice = f"lower {need.node}.{key} (now {getattr(c, key)})" + (
+                "" if getattr(c, "gradient_checkpointing", True) else f" or set {need.node}.gradient_checkpointing=true")
+        graph.nodes[need.node].memory_note = (f"the memory plan gave it {plan.shares[need.node]:.2f} of a "
+                                              f"{plan.gpu_bytes / GiB:.0f} GiB GPU for {need.text()}; {advice}")

@@ -182,7 +182,8 @@ class Plan:
             lines.append(f"  {n.node:<10} share {self.shares.get(n.node, 0):.2f}{tip}  needs {n.text()}")
         if self.settings:
             lines.append("  settings (plan: chosen by the plan, you: your value, kept):")
-            lines += [f"    {key} = {value!r}  ({who})" for key, value, who in self.settings]
+            lines += [f"    {key} = {value:.4g}  ({who})" if isinstance(value, float) else f"    {key} = {value!r}  ({who})"
+                      for key, value, who in self.settings]
         lines += [f"  {note}" for note in self.notes]
         if self.problem:
             lines.append(f"  does not fit: {self.problem}")
@@ -219,9 +220,10 @@ SHRINKABLE = ("activations", "logits gradient", "kv cache", "decoder room", "sam
 
 def _refusal(n: NodeNeed, room: float) -> str:
     fixed = n.total - sum(n.parts.get(k, 0) for k in SHRINKABLE)
+    share = n.setting[n.setting.find("raise gpu_shares."):] if "raise gpu_shares." in n.setting else ""
     what = (f"lower {n.setting}" if fixed < room else
-            f"its weights, gradients and optimizer state alone take {fixed / GiB:.1f} GiB: use "
-            "learner.lora.rank (e.g. 32), more GPUs, or a smaller model")
+            f"its weights, gradients and optimizer state alone take {fixed / GiB:.1f} GiB: "
+            + (f"{share}, " if share else "") + "use learner.lora.rank (e.g. 32), more GPUs, or a smaller model")
     return (f"{n.node} needs {n.total / GiB:.1f} GiB but has {max(room, 0) / GiB:.1f} GiB of the GPU "
             f"({n.text().split(' (', 1)[1].rstrip(')')}); {what}")
 
