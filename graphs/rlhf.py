@@ -117,8 +117,9 @@ class RLHFConfig:
     """Where the model nodes run (dataflow/presets.py). cpu: no GPU. colocated: one pool of num_gpus
     GPUs that the generators (one per GPU), reference, critic and learner share, in equal shares, as
     evenly as they go. split: the generators get GPUs 0..num_gpus-2 (one whole GPU each), the learner
-    side (reference, critic, learner: equal shares) the last GPU. Each share caps that node's GPU
-    memory; gpu_shares sets them per node."""
+    side (reference, critic, learner) the last GPU. Each share caps that node's GPU memory. On a GPU
+    that all of its pool's nodes share, the memory plan sets the shares from what each node needs
+    (docs/gpus.md); elsewhere they are equal; gpu_shares sets them per node."""
     num_gpus: Annotated[int, AtLeast(1)] = 1
     """GPUs for placement=colocated or split (the cluster must have them; checked at start)."""
     reward_model_gpu_share: Annotated[float, Range(0, 1, high_open=True)] = 0.0
@@ -126,14 +127,16 @@ class RLHFConfig:
     learner's pool (the other shares there shrink to make room). 0 = the reward model on CPU."""
     gpu_shares: Annotated[dict[str, float], Each(Fraction)] = field(default_factory=dict)
     """A fraction of one GPU for named model nodes (generator, reference, critic, learner), each
-    replica, e.g. '{"learner": 0.5}'. Where all of a pool's nodes share one GPU (colocated with
-    num_gpus=1, split's learner GPU), the nodes not named split what is left equally; on several
-    colocated GPUs they keep their equal shares and the plan checks that everything fits. A share
-    caps the node's GPU memory too: give the learner more when a larger micro-batch needs it."""
+    replica, e.g. '{"learner": 0.5}'; kept as given. Where all of a pool's nodes share one GPU
+    (colocated with num_gpus=1, split's learner GPU), the memory plan gives the nodes not named
+    what they need and the generator the rest (without a known GPU size: equal parts of what is
+    left); on several colocated GPUs they keep their equal shares and the plan checks that
+    everything fits. A share caps the node's GPU memory too."""
     gpu_memory_gib: Annotated[float, NonNegative] = 0.0
-    """GPU size for the memory plan (rl/model/memory_plan.py; --describe prints it on a GPU placement): a
-    model node that needs more than its share of it is refused before start. 0 = the driver's GPU 0
-    if it has one, else the plan assumes an H200 (141 GiB) and only prints."""
+    """GPU size for the memory plan (rl/model/applied_plan.py; --describe prints it on a GPU placement):
+    it sets the shares, token budgets and checkpointing left at their defaults, and refuses before
+    start a node that does not fit. 0 = the driver's GPU 0 if it has one, else the plan assumes an
+    H200 (141 GiB), only prints and applies nothing."""
     val: ValidationConfig = field(default_factory=ValidationConfig)
     """Validation rounds on a held-out file (nodes/evaluator.py): val.path, val.every, val.n, val.k."""
     loggers: str = ""
