@@ -11,9 +11,10 @@ What it decides for the model nodes (generator, reference, critic, learner):
   at least the floor (MIN_TOKENS, and the longest sample: a pass holds at least one);
 - on a GPU that all of its pool's nodes share (colocated with num_gpus=1, split's learner GPU), the
   shares the user did not set in gpu_shares: each trainer its need at B, the generator the rest (its
-  KV cache gets the slack). B takes at most half of the room left once every node has its static
-  bytes and the generator its smallest KV cache, so generation keeps room to batch; where half does
-  not reach the floor B takes what it needs;
+  KV cache gets the slack). With auto decoder slots (generator.prompts_per_call=0) B takes at most
+  half of the room left once every node has its static bytes and the generator its smallest KV
+  cache, so generation keeps room to batch; where half does not reach the floor, or the slots are
+  fixed, B takes what it needs up to TARGET_TOKENS;
 - gradient checkpointing (learner, critic) when even the floor does not fit without it;
 - on pools of several GPUs (colocated num_gpus > 1, split's generator GPUs) the shares stay the
   preset's, and B follows from each trainer's share.
@@ -129,7 +130,6 @@ def _slots(ctx: _Graph, cfg, room: float) -> tuple[int, int]:
 
 def _decide(ctx: _Graph, cfg, graph, ckpt: bool) -> tuple[dict, dict, dict, str | None]:
     """(tokens per trainer, shares, needs, problem) with the plan's checkpointing `ckpt`."""
-    lc = cfg.learner
 
     def checkpointing(n: str) -> bool:
         return n in ("learner", "critic") and (ckpt or ctx.configs[n].gradient_checkpointing)
@@ -155,7 +155,8 @@ def _decide(ctx: _Graph, cfg, graph, ckpt: bool) -> tuple[dict, dict, dict, str 
             return {}, {}, {}, _refusal(least[worst], room + least[worst].total)
         per = sum(ctx.per_gpu[n] * per_token[n] for n in members if n in planned)
         if per:
-            half = room / 2 if "generator" in members else room
+            # The generator's auto slots grow into the slack; with a fixed prompts_per_call it would sit idle.
+            half = room / 2 if "generator" in members and not cfg.generator.prompts_per_call else room
             fits.append(half // per if half // per >= ctx.floor else room // per)
             rooms.update({n: room - (per - per_token[n]) * ctx.floor + static[n] for n in members if n in planned})
     for n in planned:                     # a trainer whose share is kept: the budget its share holds

@@ -108,6 +108,34 @@ def test_issue_37s_goals_follow_from_the_arithmetic(tmp_path):
     assert sum(static_bytes(shape, 32).values()) < 140 * GiB * (1 - RESERVE)
 
 
+def test_with_auto_decoder_slots_the_budget_leaves_the_generator_half_of_the_room(tmp_path):
+    """generator.prompts_per_call=0: the trainers' per-token bytes at the budget take at most half
+    of what is left once every node has its static bytes and the generator one group's slots; the
+    generator's share holds the slots its decoder then takes (up to 256, the cache within half of
+    its room, rl/generation/decoder_slots.py's rule)."""
+    path = policy_dir(tmp_path, "1.5b")
+    sets = [s for s in W1 if not s.startswith("generator.prompts_per_call")] + [f"policy.path={path}"]
+    graph, config = load_graph("graphs/grpo.py", sets)
+    plan, shape = graph.memory_plan, ModelShape.from_dir(path)
+    assert plan.problem is None, plan.problem
+    budget, slack = config.learner.max_tokens_per_micro_batch, 1 + ALLOCATOR_SLACK
+    assert budget % MULTIPLE == 0 and budget >= 2048 and not config.learner.gradient_checkpointing
+    gen = generator_need(shape, dtype_bytes=2, slots=8, max_len=MAX_LEN)
+    room = 140 * GiB * (1 - RESERVE) - slack * (
+        gen.total + gen.parts["kv cache"] * (KV_HEADROOM - 1) + shape.params() * 2
+        + learner_need(shape, on_cuda=True, micro_batch_tokens=0).total)
+
+    def per_pass(tokens: int) -> float:
+        learner = learner_need(shape, on_cuda=True, micro_batch_tokens=tokens, logit_rows=tokens).parts["activations"]
+        reference = reference_need(shape, dtype_bytes=2, micro_batch_tokens=tokens).parts["activations"]
+        return slack * (learner + tokens * shape.vocab * 2 + reference)
+
+    assert per_pass(budget) <= room / 2 < per_pass(budget + MULTIPLE) or budget == TARGET_TOKENS
+    generator = next(n for n in plan.needs if n.node == "generator")
+    slots = generator.parts["kv cache"] // (MAX_LEN * shape.kv_bytes_per_token(2))
+    assert 8 < slots <= 256 and generator.total <= plan.shares["generator"] * plan.gpu_bytes
+
+
 def test_a_users_share_and_budget_are_kept_and_named_as_theirs(tmp_path):
     path = policy_dir(tmp_path, "1.5b")
     graph, config = load_graph("graphs/grpo.py", W1 + [f"policy.path={path}", 'gpu_shares={"learner":0.6}',
