@@ -48,6 +48,9 @@ ALLOCATOR_SLACK = 0.10
 """Each node's share holds its need plus this fraction: its share caps its allocator
 (set_per_process_memory_fraction), so the fragmentation of torch's caching allocator and the
 kernels' workspaces must fit inside it; the unassigned RESERVE holds the CUDA contexts."""
+WORKSPACE_BYTES = 1 << 30
+"""Per node, what the byte model leaves out: cuBLAS and attention kernels' workspaces, CUDA graphs'
+pools, masks and indices, small tensors; a guess, to be replaced by what GPU runs measure."""
 MULTIPLE = 256
 TRAINERS = ("learner", "critic", "reference")
 
@@ -89,10 +92,13 @@ class _Graph:
     cap: int
 
 
-def _need(ctx: _Graph, cfg, node: str, tokens: int, ckpt: bool, slots: int = 0) -> NodeNeed:
+def _need(ctx: _Graph, cfg, node: str, tokens: int, ckpt: bool, slots: int = 0, step: bool = True) -> NodeNeed:
     """A node's bytes at `tokens` per pass (trainers) or `slots` decoder slots (generator). The
     learner's backward also holds the gradient of a pass's logits, [tokens, vocab] in their bf16
-    (rl/model/logprobs.token_logprobs keeps no float32 copy: it upcasts a few rows at a time)."""
+    (rl/model/logprobs.token_logprobs keeps no float32 copy: it upcasts a few rows at a time).
+    AdamW's foreach step (learner, critic) makes a float32 temporary per trained parameter once
+    the passes' activations are freed: the need is the larger of the two phases (step=False: the
+    pass alone, linear in tokens, for the budget's arithmetic)."""
     s, lc, g = ctx.shape, cfg.learner, cfg.generator
     if node == "generator":
         n = generator_need(s, dtype_bytes=DTYPE_BYTES.get(g.dtype, 2), slots=slots, max_len=ctx.max_len,
@@ -106,6 +112,9 @@ def _need(ctx: _Graph, cfg, node: str, tokens: int, ckpt: bool, slots: int = 0) 
         n = learner_need(s, on_cuda=True, micro_batch_tokens=tokens, logit_rows=0, checkpointing=ckpt, node="critic")
     else:
         n = reference_need(s, dtype_bytes=2, micro_batch_tokens=tokens)
+    if node in ("learner", "critic") and step:
+        n.parts["optimizer step"] = max(0, n.parts["grads"] - n.parts["activations"] - n.parts.get("logits gradient", 0))
+    n.parts["workspace"] = WORKSPACE_BYTES
     if node in ctx.user_budget and not ctx.configs[node].max_tokens_per_micro_batch:
         n.setting = f"{node}.micro_batch_size (yours: {ctx.configs[node].micro_batch_size}; or 0, for the plan's budget)"
     elif node in TRAINERS and node not in ctx.user_budget:   # the plan chose the budget: what shrinks the need is the longest sample
@@ -135,9 +144,8 @@ def _decide(ctx: _Graph, cfg, graph, ckpt: bool) -> tuple[dict, dict, dict, str 
         return n in ("learner", "critic") and (ckpt or ctx.configs[n].gradient_checkpointing)
 
     planned = [n for n in TRAINERS if n in ctx.nodes and n not in ctx.user_budget]
-    per_token = {n: _need(ctx, cfg, n, 1, checkpointing(n)).total - _need(ctx, cfg, n, 0, checkpointing(n)).total
-                 for n in planned}
-    static = {n: _need(ctx, cfg, n, 0, checkpointing(n)).total for n in planned}
+    static = {n: _need(ctx, cfg, n, 0, checkpointing(n), step=False).total for n in planned}
+    per_token = {n: _need(ctx, cfg, n, 1, checkpointing(n), step=False).total - static[n] for n in planned}
     kept = {n: graph.nodes[n].gpus for n in graph.nodes if graph.nodes[n].pool and not _plannable(ctx, n)}
     fits: list[float] = [ctx.cap]
     rooms: dict[str, float] = {}       # per planned trainer: the bytes it may take at most (for the refusal)

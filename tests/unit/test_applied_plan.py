@@ -18,7 +18,7 @@ from dataflow.driver.failures import raise_if_failed
 from dataflow.driver.loading import describe, load_graph
 from dataflow.errors import UserError
 from graphs.grpo import GRPOGraphConfig
-from rl.model.applied_plan import ALLOCATOR_SLACK, MULTIPLE, TARGET_TOKENS, KV_HEADROOM
+from rl.model.applied_plan import ALLOCATOR_SLACK, KV_HEADROOM, MULTIPLE, TARGET_TOKENS, WORKSPACE_BYTES
 from rl.model.memory_plan import RESERVE, GiB, ModelShape, generator_need, learner_need, reference_need
 
 # Qwen2.5's published config.json values (huggingface.co/Qwen/Qwen2.5-{0.5B,1.5B,3B,7B}).
@@ -44,13 +44,13 @@ def policy_dir(tmp_path, size: str) -> str:
 
 
 def static_bytes(shape: ModelShape, lora: int) -> dict[str, float]:
-    """Each node's bytes that no budget shrinks, with its allocator slack, written out here."""
+    """Each node's bytes that no budget shrinks, with its workspace and allocator slack, written out here."""
     learner = learner_need(shape, on_cuda=True, micro_batch_tokens=0, lora_rank=lora).total
     gen = generator_need(shape, dtype_bytes=2, slots=256, max_len=MAX_LEN, lora_rank=lora)
     out = {"learner": learner, "generator": gen.total + gen.parts["kv cache"] * (KV_HEADROOM - 1)}
     if not lora:   # LoRA: the learner is its own reference (the base with the adapter off)
         out["reference"] = shape.params() * 2
-    return {k: v * (1 + ALLOCATOR_SLACK) for k, v in out.items()}
+    return {k: (v + WORKSPACE_BYTES) * (1 + ALLOCATOR_SLACK) for k, v in out.items()}
 
 
 @pytest.mark.parametrize("size", list(QWEN))
@@ -81,14 +81,17 @@ def test_the_plan_for_qwen25_shapes_on_one_140_gib_gpu_is_its_arithmetic(tmp_pat
     assert sum(plan.shares.values()) == pytest.approx(1 - RESERVE)
     learner = next(n for n in plan.needs if n.node == "learner")
     assert learner.parts["activations"] == shape.activation_bytes(budget, budget, 2, config.learner.gradient_checkpointing)
+    # AdamW's step (a float32 temporary per trained parameter) comes after the pass: the larger counts.
+    pass_bytes = learner.parts["activations"] + learner.parts["logits gradient"]
+    assert learner.parts["optimizer step"] == max(0, learner.parts["grads"] - pass_bytes)
     # Checkpointing is on only when the smallest budget (2048 tokens here) would not fit without it:
     # the learner's need there (and its logits' gradient) beside the generator's and the reference's.
     floor = 2048
     room = usable - fixed["generator"]
     if not lora:
-        room -= reference_need(shape, dtype_bytes=2, micro_batch_tokens=floor).total * (1 + ALLOCATOR_SLACK)
+        room -= (reference_need(shape, dtype_bytes=2, micro_batch_tokens=floor).total + WORKSPACE_BYTES) * (1 + ALLOCATOR_SLACK)
     plain = learner_need(shape, on_cuda=True, micro_batch_tokens=floor, logit_rows=floor, lora_rank=lora).total
-    plain += floor * shape.vocab * 2
+    plain += floor * shape.vocab * 2 + WORKSPACE_BYTES
     assert config.learner.gradient_checkpointing == (plain * (1 + ALLOCATOR_SLACK) > room)
 
 
@@ -123,7 +126,7 @@ def test_with_auto_decoder_slots_the_budget_leaves_the_generator_half_of_the_roo
     gen = generator_need(shape, dtype_bytes=2, slots=8, max_len=MAX_LEN)
     room = 140 * GiB * (1 - RESERVE) - slack * (
         gen.total + gen.parts["kv cache"] * (KV_HEADROOM - 1) + shape.params() * 2
-        + learner_need(shape, on_cuda=True, micro_batch_tokens=0).total)
+        + learner_need(shape, on_cuda=True, micro_batch_tokens=0).total + 3 * WORKSPACE_BYTES)
 
     def per_pass(tokens: int) -> float:
         learner = learner_need(shape, on_cuda=True, micro_batch_tokens=tokens, logit_rows=tokens).parts["activations"]
