@@ -76,7 +76,7 @@ def _at_default(c, name: str) -> bool:
 
 
 @dataclasses.dataclass
-class _Graph:
+class _Inputs:
     """What the plan reads from the config and the graph, once."""
     shape: ModelShape
     max_len: int
@@ -90,9 +90,10 @@ class _Graph:
     user_budget: dict[str, int]          # trainer -> tokens per pass it set (rows x the longest sample)
     floor: int
     cap: int
+    may_checkpoint: list[str]            # the trainers whose checkpointing the plan may turn on
 
 
-def _need(ctx: _Graph, cfg, node: str, tokens: int, ckpt: bool, slots: int = 0, step: bool = True) -> NodeNeed:
+def _need(ctx: _Inputs, cfg, node: str, tokens: int, ckpt: bool, slots: int = 0, step: bool = True) -> NodeNeed:
     """A node's bytes at `tokens` per pass (trainers) or `slots` decoder slots (generator). The
     learner's backward also holds the gradient of a pass's logits, [tokens, vocab] in their bf16
     (rl/model/logprobs.token_logprobs keeps no float32 copy: it upcasts a few rows at a time).
@@ -126,7 +127,7 @@ def _need(ctx: _Graph, cfg, node: str, tokens: int, ckpt: bool, slots: int = 0, 
     return n
 
 
-def _slots(ctx: _Graph, cfg, room: float) -> tuple[int, int]:
+def _slots(ctx: _Inputs, cfg, room: float) -> tuple[int, int]:
     """(fewest, most) decoder slots of a generator replica: its prompts_per_call x group_size, or
     for auto one group up to AUTO_SLOTS (as many as `room` bytes hold, the decoder's own rule)."""
     g = cfg.generator
@@ -137,11 +138,11 @@ def _slots(ctx: _Graph, cfg, room: float) -> tuple[int, int]:
     return g.group_size, most
 
 
-def _decide(ctx: _Graph, cfg, graph, ckpt: bool) -> tuple[dict, dict, dict, str | None]:
+def _decide(ctx: _Inputs, cfg, graph, ckpt: bool) -> tuple[dict, dict, dict, str | None]:
     """(tokens per trainer, shares, needs, problem) with the plan's checkpointing `ckpt`."""
 
     def checkpointing(n: str) -> bool:
-        return n in ("learner", "critic") and (ckpt or ctx.configs[n].gradient_checkpointing)
+        return n in ("learner", "critic") and (ctx.configs[n].gradient_checkpointing or (ckpt and n in ctx.may_checkpoint))
 
     planned = [n for n in TRAINERS if n in ctx.nodes and n not in ctx.user_budget]
     static = {n: _need(ctx, cfg, n, 0, checkpointing(n), step=False).total for n in planned}
@@ -205,7 +206,7 @@ def _decide(ctx: _Graph, cfg, graph, ckpt: bool) -> tuple[dict, dict, dict, str 
     return tokens, shares, needs, None
 
 
-def _plannable(ctx: _Graph, n: str) -> bool:
+def _plannable(ctx: _Inputs, n: str) -> bool:
     """A model node whose share the plan sets: on a pool of one GPU, not named in gpu_shares."""
     return n in ctx.nodes and ctx.pool_gpus.get(ctx.pool_of.get(n), 0) == 1 and n not in ctx.user_shares
 
@@ -228,13 +229,13 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
                             and _at_default(configs[n], "micro_batch_size"))}
     minibatch = cfg.learner.minibatch_size * max_len
     floor = min(minibatch, math.ceil(max(MIN_TOKENS, max_len) / MULTIPLE) * MULTIPLE)
-    ctx = _Graph(shape, max_len, gpu_bytes, configs, nodes,
-                 {n: math.ceil(graph.nodes[n].replicas / graph.pools[graph.nodes[n].pool].gpus) for n in nodes},
-                 {n: s.pool for n, s in graph.nodes.items() if s.pool}, {p: s.gpus for p, s in graph.pools.items()},
-                 {n: v for n, v in (getattr(cfg, "gpu_shares", None) or {}).items() if n in nodes}, user_budget,
-                 floor, max(floor, min(TARGET_TOKENS, minibatch)))
     may_checkpoint = [n for n in ("learner", "critic") if n in nodes and n not in user_budget
                       and not configs[n].gradient_checkpointing]
+    ctx = _Inputs(shape, max_len, gpu_bytes, configs, nodes,
+                  {n: math.ceil(graph.nodes[n].replicas / graph.pools[graph.nodes[n].pool].gpus) for n in nodes},
+                  {n: s.pool for n, s in graph.nodes.items() if s.pool}, {p: s.gpus for p, s in graph.pools.items()},
+                  {n: v for n, v in (getattr(cfg, "gpu_shares", None) or {}).items() if n in nodes}, user_budget,
+                  floor, max(floor, min(TARGET_TOKENS, minibatch)), may_checkpoint)
     ckpt = False
     tokens, shares, needs, problem = _decide(ctx, cfg, graph, False)
     if problem and may_checkpoint:
@@ -254,6 +255,8 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
         if n in nodes and n != "reference" and (configs[n].gradient_checkpointing or (ckpt and n in may_checkpoint)):
             settings.append((f"{n}.gradient_checkpointing", True,
                              "you" if configs[n].gradient_checkpointing else "plan"))
+    if problem:   # refused: nothing is applied, so only what the user set is listed
+        settings = [s for s in settings if s[2] == "you"]
     ordered = [needs[n] for n in nodes if n in needs]
     return Plan(gpu_bytes, ordered, shares, problem, enforced=enforced, settings=settings)
 
