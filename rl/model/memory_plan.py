@@ -174,9 +174,16 @@ class Plan:
     """What the plan set or kept, (key, value, who): who is "plan" (the user left it at its
     default; rl/model/applied_plan.py chose it) or "you" (the user's own value, kept)."""
 
+    def summary(self) -> str:
+        """One line: the settings it applied and kept (--describe shows the bytes)."""
+        shown = ", ".join((f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}") + (" (yours)" if who == "you" else "")
+                          for k, v, who in self.settings if who != "placement")
+        return (f"memory plan ({self.gpu_bytes / GiB:.0f} GiB GPU, {'applied' if self.enforced else 'assumed size, not applied'}): "
+                f"{shown or 'nothing to set'} (--describe shows each node's bytes)")
+
     def text(self) -> str:
         size = f"{self.gpu_bytes / GiB:.0f} GiB" + ("" if self.enforced else " assumed: set gpu_memory_gib")
-        lines = [f"memory plan (one GPU of {size}, {RESERVE:.0%} kept free; rl/model/memory_plan.py):"]
+        lines = [f"memory plan (one GPU of {size}, {RESERVE:.0%} kept free; rl/model/applied_plan.py):"]
         for n in self.needs:
             tip = f" (the needs suggest {self.suggested[n.node]:.2f})" if self.suggested and n.node in self.suggested else ""
             lines.append(f"  {n.node:<10} share {self.shares.get(n.node, 0):.2f}{tip}  needs {n.text()}")
