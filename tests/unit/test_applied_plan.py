@@ -153,6 +153,9 @@ def test_a_users_share_and_budget_are_kept_and_named_as_theirs(tmp_path):
     assert learner.total <= 0.6 * plan.gpu_bytes     # the plan's budget fits the user's share
     text = describe(graph, config)
     assert "gpu_shares.learner = 0.6  (you)" in text and "learner.max_tokens_per_micro_batch = " in text
+    summary = plan.summary()      # the line a run prints as it starts
+    assert "\n" not in summary and "gpu_shares.learner=0.6 (yours)" in summary
+    assert f"learner.max_tokens_per_micro_batch={config.learner.max_tokens_per_micro_batch}," in summary
 
     # A user's share too small for the learner's state: refused in one line naming the share.
     graph, config = load_graph("graphs/grpo.py", W1 + [f"policy.path={policy_dir(tmp_path, '3b')}",
