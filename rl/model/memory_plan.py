@@ -188,7 +188,8 @@ class Plan:
             tip = f" (the needs suggest {self.suggested[n.node]:.2f})" if self.suggested and n.node in self.suggested else ""
             lines.append(f"  {n.node:<10} share {self.shares.get(n.node, 0):.2f}{tip}  needs {n.text()}")
         if self.settings:
-            lines.append("  settings (plan: chosen by the plan, you: your value, kept):")
+            lines.append("  settings (plan: chosen by the plan, you: your value, kept):" if self.enforced else
+                         "  settings the plan would set (not applied: the GPU size is assumed; set gpu_memory_gib):")
             lines += [f"    {key} = {value:.4g}  ({who})" if isinstance(value, float) else f"    {key} = {value!r}  ({who})"
                       for key, value, who in self.settings]
         lines += [f"  {note}" for note in self.notes]
