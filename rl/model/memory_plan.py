@@ -1,5 +1,6 @@
 """What each model node holds on its GPU, computed before start from the model's shape: a plan of
 the colocated shares, a default token budget per micro-batch, and a refusal naming what to change.
+rl/model/applied_plan.py decides and applies an RLHF graph's shares, budgets and checkpointing from it.
 
 Pure arithmetic (no torch, no GPU), for llama / qwen2 decoders (RoPE, RMSNorm, SwiGLU):
 
