@@ -23,7 +23,10 @@ Modes: sync = max_staleness 0 (on-policy, generation and training alternate); as
 max_staleness 1 (generation of batch k+1 overlaps training on batch k).
 --gpus 1: placement=colocated (every node shares the one GPU); --gpus 2: placement=split
 (generator on GPU 0, reference/critic/learner on GPU 1). TRL always runs on one GPU.
-Micro-batches (and the learner's GPU share) per variant unless --micro-batch: batch_sizes().
+Micro-batches (and the learner's GPU share) per variant unless --micro-batch: batch_sizes(); with
+--plan none are set and the memory plan (rl/model/applied_plan.py) chooses shares, token budgets and
+checkpointing, as for a user who sets nothing (issue 37's ladder: --shape 1.5b/3b/7b, and
+--set learner.lora.rank=32 for LoRA).
 
 Reported per variant (the first --warmup steps excluded):
   s/step       wall time between the learner's step records (steady state)
@@ -276,12 +279,28 @@ def batch_sizes(args, algo: str) -> tuple[int, int, list[str]]:
     and --ref-micro-batch when given, else the fastest measured that fit
     (bench/results/w1_step_h200_2026-11-30b.md): GRPO on one H200 64 and 64 with half the GPU for
     the learner; PPO on one H200 16 (four model nodes share it); two H200s 32 and 32."""
+    if args.plan:   # the memory plan chooses the budgets and shares (rl/model/applied_plan.py)
+        return 0, 0, []
     if args.micro_batch:
         return args.micro_batch, args.ref_micro_batch or 32, []
     if args.gpus == 1 and algo == "grpo" and not args.tiny:
         shares = [] if any(x.startswith("gpu_shares=") for x in args.set) else ['gpu_shares={"learner":0.5}']
         return 64, args.ref_micro_batch or 64, shares
     return (16 if args.gpus == 1 else 32), args.ref_micro_batch or 32, []
+
+
+def memory_plan_lines(algo: str, sets: list[str], vdir: Path) -> list[str]:
+    """--plan: the variant's --describe (same --set) saved as vdir/describe.txt; its memory plan
+    lines (each node's share and need, the budgets and who chose them) for the results row."""
+    cmd = [sys.executable, "-m", "dataflow.run", str(ROOT / f"graphs/{algo}.py"), "--describe"]
+    out = subprocess.run(cmd + [x for s in sets for x in ("--set", s)], capture_output=True, text=True, timeout=300)
+    text = out.stdout + out.stderr
+    (vdir / "describe.txt").write_text(text)
+    lines = text.splitlines()
+    start = next((i for i, l in enumerate(lines) if l.startswith(("memory plan", "error"))), len(lines))
+    end = next((i for i, l in enumerate(lines) if l.startswith("settings (--set")), len(lines))
+    log("memory plan:\n" + "\n".join(lines[start:end]))
+    return lines[start:end]
 
 
 def dataflow_variant(args, shape: dict, paths: dict, algo: str, mode: str, out: Path, timeout_s: float) -> dict:
@@ -294,7 +313,8 @@ def dataflow_variant(args, shape: dict, paths: dict, algo: str, mode: str, out: 
             f"max_new_tokens={shape['response_len']}", f"generator.min_new_tokens={shape['response_len']}",
             f"max_staleness={0 if mode == 'sync' else 1}",
             f"learner.minibatch_size={samples}", "learner.ppo_epochs=1", "learner.lr=1e-6", "learner.kl.coef=0.01", "learner.save_final=false",
-            f"learner.micro_batch_size={micro}", f"reference.micro_batch_size={ref_micro}",
+            *([f"learner.micro_batch_size={micro}"] if micro else []),
+            *([f"reference.micro_batch_size={ref_micro}"] if ref_micro else []),
             # a step's prompts decoded at once: 256 decoder slots for GRPO (32 x 8) and PPO (256 x 1)
             f"generator.prompts_per_call={shape['prompts_per_step'] if algo == 'grpo' else samples}"]
     if args.tiny:
@@ -305,7 +325,7 @@ def dataflow_variant(args, shape: dict, paths: dict, algo: str, mode: str, out: 
         sets += [f"prompts_per_step={shape['prompts_per_step']}", f"group_size={shape['group']}"]
     else:
         sets += [f"prompts_per_step={samples}", "critic.epochs=1", f"critic.minibatch_size={samples}",
-                 f"critic.micro_batch_size={micro}", "critic.lr=1e-6"]
+                 *([f"critic.micro_batch_size={micro}"] if micro else []), "critic.lr=1e-6"]
     sets += shares + args.set
     trace = vdir / "trace.json.gz"
     cmd = [sys.executable, "-m", "dataflow.run", str(ROOT / f"graphs/{algo}.py"), "--max-steps", str(args.steps),
@@ -314,11 +334,13 @@ def dataflow_variant(args, shape: dict, paths: dict, algo: str, mode: str, out: 
         cmd += ["--set", s]
     if name in args.trace_kernels:  # exact kernel records: the trace's idle comes from them
         cmd.append("--trace-kernels")
+    plan = memory_plan_lines(algo, sets, vdir) if args.plan else []
     log(f"{name}: start (timeout {timeout_s:.0f} s)")
     t = time.time()
     rc = run_logged(cmd, vdir / "run.log", timeout_s, name)
     row = {"variant": name, "algo": algo, "mode": mode, "gpus": args.gpus, "micro_batch": micro,
            "ref_micro_batch": ref_micro, "extra_sets": shares + args.set, "rc": rc, "wall_s": time.time() - t,
+           **({"memory_plan": plan} if args.plan else {}),
            "status": "ok" if rc == 0 else ("timeout" if rc == 124 else f"failed rc={rc}")}
     metrics = vdir / "run" / "metrics.jsonl"
     if metrics.exists():
@@ -566,6 +588,9 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, default=0,
                    help="learner/critic micro_batch_size; 0 = per variant, see batch_sizes()")
     p.add_argument("--ref-micro-batch", type=int, default=0, help="reference micro_batch_size; 0 = per variant")
+    p.add_argument("--plan", action="store_true",
+                   help="no micro-batches or gpu_shares set: the memory plan chooses them (issue 37; its "
+                        "--describe is saved per variant and its plan lines go into the results)")
     p.add_argument("--set", action="append", default=[], help="extra --set for every dataflow variant")
     p.add_argument("--learner-bench", action="store_true",
                    help="first time ppo_update and the reference pass alone (no Ray), per micro-batch size")

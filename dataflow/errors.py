@@ -1,5 +1,7 @@
 """Errors the CLI prints as one short message (no traceback): mistakes the user can fix."""
 
+import re
+
 
 class UserError(Exception):
     """A mistake in a graph file, a --set value, a model directory or a dataset.
@@ -31,3 +33,16 @@ class NodeFailed(Exception):
         self.traceback_text = traceback_text
         self.item = item
         super().__init__(f"node '{node}' failed: {summary}")
+
+
+def out_of_memory_line(e: BaseException, memory_note: str, share: float) -> str:
+    """torch's CUDA out-of-memory message cut to what was asked and what the share allows, then
+    what the memory plan gave the node and the setting that lowers its need (NodeSpec.memory_note),
+    or without a plan its share: the host reports it as a user error, one line, no traceback."""
+    text = " ".join(str(e).split())
+    asked = re.search(r"Tried to allocate [\d.]+ \w+", text)
+    allowed = re.search(r"[\d.]+ \w+ allowed", text)
+    said = "; ".join(m.group(0) for m in (asked, allowed) if m) or text[:160]
+    plan = memory_note or (f"no memory plan for it (share {share:g} of a GPU): lower its max_tokens_per_micro_batch "
+                           "(or micro_batch_size) or give it a larger gpu_shares entry")
+    return f"out of GPU memory ({said}); {plan}"

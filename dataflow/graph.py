@@ -62,6 +62,9 @@ class NodeSpec:
     pool: str | None = None
     side: str | None = None
     """A GPU preset's side ("rollout" / "train") that places this node (dataflow/presets.py)."""
+    memory_note: str = ""
+    """What a memory plan says this node holds and the setting that lowers it (graphs/rlhf.py sets
+    it): an out-of-memory error in the node says it (dataflow/actor/host.py)."""
 
     @property
     def restartable(self) -> bool:
@@ -170,6 +173,9 @@ class Graph:
     settings, dataflow/config.py) and the run settings above come from its fields of those names."""
     placement: str | None = None
     """The GPU preset place() applied (dataflow/presets.py), if any."""
+    memory_plan: Any = None
+    """The config's memory plan once computed (graphs/rlhf.py: applied to the nodes' shares and
+    settings by load_graph), for --describe and the input check."""
     _problems: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self):

@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         for line in found:
             print(f"error: {line}", file=sys.stderr)
         return 2
+    plan = getattr(graph, "memory_plan", None)    # what the graph config's memory plan set (graphs/rlhf.py)
+    if plan is not None and getattr(plan, "settings", None):
+        print(f"[dataflow] {plan.summary()}")
     options = RunOptions(address=args.address, max_steps=args.max_steps, trace_path=args.trace,
                          trace_kernels=args.trace_kernels,
                          out_dir=args.out, verbose=args.verbose, resume=args.resume,

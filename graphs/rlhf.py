@@ -117,8 +117,9 @@ class RLHFConfig:
     """Where the model nodes run (dataflow/presets.py). cpu: no GPU. colocated: one pool of num_gpus
     GPUs that the generators (one per GPU), reference, critic and learner share, in equal shares, as
     evenly as they go. split: the generators get GPUs 0..num_gpus-2 (one whole GPU each), the learner
-    side (reference, critic, learner: equal shares) the last GPU. Each share caps that node's GPU
-    memory; gpu_shares sets them per node."""
+    side (reference, critic, learner) the last GPU. Each share caps that node's GPU memory. On a GPU
+    that all of its pool's nodes share, the memory plan sets the shares from what each node needs
+    (docs/gpus.md); elsewhere they are equal; gpu_shares sets them per node."""
     num_gpus: Annotated[int, AtLeast(1)] = 1
     """GPUs for placement=colocated or split (the cluster must have them; checked at start)."""
     reward_model_gpu_share: Annotated[float, Range(0, 1, high_open=True)] = 0.0
@@ -126,14 +127,16 @@ class RLHFConfig:
     learner's pool (the other shares there shrink to make room). 0 = the reward model on CPU."""
     gpu_shares: Annotated[dict[str, float], Each(Fraction)] = field(default_factory=dict)
     """A fraction of one GPU for named model nodes (generator, reference, critic, learner), each
-    replica, e.g. '{"learner": 0.5}'. Where all of a pool's nodes share one GPU (colocated with
-    num_gpus=1, split's learner GPU), the nodes not named split what is left equally; on several
-    colocated GPUs they keep their equal shares and the plan checks that everything fits. A share
-    caps the node's GPU memory too: give the learner more when a larger micro-batch needs it."""
+    replica, e.g. '{"learner": 0.5}'; kept as given. Where all of a pool's nodes share one GPU
+    (colocated with num_gpus=1, split's learner GPU), the memory plan gives the nodes not named
+    what they need and the generator the rest (without a known GPU size: equal parts of what is
+    left); on several colocated GPUs they keep their equal shares and the plan checks that
+    everything fits. A share caps the node's GPU memory too."""
     gpu_memory_gib: Annotated[float, NonNegative] = 0.0
-    """GPU size for the memory plan (rl/model/memory_plan.py; --describe prints it on a GPU placement): a
-    model node that needs more than its share of it is refused before start. 0 = the driver's GPU 0
-    if it has one, else the plan assumes an H200 (141 GiB) and only prints."""
+    """GPU size for the memory plan (rl/model/applied_plan.py; --describe prints it on a GPU placement):
+    it sets the shares, token budgets and checkpointing left at their defaults, and refuses before
+    start a node that does not fit. 0 = the driver's GPU 0 if it has one, else the plan assumes an
+    H200 (141 GiB), only prints and applies nothing."""
     val: ValidationConfig = field(default_factory=ValidationConfig)
     """Validation rounds on a held-out file (nodes/evaluator.py): val.path, val.every, val.n, val.k."""
     loggers: str = ""
@@ -205,17 +208,24 @@ class RLHFConfig:
                                  None if by_function else self.reward_model, max_new_tokens_key="max_new_tokens")
 
     def memory_plan(self, graph):
-        """Each model node's bytes against its GPU share (rl/model/memory_plan.rlhf_plan); None on CPU.
-        dataflow's --describe prints it, its preflight refuses a node that does not fit."""
-        from rl.model.memory_plan import GiB, rlhf_plan
+        """The memory plan of `graph` on its GPUs (rl/model/applied_plan.py), applied to it once: the
+        shares, token budgets and checkpointing the user left at their defaults; None on CPU.
+        dataflow's load_graph applies it, --describe prints it, its preflight refuses one that does
+        not fit. Applied only when the GPU's size is known (gpu_memory_gib, or the driver's GPU 0)."""
+        if getattr(graph, "memory_plan", None) is not None or graph.placement in (None, "cpu"):
+            return graph.memory_plan
+        from rl.model.applied_plan import apply, rlhf_plan
+        from rl.model.memory_plan import GiB
 
         size, known = self.gpu_memory_gib * GiB, self.gpu_memory_gib > 0
         if not known:
-            import torch
-
-            if torch.cuda.is_available():
-                size, known = torch.cuda.get_device_properties(0).total_memory, True
-        return rlhf_plan(self, graph, int(size or 141 * GiB), known)
+            size = gpu_total_bytes()
+            known = size > 0
+        plan = rlhf_plan(self, graph, int(size or 141 * GiB), known)
+        if plan is not None and plan.enforced and not plan.problem:
+            apply(plan, self, graph)
+        graph.memory_plan = plan
+        return plan
 
     def reward_node(self) -> dict:
         """g.node() arguments of the reward node reward_kind asks for: a program, or a sequence
@@ -247,6 +257,25 @@ class RLHFConfig:
             g.node("evaluator", Evaluator, self.val, cpus=0.1)
             g.channel("reward.validation", "evaluator.validation", capacity=self.channel_capacity, name="validation")
             g.versioned(VALIDATED, src="evaluator", dst=["prompts"])
+
+
+def gpu_total_bytes() -> int:
+    """GPU 0's memory as nvidia-smi reports it (no CUDA context in the driver), else torch's; 0
+    without a GPU."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+                                 capture_output=True, text=True, timeout=20)
+            if out.returncode == 0 and out.stdout.strip():
+                return int(float(out.stdout.split()[0]) * (1 << 20))   # MiB
+        except (OSError, ValueError, subprocess.SubprocessError):
+            pass
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
 
 
 def _check_rules(cls: type) -> None:

@@ -63,7 +63,7 @@ class CriticConfig:
     max_tokens_per_micro_batch: int = 0
     """Tokens per pass on each GPU instead of a row count, in the value pass and in training (as
     learner.max_tokens_per_micro_batch: one of the two must be 0; rows balanced over dp ranks by
-    tokens)."""
+    tokens; on a GPU placement the memory plan sets it, and gradient_checkpointing, as the learner's)."""
     packing: bool = False
     """Run each pass packed, without padding (as learner.packing); "critic/padding_frac" reports
     the padding of the value and training passes since the last report."""

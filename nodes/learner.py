@@ -73,14 +73,16 @@ class LearnerConfig:
     ppo_max_token_len_per_gpu; 0 = use micro_batch_size, which must then be 0 if this is set):
     rows balanced over dp ranks by tokens, as many passes as the longest rank needs, the same
     loss as unsplit. Counted as the pass runs: prompt + response tokens packed, rows x (longest
-    prompt + longest response) padded. Must be at least the longest prompt + response."""
+    prompt + longest response) padded. Must be at least the longest prompt + response. On a GPU
+    placement, left at 0 with micro_batch_size 0, the memory plan sets it (docs/gpus.md)."""
     packing: bool = False
     """Run each pass packed: rows end to end without padding, attention kept within each row
     (flash-attn's varlen kernel when installed, else flex_attention on CUDA, sdpa's block mask on
     CPU; rl/update/packing.py); the same gradients as padded. "learner/padding_frac" reports padding."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them (less memory,
-    about one more forward of time; rl/update/microbatch.enable_gradient_checkpointing)."""
+    about one more forward of time; rl/update/microbatch.enable_gradient_checkpointing). On a GPU
+    placement the memory plan turns it on when the smallest token budget does not fit without it."""
     precision: Precision = "auto"
     """auto: bf16 autocast over fp32 master weights on CUDA, fp32 on CPU; or bf16 / fp32 (rl/model/precision.py)."""
     compile: bool | None = None

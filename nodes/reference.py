@@ -36,7 +36,8 @@ class ReferenceConfig:
     logits are (prompt + response) x vocab values (W1: 0.08 GB in bf16)."""
     max_tokens_per_micro_batch: int = 0
     """Tokens per forward pass instead of a row count (0 = use micro_batch_size; as the learner's
-    setting: one of the two must be 0; at least the longest prompt + response)."""
+    setting: one of the two must be 0; at least the longest prompt + response). On a GPU placement,
+    left at 0 with micro_batch_size 0, the memory plan sets it (docs/gpus.md)."""
     packing: bool = False
     """Run each pass packed, without padding (as learner.packing); "reference/padding_frac" reports
     the padding of the passes."""

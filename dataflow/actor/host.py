@@ -29,7 +29,7 @@ from typing import Any
 from dataflow import channel as channels
 from dataflow.actor import stacks
 from dataflow.channel.tracked import TrackedInput
-from dataflow.errors import UserError
+from dataflow.errors import UserError, out_of_memory_line
 from dataflow.actor.host_checkpoint import CheckpointCalls
 from dataflow.node import NodeContext
 from dataflow.trace.kernels import KernelRecorder
@@ -57,6 +57,8 @@ class HostSpec:
     max_restarts: int = 0
     """The graph's max_restarts: > 0 means a peer whose process dies comes back (the runtime
     restarts it), so a failed channel pull is retried and a publish skips it meanwhile."""
+    memory_note: str = ""
+    """NodeSpec.memory_note: what the memory plan gave this node, said by an out-of-memory error."""
 
 
 # Where torch.compile (inductor's FX graph and AOTAutograd caches), triton's kernels and vLLM's
@@ -210,6 +212,10 @@ class NodeHost(CheckpointCalls):
         self.emit({"kind": "metrics", "values": {f"channel/bad_items/{channel}": self.bad_items[channel]}})
 
     def _failure(self, e: BaseException, phase: str) -> dict:
+        if type(e).__name__ == "OutOfMemoryError":   # torch's (CUDA): one line with what to change
+            line = out_of_memory_line(e, self.spec.memory_note, self.spec.gpus)
+            return {"status": "failed", "phase": phase, "error": f"OutOfMemoryError: {e}", "message": line,
+                    "user_error": True, "traceback": traceback.format_exc(), "item": ""}
         item = ""
         if self._last_item:
             port, meta = next(reversed(self._last_item.items()))

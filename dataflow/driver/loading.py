@@ -75,7 +75,20 @@ def load_graph(path: str, overrides: list[str] = ()) -> tuple[Graph, Any]:
     if found := built_problems(graph, config):
         raise SettingProblems(found)
     graph.validate(source=path)
+    apply_memory_plan(graph, config)
     return graph, config
+
+
+def apply_memory_plan(graph: Graph, config: Any) -> None:
+    """A graph config's memory plan (graphs/rlhf.py: memory_plan(graph) sets the GPU shares and
+    micro-batch budgets the user left at their defaults). One that raises (a policy directory that
+    is not there) is left to the input check and --describe, which name the cause."""
+    memory = getattr(config, "memory_plan", None)
+    if callable(memory):
+        try:
+            memory(graph)
+        except Exception:
+            pass
 
 
 def _user_frame(e: BaseException, file: Path) -> str:
@@ -145,6 +158,11 @@ def _left_at_default(config: Any, key: str) -> bool:
 
 
 def describe(graph: Graph, config: Any = None) -> str:
+    memory = getattr(config, "memory_plan", None)    # a graph config may plan its GPU memory (graphs/rlhf.py)
+    try:   # first: an applied plan sets the shares the node lines show
+        plan, failed = (memory(graph) if callable(memory) else None), None
+    except Exception as e:      # e.g. a policy dir without config.json: the input checks name it
+        plan, failed = None, f"memory plan: not computed ({type(e).__name__}: {e})"
     lines = [f"graph '{graph.name}'", "nodes:"]
     for n in graph.nodes.values():
         res = f"cpus={n.cpus:g} gpus={n.gpus:g}" + (f" pool={n.pool}" if n.pool else "")
@@ -160,12 +178,8 @@ def describe(graph: Graph, config: Any = None) -> str:
         for e in graph.versioned_edges.values():
             lines.append(f"  {e.name:<12} {e.src} -> {', '.join(e.dst)}")
     lines.append("placement: " + placement.plan(graph).text())
-    memory = getattr(config, "memory_plan", None)    # a graph config may plan its GPU memory (graphs/rlhf.py)
-    try:
-        plan = memory(graph) if callable(memory) else None
-    except Exception as e:      # e.g. a policy dir without config.json: the input checks name it
-        lines.append(f"memory plan: not computed ({type(e).__name__}: {e})")
-        plan = None
+    if failed:
+        lines.append(failed)
     if plan is not None:
         lines.append(plan.text())
     if config is not None and dataclasses.is_dataclass(config):

@@ -1,5 +1,6 @@
 """What each model node holds on its GPU, computed before start from the model's shape: a plan of
 the colocated shares, a default token budget per micro-batch, and a refusal naming what to change.
+rl/model/applied_plan.py decides and applies an RLHF graph's shares, budgets and checkpointing from it.
 
 Pure arithmetic (no torch, no GPU), for llama / qwen2 decoders (RoPE, RMSNorm, SwiGLU):
 
@@ -170,13 +171,28 @@ class Plan:
     enforced: bool = True
     """False when the GPU's size was assumed: the problem is printed, not refused."""
     notes: list[str] = field(default_factory=list)
+    settings: list[tuple[str, object, str]] = field(default_factory=list)
+    """What the plan set or kept, (key, value, who): who is "plan" (the user left it at its
+    default; rl/model/applied_plan.py chose it) or "you" (the user's own value, kept)."""
+
+    def summary(self) -> str:
+        """One line: the settings it applied and kept (--describe shows the bytes)."""
+        shown = ", ".join((f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}") + (" (yours)" if who == "you" else "")
+                          for k, v, who in self.settings if who != "placement")
+        return (f"memory plan ({self.gpu_bytes / GiB:.0f} GiB GPU, {'applied' if self.enforced else 'assumed size, not applied'}): "
+                f"{shown or 'nothing to set'} (--describe shows each node's bytes)")
 
     def text(self) -> str:
         size = f"{self.gpu_bytes / GiB:.0f} GiB" + ("" if self.enforced else " assumed: set gpu_memory_gib")
-        lines = [f"memory plan (one GPU of {size}, {RESERVE:.0%} kept free; rl/model/memory_plan.py):"]
+        lines = [f"memory plan (one GPU of {size}, {RESERVE:.0%} kept free; rl/model/applied_plan.py):"]
         for n in self.needs:
             tip = f" (the needs suggest {self.suggested[n.node]:.2f})" if self.suggested and n.node in self.suggested else ""
             lines.append(f"  {n.node:<10} share {self.shares.get(n.node, 0):.2f}{tip}  needs {n.text()}")
+        if self.settings:
+            lines.append("  settings (plan: chosen by the plan, you: your value, kept):" if self.enforced else
+                         "  settings the plan would set (not applied: the GPU size is assumed; set gpu_memory_gib):")
+            lines += [f"    {key} = {value:.4g}  ({who})" if isinstance(value, float) else f"    {key} = {value!r}  ({who})"
+                      for key, value, who in self.settings]
         lines += [f"  {note}" for note in self.notes]
         if self.problem:
             lines.append(f"  does not fit: {self.problem}")
@@ -207,15 +223,16 @@ def plan_shares(needs: list[NodeNeed], gpu_bytes: int, fixed: dict[str, float] |
     return Plan(gpu_bytes, needs, shares)
 
 
-SHRINKABLE = ("activations", "kv cache", "sampling")
+SHRINKABLE = ("activations", "logits gradient", "kv cache", "decoder room", "sampling")
 """The parts a node's `setting` shrinks; the rest (weights, grads, optimizer state) only LoRA or more GPUs do."""
 
 
 def _refusal(n: NodeNeed, room: float) -> str:
     fixed = n.total - sum(n.parts.get(k, 0) for k in SHRINKABLE)
+    share = n.setting[n.setting.find("raise gpu_shares."):] if "raise gpu_shares." in n.setting else ""
     what = (f"lower {n.setting}" if fixed < room else
-            f"its weights, gradients and optimizer state alone take {fixed / GiB:.1f} GiB: use "
-            "learner.lora.rank (e.g. 32), more GPUs, or a smaller model")
+            f"its weights, gradients and optimizer state alone take {fixed / GiB:.1f} GiB: "
+            + (f"{share}, " if share else "") + "use learner.lora.rank (e.g. 32), more GPUs, or a smaller model")
     return (f"{n.node} needs {n.total / GiB:.1f} GiB but has {max(room, 0) / GiB:.1f} GiB of the GPU "
             f"({n.text().split(' (', 1)[1].rstrip(')')}); {what}")
 
@@ -228,76 +245,3 @@ def default_micro_batch_tokens(shape: ModelShape, room_bytes: float, static_byte
     per_token = shape.activation_bytes_per_token(act, checkpointing) + shape.vocab * act
     tokens = int((room_bytes - static_bytes) // per_token)
     return max(0, tokens // multiple * multiple)
-
-
-def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
-    """The plan of a graph of graphs/rlhf.py's kind (`cfg`: its RLHFConfig) placed on GPUs: each
-    model node's need against the share the placement gave it (graph.nodes[...].gpus), and the
-    shares the needs would suggest. None on placement=cpu."""
-    if getattr(graph, "placement", "cpu") in (None, "cpu"):
-        return None
-    if cfg.policy.path:
-        shape = ModelShape.from_dir(cfg.policy.path)
-        with open(os.path.join(cfg.policy.path, "config.json")) as f:
-            max_pos = json.load(f).get("max_position_embeddings", 2048)
-    else:
-        from rl.data.tasks import build_tokenizer
-
-        m = cfg.policy.model
-        shape = ModelShape(vocab=len(build_tokenizer()), hidden=m.n_embd, layers=m.n_layer, heads=m.n_head,
-                           kv_heads=m.n_kv_head or m.n_head, head_dim=m.n_embd // m.n_head,
-                           intermediate=m.intermediate_size, tied=False, qkv_bias=m.family == "qwen2")
-        max_pos = m.max_position_embeddings
-    g, lc = cfg.generator, cfg.learner
-    # The generator's rule for its longest prompt (nodes/generator.py), then the longest sample.
-    max_len = (g.max_prompt_tokens or min(max(max_pos - g.max_new_tokens, 256), 1024)) + g.max_new_tokens
-    lora_rank, targets = lc.lora.rank, tuple(lc.lora.target_modules)
-
-    def tokens(c, rows: int) -> int:
-        """Tokens per pass, every sample at the longest (worst case)."""
-        return c.max_tokens_per_micro_batch or (c.micro_batch_size or rows) * max_len
-
-    def logit_rows(c, rows: int) -> int:
-        """Logits are kept from the first response column on: about max_new_tokens + 1 per sample."""
-        return tokens(c, rows) * (g.max_new_tokens + 1) // max_len
-
-    usable = gpu_bytes * (1 - RESERVE)
-    gen_dtype = DTYPE_BYTES.get(g.dtype, 2)
-    slots = g.prompts_per_call * g.group_size
-    if not slots:   # auto (rl/generation/decoder_slots.py): up to 256 slots, the KV cache within half of the room left
-        room = graph.nodes["generator"].gpus * usable - generator_need(shape, dtype_bytes=gen_dtype, slots=0,
-                                                                         max_len=max_len, lora_rank=lora_rank,
-                                                                         lora_targets=targets).total
-        slots = max(g.group_size, min(256, int(room // 2 // (max_len * shape.kv_bytes_per_token(gen_dtype)))))
-    needs = [generator_need(shape, dtype_bytes=gen_dtype, slots=slots, max_len=max_len,
-                            lora_rank=lora_rank, lora_targets=targets),
-             learner_need(shape, on_cuda=True, micro_batch_tokens=tokens(lc, lc.minibatch_size),
-                          logit_rows=logit_rows(lc, lc.minibatch_size), lora_rank=lora_rank,
-                          lora_targets=targets, checkpointing=lc.gradient_checkpointing)]
-    if "reference" in graph.nodes:
-        needs.append(reference_need(shape, dtype_bytes=2, micro_batch_tokens=tokens(cfg.reference, 32)))
-    if "critic" in graph.nodes:
-        c = cfg.critic
-        needs.append(learner_need(shape, on_cuda=True, micro_batch_tokens=tokens(c, c.minibatch_size), logit_rows=0,
-                                  checkpointing=c.gradient_checkpointing, node="critic"))
-    given = {n.node: graph.nodes[n.node].gpus for n in needs if n.node in graph.nodes}
-    suggested = plan_shares(needs, gpu_bytes)
-    # Refused before start: a node whose weights, gradients and optimizer state alone overflow its
-    # share (no token budget helps). The shrinkable parts are worst-case estimates (every sample at
-    # the longest prompt the model allows), far above what short-prompt runs use: an overflow there
-    # is printed with the setting to lower if a step runs out of memory, not refused.
-    def static(n: NodeNeed) -> int:
-        return n.total - sum(n.parts.get(k, 0) for k in SHRINKABLE)
-
-    problem = next((_refusal(n, given[n.node] * usable) for n in needs
-                    if n.node in given and static(n) > given[n.node] * usable), None)
-    notes = [f"worst case over its share: {_refusal(n, given[n.node] * usable)}" for n in needs
-             if n.node in given and static(n) <= given[n.node] * usable < n.total]
-    learner = needs[1]
-    if "learner" in given and not lc.max_tokens_per_micro_batch:
-        budget = default_micro_batch_tokens(shape, given["learner"] * usable,
-                                            learner.total - learner.parts["activations"], on_cuda=True,
-                                            checkpointing=lc.gradient_checkpointing)
-        notes.append(f"learner.max_tokens_per_micro_batch that fits the learner's share: {budget} "
-                     f"(planned now: {tokens(lc, lc.minibatch_size)} tokens per pass)")
-    return Plan(gpu_bytes, needs, given, problem, suggested=suggested.shares, enforced=enforced, notes=notes)

@@ -132,9 +132,10 @@ def test_shares_follow_the_needs_and_a_node_that_does_not_fit_is_refused_in_one_
 
 
 def test_describe_prints_the_plan_and_a_node_over_its_share_is_refused_before_start():
-    """graphs/grpo.py on one colocated GPU: --describe shows each node's need and share; with a GPU
-    too small for the learner's state the input check (run before Ray starts) refuses in one line
-    naming the node and what to change; placement=cpu has no plan."""
+    """graphs/grpo.py on one colocated GPU: --describe shows each node's need and the share the plan
+    applied (rl/model/applied_plan.py), the user's micro-batch kept; with a GPU too small for the
+    learner's state the input check (run before Ray starts) refuses in one line naming the node
+    and what to change; placement=cpu has no plan."""
     from dataflow.driver.loading import describe, load_graph
     from dataflow.driver.preflight import input_problems
 
@@ -142,8 +143,9 @@ def test_describe_prints_the_plan_and_a_node_over_its_share_is_refused_before_st
            "policy.model.intermediate_size=4096", "placement=colocated", "learner.micro_batch_size=8"]
     graph, config = load_graph("graphs/grpo.py", big + ["gpu_memory_gib=80"])
     text = describe(graph, config)
-    assert "memory plan (one GPU of 80 GiB" in text and "learner    share 0.33" in text, text
-    assert "learner.max_tokens_per_micro_batch that fits" in text
+    assert "memory plan (one GPU of 80 GiB" in text and "learner.micro_batch_size = 8  (you)" in text, text
+    share = graph.nodes["learner"].gpus
+    assert f"learner    share {share:.2f}" in text and "gpu_shares.learner = " in text and share != pytest.approx(1 / 3)
     assert not [line for line in input_problems(graph, config) if line.startswith("memory plan")]
 
     graph, config = load_graph("graphs/grpo.py", big + ["gpu_memory_gib=3"])

@@ -1,0 +1,283 @@
+"""The memory plan of an RLHF graph (graphs/rlhf.py) on GPUs, applied: the GPU shares, the token
+budget per micro-batch and gradient checkpointing follow from the model's shape, so a user on one
+GPU sets none of them. The bytes are rl/model/memory_plan.py's arithmetic; this file decides.
+
+    plan = rlhf_plan(cfg, graph, gpu_bytes, enforced)    # None on placement=cpu
+    apply(plan, cfg, graph)                              # the graph's shares, the nodes' configs
+
+What it decides for the model nodes (generator, reference, critic, learner):
+- a token budget B for the passes of learner, critic and reference whose user left both
+  max_tokens_per_micro_batch and micro_batch_size at 0: at most TARGET_TOKENS (and a minibatch),
+  at least the floor (MIN_TOKENS, and the longest sample: a pass holds at least one);
+- on a GPU that all of its pool's nodes share (colocated with num_gpus=1, split's learner GPU), the
+  shares the user did not set in gpu_shares: each trainer its need at B, the generator the rest (its
+  KV cache gets the slack). With auto decoder slots (generator.prompts_per_call=0) B takes at most
+  half of the room left once every node has its static bytes and the generator its smallest KV
+  cache, so generation keeps room to batch; where half does not reach the floor, or the slots are
+  fixed, B takes what it needs up to TARGET_TOKENS;
+- gradient checkpointing (learner, critic) when even the floor does not fit without it;
+- on pools of several GPUs (colocated num_gpus > 1, split's generator GPUs) the shares stay the
+  preset's, and B follows from each trainer's share.
+A user's gpu_shares entry, budget, micro_batch_size or gradient_checkpointing=true is kept and
+checked. A plan that cannot fit is a one-line problem (node, need, room, what to change) that
+dataflow/driver/preflight.py refuses before Ray starts. With a GPU size that is only assumed (no
+GPU on the driver, gpu_memory_gib=0) the plan is printed, not applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+from rl.model.memory_plan import (DTYPE_BYTES, RESERVE, GiB, ModelShape, NodeNeed, Plan, _refusal, generator_need,
+                                  learner_need, reference_need)
+
+TARGET_TOKENS = 16384
+"""The largest budget the plan picks: a pass of this many tokens keeps the matmuls of a GPU busy
+([tokens, hidden] x [hidden, ...]); larger passes cost memory and buy little speed."""
+MIN_TOKENS = 2048
+"""The smallest budget the plan picks before it turns gradient checkpointing on: smaller passes leave
+the matmuls short of rows, so recomputing each layer costs less than running them."""
+KV_HEADROOM = 2
+"""Generator bytes per byte of KV cache: the decoder keeps its cache within half of its room
+(rl/generation/decoder_slots.prompts_per_call); prefill, sampling and CUDA graphs use the rest."""
+AUTO_SLOTS = 256     # rl/generation/decoder_slots.AUTO_SLOTS (imported there with torch; the plan stays pure)
+ALLOCATOR_SLACK = 0.10
+"""Each node's share holds its need plus this fraction: its share caps its allocator
+(set_per_process_memory_fraction), so the fragmentation of torch's caching allocator and the
+kernels' workspaces must fit inside it; the unassigned RESERVE holds the CUDA contexts."""
+WORKSPACE_BYTES = 1 << 30
+"""Per node, what the byte model leaves out: cuBLAS and attention kernels' workspaces, CUDA graphs'
+pools, masks and indices, small tensors; a guess, to be replaced by what GPU runs measure."""
+MULTIPLE = 256
+TRAINERS = ("learner", "critic", "reference")
+
+
+def policy_shape(cfg) -> tuple[ModelShape, int]:
+    """(shape, max_position_embeddings) of the graph's policy: its HF directory or the built-in model."""
+    if cfg.policy.path:
+        with open(os.path.join(cfg.policy.path, "config.json")) as f:
+            hf = json.load(f)
+        return ModelShape.from_hf_config(hf), hf.get("max_position_embeddings", 2048)
+    from rl.data.tasks import build_tokenizer
+
+    m = cfg.policy.model
+    return ModelShape(vocab=len(build_tokenizer()), hidden=m.n_embd, layers=m.n_layer, heads=m.n_head,
+                      kv_heads=m.n_kv_head or m.n_head, head_dim=m.n_embd // m.n_head,
+                      intermediate=m.intermediate_size, tied=False, qkv_bias=m.family == "qwen2"), \
+        m.max_position_embeddings
+
+
+def _at_default(c, name: str) -> bool:
+    f = next(f for f in dataclasses.fields(c) if f.name == name)
+    return getattr(c, name) == (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+
+
+@dataclasses.dataclass
+class _Inputs:
+    """What the plan reads from the config and the graph, once."""
+    shape: ModelShape
+    max_len: int
+    gpu: int
+    configs: dict
+    nodes: list[str]
+    per_gpu: dict[str, int]              # replicas of a node on one GPU
+    pool_of: dict[str, str]
+    pool_gpus: dict[str, int]
+    user_shares: dict[str, float]
+    user_budget: dict[str, int]          # trainer -> tokens per pass it set (rows x the longest sample)
+    floor: int
+    cap: int
+    may_checkpoint: list[str]            # the trainers whose checkpointing the plan may turn on
+
+
+def _need(ctx: _Inputs, cfg, node: str, tokens: int, ckpt: bool, slots: int = 0, step: bool = True) -> NodeNeed:
+    """A node's bytes at `tokens` per pass (trainers) or `slots` decoder slots (generator). The
+    learner's backward also holds the gradient of a pass's logits, [tokens, vocab] in their bf16
+    (rl/model/logprobs.token_logprobs keeps no float32 copy: it upcasts a few rows at a time).
+    AdamW's foreach step (learner, critic) makes a float32 temporary per trained parameter once
+    the passes' activations are freed: the need is the larger of the two phases (step=False: the
+    pass alone, linear in tokens, for the budget's arithmetic)."""
+    s, lc, g = ctx.shape, cfg.learner, cfg.generator
+    if node == "generator":
+        n = generator_need(s, dtype_bytes=DTYPE_BYTES.get(g.dtype, 2), slots=slots, max_len=ctx.max_len,
+                           lora_rank=lc.lora.rank, lora_targets=tuple(lc.lora.target_modules))
+        n.parts["decoder room"] = n.parts["kv cache"] * (KV_HEADROOM - 1)
+    elif node == "learner":
+        n = learner_need(s, on_cuda=True, micro_batch_tokens=tokens, logit_rows=tokens, lora_rank=lc.lora.rank,
+                         lora_targets=tuple(lc.lora.target_modules), checkpointing=ckpt)
+        n.parts["logits gradient"] = tokens * s.vocab * 2
+    elif node == "critic":
+        n = learner_need(s, on_cuda=True, micro_batch_tokens=tokens, logit_rows=0, checkpointing=ckpt, node="critic")
+    else:
+        n = reference_need(s, dtype_bytes=2, micro_batch_tokens=tokens)
+    if node in ("learner", "critic") and step:
+        n.parts["optimizer step"] = max(0, n.parts["grads"] - n.parts["activations"] - n.parts.get("logits gradient", 0))
+    n.parts["workspace"] = WORKSPACE_BYTES
+    if node in ctx.user_budget and not ctx.configs[node].max_tokens_per_micro_batch:
+        n.setting = f"{node}.micro_batch_size (yours: {ctx.configs[node].micro_batch_size}; or 0, for the plan's budget)"
+    elif node in TRAINERS and node not in ctx.user_budget:   # the plan chose the budget: what shrinks the need is the longest sample
+        n.setting = (f"generator.max_prompt_tokens / max_new_tokens (the longest sample, {ctx.max_len} tokens, "
+                     f"bounds the smallest pass){'' if lc.lora.rank else ', or learner.lora.rank (e.g. 32)'}")
+    n.parts["allocator slack"] = int(ALLOCATOR_SLACK * n.total)
+    if node in ctx.user_shares:
+        n.setting += f", or raise gpu_shares.{node} (yours: {ctx.user_shares[node]:g})"
+    return n
+
+
+def _slots(ctx: _Inputs, cfg, room: float) -> tuple[int, int]:
+    """(fewest, most) decoder slots of a generator replica: its prompts_per_call x group_size, or
+    for auto one group up to AUTO_SLOTS (as many as `room` bytes hold, the decoder's own rule)."""
+    g = cfg.generator
+    if g.prompts_per_call:
+        return (g.prompts_per_call * g.group_size,) * 2
+    per_slot = ctx.shape.kv_bytes_per_token(DTYPE_BYTES.get(g.dtype, 2)) * ctx.max_len * KV_HEADROOM
+    most = max(g.group_size, min(AUTO_SLOTS, int(room // per_slot)) // g.group_size * g.group_size)
+    return g.group_size, most
+
+
+def _decide(ctx: _Inputs, cfg, graph, ckpt: bool) -> tuple[dict, dict, dict, str | None]:
+    """(tokens per trainer, shares, needs, problem) with the plan's checkpointing `ckpt`."""
+
+    def checkpointing(n: str) -> bool:
+        return n in ("learner", "critic") and (ctx.configs[n].gradient_checkpointing or (ckpt and n in ctx.may_checkpoint))
+
+    planned = [n for n in TRAINERS if n in ctx.nodes and n not in ctx.user_budget]
+    static = {n: _need(ctx, cfg, n, 0, checkpointing(n), step=False).total for n in planned}
+    per_token = {n: _need(ctx, cfg, n, 1, checkpointing(n), step=False).total - static[n] for n in planned}
+    kept = {n: graph.nodes[n].gpus for n in graph.nodes if graph.nodes[n].pool and not _plannable(ctx, n)}
+    fits: list[float] = [ctx.cap]
+    rooms: dict[str, float] = {}       # per planned trainer: the bytes it may take at most (for the refusal)
+    for pool in sorted({ctx.pool_of[n] for n in ctx.nodes if _plannable(ctx, n)}):
+        members = [n for n in ctx.nodes if ctx.pool_of[n] == pool and _plannable(ctx, n)]
+        taken = sum(share * math.ceil(graph.nodes[n].replicas / ctx.pool_gpus[pool])
+                    for n, share in kept.items() if graph.nodes[n].pool == pool)
+        least = {n: _need(ctx, cfg, n, 0, False, _slots(ctx, cfg, 0)[0]) if n == "generator" else
+                 _need(ctx, cfg, n, ctx.user_budget.get(n, ctx.floor), checkpointing(n)) for n in members}
+        room = (1 - RESERVE - taken) * ctx.gpu - sum(ctx.per_gpu[n] * (least[n].total if n == "generator" or
+                                                                      n in ctx.user_budget else static[n])
+                                                     for n in members)
+        if room < 0:   # the static bytes (and the budgets a user set) alone overflow: name the largest
+            worst = max([n for n in members if n in ctx.user_budget] or members, key=lambda n: least[n].total)
+            return {}, {}, {}, _refusal(least[worst], room + least[worst].total)
+        per = sum(ctx.per_gpu[n] * per_token[n] for n in members if n in planned)
+        if per:
+            # The generator's auto slots grow into the slack; with a fixed prompts_per_call it would sit idle.
+            half = room / 2 if "generator" in members and not cfg.generator.prompts_per_call else room
+            fits.append(half // per if half // per >= ctx.floor else room // per)
+            rooms.update({n: room - (per - per_token[n]) * ctx.floor + static[n] for n in members if n in planned})
+    for n in planned:                     # a trainer whose share is kept: the budget its share holds
+        if not _plannable(ctx, n):
+            fits.append((graph.nodes[n].gpus * ctx.gpu - static[n]) // per_token[n])
+            rooms[n] = graph.nodes[n].gpus * ctx.gpu
+    tokens = {n: ctx.user_budget[n] for n in ctx.user_budget if n in ctx.nodes}
+    budget = int(min(fits)) // MULTIPLE * MULTIPLE
+    if planned and budget < ctx.floor:
+        worst = max(planned, key=lambda n: static[n])
+        return {}, {}, {}, _refusal(_need(ctx, cfg, worst, ctx.floor, checkpointing(worst)), rooms[worst])
+    tokens.update({n: budget for n in planned})
+    needs = {n: _need(ctx, cfg, n, tokens[n], checkpointing(n)) for n in tokens}
+    shares = {n: kept[n] for n in ctx.nodes if n in kept}
+    for pool in {ctx.pool_of[n] for n in ctx.nodes if _plannable(ctx, n)}:
+        members = [n for n in ctx.nodes if ctx.pool_of[n] == pool and _plannable(ctx, n)]
+        taken = sum(s * math.ceil(graph.nodes[n].replicas / ctx.pool_gpus[pool])
+                    for n, s in kept.items() if graph.nodes[n].pool == pool)
+        left = 1 - RESERVE - taken - sum(ctx.per_gpu[n] * needs[n].total / ctx.gpu for n in members if n in needs)
+        for n in members:
+            if n in needs and "generator" in members:
+                shares[n] = needs[n].total / ctx.gpu
+            elif n in needs:              # no generator here (split's learner GPU): the slack by need
+                total = sum(ctx.per_gpu[m] * needs[m].total for m in members)
+                shares[n] = needs[n].total / ctx.gpu * (1 + left * ctx.gpu / total)
+            else:                         # the generator: the rest, its KV cache the slack
+                shares[n] = left / ctx.per_gpu[n]
+    if "generator" in ctx.nodes:
+        room = shares["generator"] * ctx.gpu - _need(ctx, cfg, "generator", 0, False, 0).total
+        fewest, most = _slots(ctx, cfg, room)
+        needs["generator"] = _need(ctx, cfg, "generator", 0, False, most)
+        smallest = _need(ctx, cfg, "generator", 0, False, fewest)
+        if smallest.total > shares["generator"] * ctx.gpu * (1 + 1e-9):
+            return tokens, shares, needs, _refusal(smallest, shares["generator"] * ctx.gpu)
+    for n in tokens:                      # a trainer whose share is kept: its need must fit it
+        if needs[n].total > shares[n] * ctx.gpu * (1 + 1e-9):
+            return tokens, shares, needs, _refusal(needs[n], shares[n] * ctx.gpu)
+    return tokens, shares, needs, None
+
+
+def _plannable(ctx: _Inputs, n: str) -> bool:
+    """A model node whose share the plan sets: on a pool of one GPU, not named in gpu_shares."""
+    return n in ctx.nodes and ctx.pool_gpus.get(ctx.pool_of.get(n), 0) == 1 and n not in ctx.user_shares
+
+
+def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
+    """The plan of a graph of graphs/rlhf.py's kind (`cfg`: its RLHFConfig) on its GPU placement;
+    None on placement=cpu. Its `settings` say what apply() sets and what the user set."""
+    if getattr(graph, "placement", "cpu") in (None, "cpu"):
+        return None
+    shape, max_pos = policy_shape(cfg)
+    g = cfg.generator
+    # The generator's rule for its longest prompt (nodes/generator.py), then the longest sample.
+    max_len = (g.max_prompt_tokens or min(max(max_pos - g.max_new_tokens, 256), 1024)) + g.max_new_tokens
+    configs = {"learner": cfg.learner, "critic": getattr(cfg, "critic", None), "reference": cfg.reference,
+               "generator": g}
+    nodes = [n for n in ("generator", *TRAINERS) if n in graph.nodes and graph.nodes[n].pool]
+    user_budget = {n: configs[n].max_tokens_per_micro_batch or configs[n].micro_batch_size * max_len
+                   for n in nodes if n in TRAINERS
+                   and not (_at_default(configs[n], "max_tokens_per_micro_batch")
+                            and _at_default(configs[n], "micro_batch_size"))}
+    minibatch = cfg.learner.minibatch_size * max_len
+    floor = min(minibatch, math.ceil(max(MIN_TOKENS, max_len) / MULTIPLE) * MULTIPLE)
+    may_checkpoint = [n for n in ("learner", "critic") if n in nodes and n not in user_budget
+                      and not configs[n].gradient_checkpointing]
+    ctx = _Inputs(shape, max_len, gpu_bytes, configs, nodes,
+                  {n: math.ceil(graph.nodes[n].replicas / graph.pools[graph.nodes[n].pool].gpus) for n in nodes},
+                  {n: s.pool for n, s in graph.nodes.items() if s.pool}, {p: s.gpus for p, s in graph.pools.items()},
+                  {n: v for n, v in (getattr(cfg, "gpu_shares", None) or {}).items() if n in nodes}, user_budget,
+                  floor, max(floor, min(TARGET_TOKENS, minibatch)), may_checkpoint)
+    ckpt = False
+    tokens, shares, needs, problem = _decide(ctx, cfg, graph, False)
+    if problem and may_checkpoint:
+        ckpt = True
+        tokens, shares, needs, problem = _decide(ctx, cfg, graph, True)
+    settings = []
+    for n in nodes:
+        if n in shares:
+            settings.append((f"gpu_shares.{n}", shares[n], "you" if n in ctx.user_shares else
+                             "plan" if _plannable(ctx, n) else "placement"))
+    for n in TRAINERS:
+        if n in user_budget:
+            key = "max_tokens_per_micro_batch" if configs[n].max_tokens_per_micro_batch else "micro_batch_size"
+            settings.append((f"{n}.{key}", getattr(configs[n], key), "you"))
+        elif n in tokens:
+            settings.append((f"{n}.max_tokens_per_micro_batch", tokens[n], "plan"))
+        if n in nodes and n != "reference" and (configs[n].gradient_checkpointing or (ckpt and n in may_checkpoint)):
+            settings.append((f"{n}.gradient_checkpointing", True,
+                             "you" if configs[n].gradient_checkpointing else "plan"))
+    if problem:   # refused: nothing is applied, so only what the user set is listed
+        settings = [s for s in settings if s[2] == "you"]
+    ordered = [needs[n] for n in nodes if n in needs]
+    return Plan(gpu_bytes, ordered, shares, problem, enforced=enforced, settings=settings)
+
+
+def apply(plan: Plan, cfg, graph) -> None:
+    """Set what the plan chose ("plan" settings) on the graph's nodes and their configs, and give
+    each model node its line for an out-of-memory error (NodeSpec.memory_note)."""
+    for key, value, who in plan.settings:
+        node, name = key.split(".", 1)
+        if who != "plan":
+            continue
+        if node == "gpu_shares":
+            graph.nodes[name].gpus = value
+        else:
+            setattr(graph.nodes[node].config, name, value)
+    for need in plan.needs:
+        c = graph.nodes[need.node].config
+        advice = f"lower {need.setting}"
+        if need.node in TRAINERS:
+            key = "max_tokens_per_micro_batch" if c.max_tokens_per_micro_batch else "micro_batch_size"
+            advice = f"lower {need.node}.{key} (now {getattr(c, key)})" + (
+                "" if getattr(c, "gradient_checkpointing", True) else f" or set {need.node}.gradient_checkpointing=true")
+        graph.nodes[need.node].memory_note = (f"the memory plan gave it {plan.shares[need.node]:.2f} of a "
+                                              f"{plan.gpu_bytes / GiB:.0f} GiB GPU for {need.text()}; {advice}")

@@ -1,0 +1,216 @@
+"""rl/model/applied_plan.py: the memory plan applied to graphs/grpo.py on one assumed 140 GiB GPU
+for Qwen2.5's published shapes (W1's workload: 32 prompts x 8, 128-token prompts, 256-token
+responses), checked against the plan's own arithmetic (rl/model/memory_plan.py), not against
+numbers; a user's explicit share and budget are kept; placement=cpu changes nothing; an
+out-of-memory error in a node is one line naming the plan and the setting. No GPU here: these
+are the computed plans; what a GPU measures is bench/gpu_step.py's (docs/gpus.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dataflow.actor.host import HostSpec, NodeHost
+from dataflow.config import flatten
+from dataflow.driver.failures import raise_if_failed
+from dataflow.driver.loading import describe, load_graph
+from dataflow.errors import UserError
+from graphs.grpo import GRPOGraphConfig
+from rl.model.applied_plan import ALLOCATOR_SLACK, KV_HEADROOM, MULTIPLE, TARGET_TOKENS, WORKSPACE_BYTES
+from rl.model.memory_plan import RESERVE, GiB, ModelShape, generator_need, learner_need, reference_need
+
+# Qwen2.5's published config.json values (huggingface.co/Qwen/Qwen2.5-{0.5B,1.5B,3B,7B}).
+QWEN = {"0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                     num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True),
+        "1.5b": dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                     num_key_value_heads=2, intermediate_size=8960, tie_word_embeddings=True),
+        "3b": dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=36, num_attention_heads=16,
+                   num_key_value_heads=2, intermediate_size=11008, tie_word_embeddings=True),
+        "7b": dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                   num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False)}
+W1 = ["placement=colocated", "gpu_memory_gib=140", "max_new_tokens=256", "prompts.max_prompt_tokens=128",
+      "prompts_per_step=32", "group_size=8", "learner.minibatch_size=256", "learner.kl.coef=0.01",
+      "generator.prompts_per_call=32"]
+MAX_LEN = 128 + 256
+
+
+def policy_dir(tmp_path, size: str) -> str:
+    d = tmp_path / size
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 32768, **QWEN[size]}))
+    return str(d)
+
+
+def static_bytes(shape: ModelShape, lora: int) -> dict[str, float]:
+    """Each node's bytes that no budget shrinks, with its workspace and allocator slack, written out here."""
+    learner = learner_need(shape, on_cuda=True, micro_batch_tokens=0, lora_rank=lora).total
+    gen = generator_need(shape, dtype_bytes=2, slots=256, max_len=MAX_LEN, lora_rank=lora)
+    out = {"learner": learner, "generator": gen.total + gen.parts["kv cache"] * (KV_HEADROOM - 1)}
+    if not lora:   # LoRA: the learner is its own reference (the base with the adapter off)
+        out["reference"] = shape.params() * 2
+    return {k: (v + WORKSPACE_BYTES) * (1 + ALLOCATOR_SLACK) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("size", list(QWEN))
+@pytest.mark.parametrize("lora", [0, 32])
+def test_the_plan_for_qwen25_shapes_on_one_140_gib_gpu_is_its_arithmetic(tmp_path, size, lora):
+    path = policy_dir(tmp_path, size)
+    graph, config = load_graph("graphs/grpo.py", W1 + [f"policy.path={path}", f"learner.lora.rank={lora}"])
+    plan = graph.memory_plan
+    shape = ModelShape.from_dir(path)
+    usable = 140 * GiB * (1 - RESERVE)
+    fixed = static_bytes(shape, lora)
+    if sum(fixed.values()) > usable:     # the static bytes alone overflow: refused, one line, what to do
+        assert plan.problem and "\n" not in plan.problem and " needs " in plan.problem
+        assert "learner.lora.rank" in plan.problem or "generator" in plan.problem
+        assert config.learner.max_tokens_per_micro_batch == 0 and graph.nodes["learner"].gpus == pytest.approx(1 / len(fixed))
+        return
+    assert plan.problem is None, plan.problem
+    budget = config.learner.max_tokens_per_micro_batch
+    assert budget % MULTIPLE == 0 and max(2048, MAX_LEN) <= budget <= TARGET_TOKENS
+    if not lora:
+        assert config.reference.max_tokens_per_micro_batch == budget
+    # Applied: the graph's shares are the plan's, each node's need fits its share, and the shares
+    # fill the GPU but its reserve.
+    for need in plan.needs:
+        share = graph.nodes[need.node].gpus
+        assert share == plan.shares[need.node] and need.total <= share * plan.gpu_bytes * (1 + 1e-9), need.text()
+        assert need.parts["allocator slack"] == pytest.approx(ALLOCATOR_SLACK * (need.total - need.parts["allocator slack"]), abs=1)
+    assert sum(plan.shares.values()) == pytest.approx(1 - RESERVE)
+    learner = next(n for n in plan.needs if n.node == "learner")
+    assert learner.parts["activations"] == shape.activation_bytes(budget, budget, 2, config.learner.gradient_checkpointing)
+    # AdamW's step (a float32 temporary per trained parameter) comes after the pass: the larger counts.
+    pass_bytes = learner.parts["activations"] + learner.parts["logits gradient"]
+    assert learner.parts["optimizer step"] == max(0, learner.parts["grads"] - pass_bytes)
+    # Checkpointing is on only when the smallest budget (2048 tokens here) would not fit without it:
+    # the learner's need there (and its logits' gradient) beside the generator's and the reference's.
+    floor = 2048
+    room = usable - fixed["generator"]
+    if not lora:
+        room -= (reference_need(shape, dtype_bytes=2, micro_batch_tokens=floor).total + WORKSPACE_BYTES) * (1 + ALLOCATOR_SLACK)
+    plain = learner_need(shape, on_cuda=True, micro_batch_tokens=floor, logit_rows=floor, lora_rank=lora).total
+    plain += floor * shape.vocab * 2 + WORKSPACE_BYTES
+    assert config.learner.gradient_checkpointing == (plain * (1 + ALLOCATOR_SLACK) > room)
+
+
+def test_issue_37s_goals_follow_from_the_arithmetic(tmp_path):
+    """3B full fine-tuning and 7B with LoRA fit one 140 GiB GPU; 7B full does not (its fp32
+    weights, gradients and AdamW state beside the generator's and the reference's weights exceed
+    the GPU): refused naming learner.lora.rank."""
+    plans = {}
+    for size, lora in (("3b", 0), ("7b", 32), ("7b", 0)):
+        graph, _ = load_graph("graphs/grpo.py", W1 + [f"policy.path={policy_dir(tmp_path, size)}", f"learner.lora.rank={lora}"])
+        plans[size, lora] = graph.memory_plan
+    assert plans["3b", 0].problem is None and plans["7b", 32].problem is None
+    refusal = plans["7b", 0].problem
+    assert refusal.startswith("learner needs") and "optimizer state alone take" in refusal and "learner.lora.rank" in refusal
+    shape = ModelShape.from_dir(str(tmp_path / "7b"))
+    assert sum(static_bytes(shape, 0).values()) > 140 * GiB * (1 - RESERVE)
+    assert sum(static_bytes(shape, 32).values()) < 140 * GiB * (1 - RESERVE)
+
+
+def test_with_auto_decoder_slots_the_budget_leaves_the_generator_half_of_the_room(tmp_path):
+    """generator.prompts_per_call=0: the trainers' per-token bytes at the budget take at most half
+    of what is left once every node has its static bytes and the generator one group's slots; the
+    generator's share holds the slots its decoder then takes (up to 256, the cache within half of
+    its room, rl/generation/decoder_slots.py's rule)."""
+    path = policy_dir(tmp_path, "1.5b")
+    sets = [s for s in W1 if not s.startswith("generator.prompts_per_call")] + [f"policy.path={path}"]
+    graph, config = load_graph("graphs/grpo.py", sets)
+    plan, shape = graph.memory_plan, ModelShape.from_dir(path)
+    assert plan.problem is None, plan.problem
+    budget, slack = config.learner.max_tokens_per_micro_batch, 1 + ALLOCATOR_SLACK
+    assert budget % MULTIPLE == 0 and budget >= 2048 and not config.learner.gradient_checkpointing
+    gen = generator_need(shape, dtype_bytes=2, slots=8, max_len=MAX_LEN)
+    room = 140 * GiB * (1 - RESERVE) - slack * (
+        gen.total + gen.parts["kv cache"] * (KV_HEADROOM - 1) + shape.params() * 2
+        + learner_need(shape, on_cuda=True, micro_batch_tokens=0).total + 3 * WORKSPACE_BYTES)
+
+    def per_pass(tokens: int) -> float:
+        learner = learner_need(shape, on_cuda=True, micro_batch_tokens=tokens, logit_rows=tokens).parts["activations"]
+        reference = reference_need(shape, dtype_bytes=2, micro_batch_tokens=tokens).parts["activations"]
+        return slack * (learner + tokens * shape.vocab * 2 + reference)
+
+    assert per_pass(budget) <= room / 2 < per_pass(budget + MULTIPLE) or budget == TARGET_TOKENS
+    generator = next(n for n in plan.needs if n.node == "generator")
+    slots = generator.parts["kv cache"] // (MAX_LEN * shape.kv_bytes_per_token(2))
+    assert 8 < slots <= 256 and generator.total <= plan.shares["generator"] * plan.gpu_bytes
+
+
+def test_a_users_share_and_budget_are_kept_and_named_as_theirs(tmp_path):
+    path = policy_dir(tmp_path, "1.5b")
+    graph, config = load_graph("graphs/grpo.py", W1 + [f"policy.path={path}", 'gpu_shares={"learner":0.6}',
+                                                        "reference.max_tokens_per_micro_batch=4096"])
+    plan = graph.memory_plan
+    assert plan.problem is None, plan.problem
+    assert graph.nodes["learner"].gpus == 0.6 and config.reference.max_tokens_per_micro_batch == 4096
+    who = {key: who for key, _, who in plan.settings}
+    assert who["gpu_shares.learner"] == "you" and who["reference.max_tokens_per_micro_batch"] == "you"
+    assert who["gpu_shares.generator"] == who["learner.max_tokens_per_micro_batch"] == "plan"
+    learner = next(n for n in plan.needs if n.node == "learner")
+    assert learner.total <= 0.6 * plan.gpu_bytes     # the plan's budget fits the user's share
+    text = describe(graph, config)
+    assert "gpu_shares.learner = 0.6  (you)" in text and "learner.max_tokens_per_micro_batch = " in text
+    summary = plan.summary()      # the line a run prints as it starts
+    assert "\n" not in summary and "gpu_shares.learner=0.6 (yours)" in summary
+    assert f"learner.max_tokens_per_micro_batch={config.learner.max_tokens_per_micro_batch}," in summary
+
+    # A user's share too small for the learner's state: refused in one line naming the share.
+    graph, config = load_graph("graphs/grpo.py", W1 + [f"policy.path={policy_dir(tmp_path, '3b')}",
+                                                        'gpu_shares={"learner":0.3}'])
+    line = graph.memory_plan.problem
+    assert line.startswith("learner needs") and "raise gpu_shares.learner (yours: 0.3)" in line and "\n" not in line
+    assert graph.nodes["learner"].gpus == 0.3 and config.learner.max_tokens_per_micro_batch == 0   # not applied
+
+
+def test_cpu_placement_and_an_unknown_gpu_size_leave_every_setting_as_it_was(tmp_path, monkeypatch):
+    path = policy_dir(tmp_path, "0.5b")
+    sets = W1 + [f"policy.path={path}"]
+    cpu_sets = [s for s in sets if not s.startswith("placement=")]
+    graph, config = load_graph("graphs/grpo.py", cpu_sets)
+    assert graph.memory_plan is None and config.learner.max_tokens_per_micro_batch == 0
+    monkeypatch.setattr(GRPOGraphConfig, "memory_plan", lambda self, g: None)   # the same run without a plan
+    _, untouched = load_graph("graphs/grpo.py", cpu_sets)
+    assert flatten(config) == flatten(untouched)
+
+    # A GPU placement whose GPU size is only assumed (no GPU on this machine, gpu_memory_gib=0):
+    # printed, not applied.
+    monkeypatch.undo()
+    monkeypatch.setattr("graphs.rlhf.gpu_total_bytes", lambda: 0)
+    graph, config = load_graph("graphs/grpo.py", [s for s in sets if not s.startswith("gpu_memory_gib")])
+    assert not graph.memory_plan.enforced and graph.nodes["learner"].gpus == pytest.approx(1 / 3)
+    assert config.learner.max_tokens_per_micro_batch == 0 and "assumed: set gpu_memory_gib" in describe(graph, config)
+
+
+def test_an_out_of_memory_error_is_one_line_with_what_the_plan_gave_the_node(tmp_path):
+    graph, _ = load_graph("graphs/grpo.py", W1 + [f"policy.path={policy_dir(tmp_path, '3b')}"])
+    note = graph.nodes["learner"].memory_note
+    assert note.startswith("the memory plan gave it") and "GiB" in note
+    host = NodeHost.__new__(NodeHost)     # the host's failure report alone, without an actor
+    host.spec = HostSpec(node="learner", replica=0, num_replicas=1, kind=object, config=None, cpus=1, gpus=0.54,
+                         max_steps=None, trace=False, run_dir=str(tmp_path), memory_note=note)
+    host._last_item = {}
+    torch_text = ("CUDA out of memory. Tried to allocate 2.32 GiB. GPU 0 has a total capacity of 139.72 GiB of which "
+                  "60.12 GiB is free. Of the allocated memory 70.1 GiB is allocated by PyTorch, and 2.1 GiB is reserved "
+                  "by PyTorch but unallocated. 75.45 GiB allowed; see PYTORCH_CUDA_ALLOC_CONF\n\n...")
+    try:
+        raise torch.OutOfMemoryError(torch_text)
+    except torch.OutOfMemoryError as e:
+        result = host._failure(e, phase="run")
+    with pytest.raises(UserError) as caught:
+        raise_if_failed("learner", result)
+    line = str(caught.value)
+    assert "\n" not in line and line.startswith("node 'learner' (run): out of GPU memory (Tried to allocate 2.32 GiB; "
+                                                "75.45 GiB allowed)")
+    assert note in line and "lower learner.max_tokens_per_micro_batch (now " in line
+
+    host.spec.memory_note = ""            # no plan (a hand-built graph): its share and what to set
+    try:
+        raise torch.OutOfMemoryError(torch_text)
+    except torch.OutOfMemoryError as e:
+        result = host._failure(e, phase="setup")
+    assert result["user_error"] and result["message"] == (
+        "out of GPU memory (Tried to allocate 2.32 GiB; 75.45 GiB allowed); no memory plan for it (share 0.54 of a "
+        "GPU): lower its max_tokens_per_micro_batch (or micro_batch_size) or give it a larger gpu_shares entry")
