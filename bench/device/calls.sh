@@ -93,16 +93,24 @@ trlagent() {  # trlagent <name> <timeout s> <bench/real_trl_agent.py args...>: T
   pack "$name"
 }
 
-baserates() {  # baserates <name> <rows> [tasks...]: sampled base success of the agent tasks (judge.py)
+baserates() {  # [MODEL=dir] baserates <name> <rows> [tasks...]: sampled base success of the agent tasks (judge.py)
   local name=$1 rows=$2; shift 2
   local dest=$OUT/$name
   mkdir -p "$dest"
   [ -f /tmp/real/agent_data/READY ] || { python3 examples/agents/tasks.py /tmp/real/agent_data > /dev/null && echo "seed 0" > /tmp/real/agent_data/READY; }
   for t in "$@"; do
     echo "== $name $t $(date +%T) (call at ${SECONDS}s)"
-    timeout 240 python3 examples/agents/judge.py /tmp/real/smollm2 /tmp/real/agent_data/$t/val.jsonl --task $t \
+    timeout 240 python3 examples/agents/judge.py "${MODEL:-/tmp/real/smollm2}" /tmp/real/agent_data/$t/val.jsonl --task $t \
       --limit "$rows" --samples 2 --temperature 0.8 --batch 256 > "$dest/$t.txt" 2>&1
     echo "   rc=$?"; tail -4 "$dest/$t.txt" | cut -c1-300
   done
   pack "$name"
+}
+
+warm() {  # warm <out dir> <examples> [warm_start.py args...]: the calculator task's supervised warm start
+  local dir=$1 n=$2; shift 2
+  [ -f /tmp/real/agent_data/READY ] || { python3 examples/agents/tasks.py /tmp/real/agent_data > /dev/null && echo "seed 0" > /tmp/real/agent_data/READY; }
+  echo "== warm $dir $n $(date +%T) (call at ${SECONDS}s)"
+  python3 examples/agents/warm_start.py /tmp/real/smollm2 /tmp/real/agent_data/calculator/train.jsonl "$dir" \
+    --examples "$n" "$@" 2>&1 | tail -2
 }
