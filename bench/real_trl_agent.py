@@ -1,16 +1,25 @@
-"""TRL 1.16's GRPOTrainer on the calculator task with its `tools=`, beside
-bench/real_agent.py (issue 36, item 6): same model dir, data, tool file, reward and held-out judge.
+"""TRL 1.16's GRPOTrainer on the two agent tasks, beside bench/real_agent.py (issue 36, item 6):
+same model dir, data, environment files, reward and held-out judge.
 
-    python bench/real_trl_agent.py --out runs/trl_agent_calc                # one H200 (bf16 autocast)
-    python bench/real_trl_agent.py --tiny --out /tmp/trl_agent_tiny         # CPU smoke
+    python bench/real_trl_agent.py --out runs/trl_agent_calc                  # one H200 (bf16 autocast)
+    python bench/real_trl_agent.py --task guess --out runs/trl_agent_guess
+    python bench/real_trl_agent.py --tiny --out /tmp/trl_agent_tiny           # CPU smoke
 
-The same pieces as ours: tools=[examples/agents/calculator.calculator] (ours: env.tools=[calculator]),
-reward_funcs = examples/agents/rewards.calculator_reward on
-the last assistant message (0 when the episode ends on a tool result), the data rows of
-examples/agents/tasks.py, the held-out judge examples/agents/judge.py (greedy; after training, on
-weight snapshots taken every --eval-every steps, the copy left out of train time).
+calculator: TRL's `tools=[examples/agents/calculator.calculator]` (ours: env.tools=[calculator]),
+reward_funcs = examples/agents/rewards.calculator_reward on the last assistant message (0 when the
+episode ends on a tool result), the data rows of examples/agents/tasks.py, the held-out judge
+examples/agents/judge.py (greedy; after training, on weight snapshots taken every --eval-every
+steps, the copy left out of train time).
 
-What TRL needs for SmolLM2 (whose template has no tools section and which TRL's
+guess: TRL's `rollout_func` (its hook for environments that are not tool calls: a gym-style game
+answers plain text) plays each episode of examples/agents/guess_env.GuessingGame through rl/agent's
+Episode runner, as judge.py does, sampling with TRL's own model at --temperature; it returns the
+episode's ids with `env_mask` (0 on the game's tokens, as our loss mask) and the episode's reward
+(a win, plus --guess-bonus per wrong guess the answers still allowed, as ours). TRL hands
+rollout_func only the prompts, so each row's secret rides in its first message (key "secret",
+which the chat template ignores).
+
+What TRL needs for SmolLM2 on the calculator (whose template has no tools section and which TRL's
 add_response_schema does not know): the tool listing is put into the rows' system message by
 rl/agent/tools.system_message (the exact first prompt our engine renders); the tokenizer gets
 TRL's Qwen3 response template (Hermes <tool_call>{json}</tool_call>, the same ChatML markers);
@@ -28,6 +37,7 @@ Writes OUT/results.json, OUT/table.md, OUT/curve.png.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -87,9 +97,42 @@ def reward_for_trl(completions, answer, **kwargs):
 reward_for_trl.__name__ = "calculator_reward"
 
 
+def guess_rows(path: str) -> list[dict]:
+    """The guess rows, the secret in the first message (rollout_func sees only the prompts)."""
+    return [{"prompt": [{**r["prompt"][0], "secret": int(r["secret"])}, *r["prompt"][1:]]} for r in J.read_rows(path)]
+
+
+def guess_rollout(args, tokenizer, on_gpu: bool):
+    """TRL's rollout_func for the guessing game: one episode per prompt (TRL repeats each prompt
+    num_generations times), played with the trainer's model through rl/agent (judge.play)."""
+    import torch
+    settings = {**J.TASKS["guess"], "kwargs": {"consistent_bonus": args.guess_bonus}}
+
+    def rollout(prompts, trainer):
+        rows = [{"prompt": [{k: v for k, v in m.items() if k != "secret"} for m in p], "secret": p[0]["secret"]}
+                for p in prompts]
+        model = trainer.model
+        training = model.training
+        model.eval()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
+            played = asyncio.run(J.play(model, tokenizer, rows, "guess", 1, args.temperature, len(rows), settings))
+        model.train(training)
+        return {"prompt_ids": [p["prompt_ids"] for p in played], "completion_ids": [p["response_ids"] for p in played],
+                "logprobs": None, "env_mask": [p["loss_mask"] for p in played],
+                "env_reward": [float(p["reward"] or 0.0) for p in played]}
+    return rollout
+
+
+def guess_reward(completions, env_reward, **kwargs):
+    """The episode's own reward (rollout_func's env_reward): a win + the consistent-guess bonus."""
+    return [float(r) for r in env_reward]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
+    p.add_argument("--task", choices=["calculator", "guess"], default="calculator")
+    p.add_argument("--guess-bonus", type=float, default=0.1, help="guess: as bench/real_agent.py's")
     p.add_argument("--model", default="")
     p.add_argument("--work", default="/tmp/real")
     p.add_argument("--steps", type=int, default=100)
@@ -98,8 +141,8 @@ def main() -> int:
     p.add_argument("--eval-batch", type=int, default=256)
     p.add_argument("--prompts-per-step", type=int, default=32)
     p.add_argument("--group", type=int, default=8)
-    p.add_argument("--max-turns", type=int, default=J.TASKS["calculator"]["max_turns"])
-    p.add_argument("--max-turn-tokens", type=int, default=J.TASKS["calculator"]["max_turn_tokens"])
+    p.add_argument("--max-turns", type=int, default=0, help="0 = the task's (judge.TASKS)")
+    p.add_argument("--max-turn-tokens", type=int, default=0, help="0 = the task's (judge.TASKS)")
     p.add_argument("--lr", type=float, default=5e-6)
     p.add_argument("--kl", type=float, default=0.0)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -109,6 +152,8 @@ def main() -> int:
     if args.tiny:
         for k, v in TINY.items():
             setattr(args, k, v)
+    args.max_turns = args.max_turns or J.TASKS[args.task]["max_turns"]
+    args.max_turn_tokens = args.max_turn_tokens or J.TASKS[args.task]["max_turn_tokens"]
     import pyarrow as pa
     import torch
     import transformers
@@ -118,7 +163,7 @@ def main() -> int:
     from trl import GRPOConfig, GRPOTrainer
     from trl import chat_template_utils as ctu
 
-    from calculator import calculator
+    from calculator import calculator as calculator_tool
 
     on_gpu = torch.cuda.is_available() and not args.tiny
     out = Path(args.out)
@@ -128,24 +173,28 @@ def main() -> int:
     t_ready = time.time()
     log(f"trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__}, cuda {on_gpu}")
     completions = args.prompts_per_step * args.group
-    rows = tool_rows(str(data / "calculator" / "train.jsonl"))
+    calculator = args.task == "calculator"
+    train = str(data / args.task / "train.jsonl")
+    rows = tool_rows(train) if calculator else guess_rows(train)
     rows = (rows * (args.steps * args.prompts_per_step // len(rows) + 1))[:args.steps * args.prompts_per_step]
-    dataset = Dataset(pa.Table.from_pylist(rows), fingerprint="agent-calculator")
+    dataset = Dataset(pa.Table.from_pylist(rows), fingerprint=f"agent-{args.task}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     tokenizer.padding_side = "left"
-    tokenizer.chat_template = CHAT_TEMPLATE
-    if ctu._SUPPORTS_RESPONSE_TEMPLATE:
-        tokenizer.response_template = ctu.qwen3_template
-    else:
-        tokenizer.response_schema = ctu.qwen3_schema
+    if calculator:
+        tokenizer.chat_template = CHAT_TEMPLATE
+        if ctu._SUPPORTS_RESPONSE_TEMPLATE:
+            tokenizer.response_template = ctu.qwen3_template
+        else:
+            tokenizer.response_schema = ctu.qwen3_schema
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
     config = GRPOConfig(
         output_dir=str(out / "trainer"), max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.01, max_grad_norm=1.0, beta=args.kl, epsilon=0.2, num_iterations=1,
         loss_type="dapo", scale_rewards="group", num_generations=args.group,
         per_device_train_batch_size=completions, gradient_accumulation_steps=1,
-        max_completion_length=args.max_turns * args.max_turn_tokens + 64,
-        max_tool_calling_iterations=args.max_turns - 1,
+        max_completion_length=(args.max_turns * args.max_turn_tokens + 64 if calculator
+                               else J.TASKS["guess"]["max_episode_tokens"]),
+        max_tool_calling_iterations=args.max_turns - 1 if calculator else None,
         temperature=args.temperature, top_p=1.0, top_k=0, bf16=on_gpu, use_cpu=not on_gpu,
         logging_steps=1, save_strategy="no", report_to="none", log_completions=False, disable_dropout=True,
         dataloader_num_workers=0, shuffle_dataset=False, seed=0)
@@ -177,8 +226,9 @@ def main() -> int:
             if entry:
                 logs.append({"step": state.global_step, **entry})
 
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_for_trl, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, tools=[calculator], callbacks=[Snapshots()])
+    engine = {"tools": [calculator_tool]} if calculator else {"rollout_func": guess_rollout(args, tokenizer, on_gpu)}
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_for_trl if calculator else guess_reward, args=config,
+                          train_dataset=dataset, processing_class=tokenizer, callbacks=[Snapshots()], **engine)
     with GpuMemory() as memory:
         trainer.train()
     t_end = time.time()
@@ -187,28 +237,29 @@ def main() -> int:
 
     device = "cuda" if on_gpu else "cpu"
     net, judge_tok = J.load_model(model_dir, device)
-    val = J.read_rows(str(data / "calculator" / "val.jsonl"), args.val_n)
+    val = J.read_rows(str(data / args.task / "val.jsonl"), args.val_n)
     points = []
     for step in [0] + sorted(snapshots):
         if step:
             net.load_state_dict(snapshots.pop(step), strict=False)
             if net.config.tie_word_embeddings:
                 net.tie_weights()
-        result = J.judge(net, judge_tok, val, "calculator", batch=args.eval_batch)
+        result = J.judge(net, judge_tok, val, args.task, batch=args.eval_batch)
         wall = stamps[step] - t_ready if step else 0.0
         points.append({"step": step, "wall_s": wall, "accuracy": result["success"], "success": result["success"],
                        "mean_turns": result["mean_turns"], "counters": result["counters"],
                        "example": result["examples"][0]})
         log(f"trl step {step}: held-out success {result['success']:.3f} at {wall:.0f} s")
     step_s = [stamps[s] - stamps[s - 1] for s in sorted(stamps) if s > 0 and s - 1 in stamps]
-    results = {"engine": "trl", "trl_version": trl.__version__, "task": "calculator", "points": points,
+    results = {"engine": "trl", "trl_version": trl.__version__, "task": args.task, "points": points,
                "startup_s": stamps.get(0, t_ready) - t_ready, "prepare_s": t_ready - t_start, "script_s": t_end - t_start,
                "s_per_step_median": statistics.median(step_s) if step_s else None, "snapshot_s": snapshot_s[0],
                "peak_gpu_mem_mib": memory.peak_mib, "logs": logs,
                "settings": {k: getattr(args, k) for k in ("steps", "prompts_per_step", "group", "max_turns",
                                                           "max_turn_tokens", "lr", "kl", "temperature")}}
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    lines = [f"# TRL GRPOTrainer (tools=), calculator: held-out success ({args.val_n} rows)", "",
+    form = "tools=" if calculator else "rollout_func"
+    lines = [f"# TRL GRPOTrainer ({form}), {args.task}: held-out success ({args.val_n} rows)", "",
              "| step | wall s | held-out success | mean turns |", "|---:|---:|---:|---:|"]
     lines += [f"| {pt['step']} | {pt['wall_s']:.0f} | {pt['success']:.3f} | {pt['mean_turns']:.2f} |" for pt in points]
     (out / "table.md").write_text("\n".join(lines) + "\n")
