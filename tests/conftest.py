@@ -17,11 +17,11 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before Ray starts: no toke
 # The slowest test files, slowest first (by the seconds their tests took on the 2-core machine in a
 # `pytest --durations` run; bench/results/suite_cpu.md). The two workers take files in collection
 # order as they free up: starting on these, the run's tail is short files on both workers.
-SLOWEST_FIRST = ("test_multirank", "test_lora", "test_compiled", "test_peer_rewards", "test_weight_sync",
-                 "test_ppo_graph", "test_real_model", "test_reliability",
-                 "test_resume_settings", "test_runtime", "test_algorithms", "test_checkpoint", "test_dapo",
-                 "test_multinode", "test_validation", "test_varlen_nodes", "test_agent_graph", "test_stops",
-                 "test_startup", "test_packing")
+SLOWEST_FIRST = ("test_multirank", "test_runtime", "test_ppo_graph", "test_weight_sync", "test_checkpoint",
+                 "test_real_model", "test_dapo", "test_lora", "test_validation", "test_reliability",
+                 "test_multinode", "test_agent_graph", "test_algorithms", "test_resume_settings", "test_compiled",
+                 "test_peer_rewards", "test_varlen_nodes", "test_stall", "test_hybrid_engine", "test_stops",
+                 "test_placement_on_ray", "test_channel", "test_signals", "test_startup", "test_packing")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -127,10 +127,14 @@ def peers():
     # Workers import this module (the actor class) and dataflow/ by name.
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join([here, os.path.dirname(os.path.dirname(here))])
-    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    actors = {n: Peer.options(name=n).remote(n) for n in ("a", "b", "c")}
-    yield actors
-    ray.shutdown()
+    # ... inherited from this process, as with tests/conftest.py's ray_instance: a runtime_env would
+    # make every actor wait on Ray's runtime-env agent.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", os.pathsep.join(p for p in [path, os.environ.get("PYTHONPATH", "")] if p))
+        ray.init(address="local", num_cpus=2, include_dashboard=False)
+        actors = {n: Peer.options(name=n).remote(n) for n in ("a", "b", "c")}
+        yield actors
+        ray.shutdown()
 
 
 def wire(channel, producers, consumers, *, capacity, prefetch):

@@ -78,9 +78,9 @@ def test_dapo_trains_every_step_on_full_batches_of_informative_groups(tmp_path):
     from dataflow.driver.runtime import RunOptions, load_graph, run_graph
 
     pps = 4
-    graph, config = load_graph(str(ROOT / "graphs/dapo.py"), [
+    graph, config = load_graph(str(ROOT / "graphs/dapo.py"), [   # kl.coef=0: no reference node to start
         f"prompts_per_step={pps}", "group_size=4", "learner.minibatch_size=16", "learner.record_prompt_ids=true",
-        "filter.record_prompt_ids=true", "channel_capacity=16"])
+        "filter.record_prompt_ids=true", "channel_capacity=16", "learner.kl.coef=0"])
     summary = asyncio.run(run_graph(graph, RunOptions(max_steps=3, out_dir=str(tmp_path), quiet=True), config))
     assert summary.status == "max steps reached", summary.status
     records = [json.loads(line) for line in Path(summary.metrics_path).read_text().splitlines()]

@@ -192,7 +192,9 @@ def test_merged_weight_is_float32_math_cast_to_the_base_dtype():
 # ---- GRPO with LoRA through the CLI: checksums, final dirs, the checkpoint, an exact resume ----
 def cli(*args: str) -> int:
     """`python -m dataflow.run graphs/grpo.py ARGS` through dataflow.run.main in this process (the
-    same code and exit status, without the interpreter's start and imports; tests/unit/test_graph.py)."""
+    same code and exit status, without the interpreter's start and imports; tests/unit/test_graph.py).
+    With the module's Ray up (the ray_instance fixture) it runs there, as with --address: the CLI's
+    own Ray start is tests/integration/test_runtime.py's."""
     from dataflow import run
 
     return run.main([str(ROOT / "graphs/grpo.py"), *args])
@@ -210,7 +212,7 @@ def learner_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     return node_tensors(ckpt / "learner")
 
 
-def test_grpo_with_lora_through_the_cli_trains_pushes_adapters_saves_both_dirs_and_resumes_exactly(tmp_path):
+def test_grpo_with_lora_through_the_cli_trains_pushes_adapters_saves_both_dirs_and_resumes_exactly(ray_instance, tmp_path):
     """4 synchronous GRPO steps with learner.lora.rank=8 and a KL term on the tiny chat model: no
     reference node runs (the learner's base is the reference), every version the generator switched
     to has the learner's checksum of the merged weights, the checkpoints hold only the adapter (and

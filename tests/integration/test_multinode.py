@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -30,10 +31,13 @@ def two_ray_nodes():
 
     if ray.is_initialized():
         ray.shutdown()
+    # Both raylets start here and their workers inherit PYTHONPATH (and RAY_AUTH_MODE,
+    # tests/conftest.py) from this process, as with the ray_instance fixture: a runtime_env would
+    # make every actor's worker wait on Ray's runtime-env agent.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 1})
     cluster.add_node(num_cpus=4, num_gpus=1)
-    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}})
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     cluster.wait_for_nodes()
     yield cluster
     ray.shutdown()

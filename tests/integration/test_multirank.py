@@ -249,8 +249,10 @@ def test_grpo_graph_learner_tp2_collective_push_checkpoint_then_resume_as_2x2(ra
     """tp=2 with the HybridEngine push (every rank all-gathers, rank 0 broadcasts to the
     generator): the generator holds the learner's weights at every version. The checkpoint of
     step 2 holds the whole state (one-rank format); a 2 x 2 learner resumes from it and goes on."""
+    # learner.kl.coef=0 in both runs: no reference node, two processes less to start (the KL term
+    # on TP ranks: test_multirank_update_equals_one_rank).
     first, records = run_grpo(tmp_path / "a", "learner.tp=2", "weight_transport=collective", "save_interval=2",
-                              max_steps=2)
+                              "learner.kl.coef=0", max_steps=2)
     check_generators_hold_learner_weights(records, [0, 1])
     ckpt = tmp_path / "a" / "checkpoints" / "step_2"
     assert (ckpt / "learner[0]").is_dir() and (ckpt / "learner[1]").is_dir()
@@ -268,7 +270,8 @@ def test_grpo_graph_learner_tp2_collective_push_checkpoint_then_resume_as_2x2(ra
     from dataflow.driver.runtime import RunOptions, load_graph, run_graph
     import asyncio
 
-    graph, config = load_graph(str(ROOT / "graphs/grpo.py"), [*SMALL, "learner.dp=2", "learner.tp=2"])
+    graph, config = load_graph(str(ROOT / "graphs/grpo.py"),
+                               [*SMALL, "learner.dp=2", "learner.tp=2", "learner.kl.coef=0"])
     summary = asyncio.run(run_graph(graph, RunOptions(max_steps=3, out_dir=str(tmp_path / "a"), quiet=True,
                                                       resume=str(ckpt)), config))
     assert summary.status == "max steps reached", summary.status
@@ -316,7 +319,8 @@ def test_ppo_graph_with_2_rank_learner_and_critic_checkpoints_on_ctrl_c_in_the_o
     from tests.conftest import run_then_interrupt
 
     settings = ["prompts_per_step=4", "channel_capacity=8", "learner.minibatch_size=4", "critic.minibatch_size=4",
-                "max_staleness=0", "save_interval=1000", "weight_checksums=true"]
+                "max_staleness=0", "save_interval=1000", "weight_checksums=true",
+                "learner.kl.coef=0"]   # no reference node: a process less to start, and it holds no state
     run_dir = tmp_path / "run"
     assert not load_graph(str(ROOT / "graphs/ppo.py"), ["critic.dp=2"])[0].nodes["critic"].restartable
     run_then_interrupt("graphs/ppo.py", [*settings, "learner.dp=2", "critic.dp=2"], run_dir, after_steps=2)
@@ -339,9 +343,9 @@ def test_a_killed_critic_rank_stops_the_run_instead_of_restarting_alone(ray_inst
     from dataflow.driver.runtime import RunOptions, load_graph
     from tests.conftest import kill_stops_the_run, run_in_thread, wait_until
 
-    graph, config = load_graph(str(ROOT / "graphs/ppo.py"), [
+    graph, config = load_graph(str(ROOT / "graphs/ppo.py"), [   # kl.coef=0: no reference node to start
         "prompts_per_step=4", "channel_capacity=8", "learner.minibatch_size=4", "critic.minibatch_size=4",
-        "critic.dp=2", "max_restarts=5"])
+        "critic.dp=2", "max_restarts=5", "learner.kl.coef=0"])
     run_dir = tmp_path / "run"
     thread, outcome = run_in_thread(graph, config, RunOptions(max_steps=1000, out_dir=str(run_dir), quiet=True))
     metrics = run_dir / "metrics.jsonl"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -53,8 +54,11 @@ def ray_instance():
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=2, num_gpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}})
+    # Workers inherit PYTHONPATH (and RAY_AUTH_MODE, tests/conftest.py) from this process, as with
+    # tests/conftest.py's ray_instance: a runtime_env would make every actor wait on Ray's agent.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)
+    ray.init(address="local", num_cpus=2, num_gpus=3, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
     yield ray
     ray.shutdown()
 

@@ -21,6 +21,8 @@ from rl.data.tasks import DEFAULT_NUM_DIGITS, make_task  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 GRAPH = str(ROOT / "tests" / "graphs" / "validation.py")
 RAY_NUM_CPUS = 8
+# No KL term, so no reference node: a process less to start in each run; validation reads none.
+NO_REFERENCE = "learner.kl.coef=0"
 pytestmark = pytest.mark.usefixtures("ray_instance")
 
 
@@ -51,7 +53,7 @@ def test_validation_rounds_before_and_during_training(tmp_path):
     summary, records, rollouts = run(
         tmp_path, f"val.path={val_path}", "val.every=2", "val.n=3", "val.k=[1,2,3]", "val.rollouts=6",
         "max_steps=3", "max_staleness=0", "learner.record_prompt_ids=true", "learner.minibatch_size=32",
-        "reward.rollouts_every=1", "loggers=tensorboard", trace=str(trace))
+        "reward.rollouts_every=1", "loggers=tensorboard", NO_REFERENCE, trace=str(trace))
 
     # Rounds: the starting weights (before step 1) and the weights after step 2, exactly those
     # (max_staleness=0: nothing newer exists while a round runs).
@@ -125,7 +127,7 @@ def test_asynchronous_run_hf_loop_and_wandb_offline(tmp_path, monkeypatch):
     summary, records, rollouts = run(
         tmp_path, f"val.path={val_path}", "val.every=1", "val.n=2", "val.max_prompts=4", "val.rollouts=1",
         "generator.backend=hf", "max_steps=3", "max_staleness=1", "learner.record_prompt_ids=true",
-        "learner.minibatch_size=32", f"loggers={loggers}")
+        "learner.minibatch_size=32", f"loggers={loggers}", NO_REFERENCE)
     val = [r for r in records if "val/step" in r]
     rounds = [r["val/step"] for r in val]
     # rounds 0 and 1 gate batches 0 and 2, which steps 1 and 3 train on; round 2 may be cut by the end

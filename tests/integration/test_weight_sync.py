@@ -305,7 +305,8 @@ def test_generators_serve_the_learners_weights(ray_instance, tmp_path, transport
     """Synchronous PPO (batch k is generated at version k), 2 generators, 3 steps: steps and
     versions progress alike on both transports, and every version a generator switched to has the
     checksum the learner logged for it, up to the last version pushed (2: step 3 ends the run)."""
-    records = run("graphs/ppo.py", tmp_path, *SMALL, "generator_replicas=2", "max_staleness=0",
+    # learner.kl.coef=0: no reference node (a process less to start); it takes no weights.
+    records = run("graphs/ppo.py", tmp_path, *SMALL, "generator_replicas=2", "max_staleness=0", "learner.kl.coef=0",
                   "weight_checksums=true", f"weight_transport={transport}", max_steps=3)
     steps = [r for r in records if "step" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
@@ -346,8 +347,9 @@ def test_a_dead_generator_under_collective_stops_the_run_naming_it_and_why_it_is
     push that failed on the closed connection, its echo) and why it was not restarted."""
     from tests.conftest import kill_stops_the_run, run_in_thread, wait_until
 
-    graph, config = load_graph(str(ROOT / "graphs/grpo.py"), [
-        "prompts_per_step=8", "learner.minibatch_size=16", "weight_transport=collective", "max_restarts=3"])
+    graph, config = load_graph(str(ROOT / "graphs/grpo.py"), [   # kl.coef=0: no reference node to start
+        "prompts_per_step=8", "learner.minibatch_size=16", "weight_transport=collective", "max_restarts=3",
+        "learner.kl.coef=0"])
     assert not graph.nodes["generator"].restartable and graph.nodes["reward"].restartable
     run_dir = tmp_path / "run"
     thread, outcome = run_in_thread(graph, config, RunOptions(max_steps=1000, out_dir=str(run_dir), quiet=True))
