@@ -64,16 +64,15 @@ variants() {  # variants <name> <timeout s> <bench/real_variants.py args...>
   pack "$name"
 }
 
-agent() {  # agent <name> <timeout s> <bench/real_agent.py args...>: ours on an agent task (+ its baseline)
-  local name=$1 limit=$2; shift 2
+agent_bench() {  # agent_bench <script> <summary grep> <name> <timeout s> <script args...>: one agent bench run
+  local script=$1 summary=$2 name=$3 limit=$4; shift 4
   local run=/tmp/runs/$name dest=$OUT/$name
   mkdir -p "$dest"
   echo "== $name $(date +%T) (call at ${SECONDS}s)"
-  timeout "$limit" python3 bench/real_agent.py --model /tmp/real/smollm2 --work /tmp/real --out "$run" "$@" \
-    > "$dest/log.txt" 2>&1
-  echo "   rc=$? $(date +%T)"; grep -h "held-out\|rc \|start-up " "$dest/log.txt" | cut -c1-200
+  timeout "$limit" python3 "$script" --model /tmp/real/smollm2 --work /tmp/real --out "$run" "$@" > "$dest/log.txt" 2>&1
+  echo "   rc=$? $(date +%T)"; grep -h "$summary" "$dest/log.txt" | cut -c1-200
   cp "$run"/results.json "$run"/table.md "$run"/curve.png "$dest"/ 2>/dev/null
-  for d in "$run"/*/; do
+  for d in "$run"/*/; do      # real_agent.py's runs (agent, single); TRL's trainer dir has neither file
     local b; b=$(basename "$d")
     [ -f "$d/run/metrics.jsonl" ] && gzip -c "$d/run/metrics.jsonl" > "$dest/${b}_metrics.jsonl.gz"
     [ -f "$d/run.log" ] && tail -c 20000 "$d/run.log" > "$dest/${b}_run_tail.log"
@@ -81,23 +80,23 @@ agent() {  # agent <name> <timeout s> <bench/real_agent.py args...>: ours on an 
   pack "$name"
 }
 
-trlagent() {  # trlagent <name> <timeout s> <bench/real_trl_agent.py args...>: TRL on the calculator task
-  local name=$1 limit=$2; shift 2
-  local run=/tmp/runs/$name dest=$OUT/$name
-  mkdir -p "$dest"
-  echo "== $name $(date +%T) (call at ${SECONDS}s)"
-  timeout "$limit" python3 bench/real_trl_agent.py --model /tmp/real/smollm2 --work /tmp/real --out "$run" "$@" \
-    > "$dest/log.txt" 2>&1
-  echo "   rc=$? $(date +%T)"; grep -h "held-out\|trl step [0-9]*0 " "$dest/log.txt" | cut -c1-200
-  cp "$run"/results.json "$run"/table.md "$run"/curve.png "$dest"/ 2>/dev/null
-  pack "$name"
+agent() {  # agent <name> <timeout s> <bench/real_agent.py args...>: ours on an agent task (+ its baseline)
+  agent_bench bench/real_agent.py "held-out\|rc \|start-up " "$@"
+}
+
+trlagent() {  # trlagent <name> <timeout s> <bench/real_trl_agent.py args...>: TRL on an agent task
+  agent_bench bench/real_trl_agent.py "held-out\|trl step [0-9]*0 " "$@"
+}
+
+agent_data() {  # the agent tasks' data in /tmp/real/agent_data (examples/agents/tasks.py), once
+  [ -f /tmp/real/agent_data/READY ] || { python3 examples/agents/tasks.py /tmp/real/agent_data > /dev/null && echo "seed 0" > /tmp/real/agent_data/READY; }
 }
 
 baserates() {  # [MODEL=dir] baserates <name> <rows> [tasks...]: sampled base success of the agent tasks (judge.py)
   local name=$1 rows=$2; shift 2
   local dest=$OUT/$name
   mkdir -p "$dest"
-  [ -f /tmp/real/agent_data/READY ] || { python3 examples/agents/tasks.py /tmp/real/agent_data > /dev/null && echo "seed 0" > /tmp/real/agent_data/READY; }
+  agent_data
   for t in "$@"; do
     echo "== $name $t $(date +%T) (call at ${SECONDS}s)"
     timeout 240 python3 examples/agents/judge.py "${MODEL:-/tmp/real/smollm2}" /tmp/real/agent_data/$t/val.jsonl --task $t \
@@ -109,7 +108,7 @@ baserates() {  # [MODEL=dir] baserates <name> <rows> [tasks...]: sampled base su
 
 warm() {  # warm <out dir> <examples> [warm_start.py args...]: the calculator task's supervised warm start
   local dir=$1 n=$2; shift 2
-  [ -f /tmp/real/agent_data/READY ] || { python3 examples/agents/tasks.py /tmp/real/agent_data > /dev/null && echo "seed 0" > /tmp/real/agent_data/READY; }
+  agent_data
   echo "== warm $dir $n $(date +%T) (call at ${SECONDS}s)"
   python3 examples/agents/warm_start.py /tmp/real/smollm2 /tmp/real/agent_data/calculator/train.jsonl "$dir" \
     --examples "$n" "$@" 2>&1 | tail -2
