@@ -344,9 +344,9 @@ class Generator(Node):
                     def admissible() -> bool:
                         return bool(waiting) and waiting[0][1].done() and \
                             dec.free_slots() >= len(self._plan(waiting[0][0]))
-                    if not episodes.done_steps and not admissible():
+                    if not episodes.stepped and not admissible():
                         await episodes.wait([waiting[0][1]] if waiting else [], 0.05 if dec.free_slots() else 1.0)
-                        if not episodes.done_steps and not admissible():
+                        if not episodes.stepped and not admissible():
                             continue
                 async with self.weight_sync.serving() as self.version:
                     await asyncio.to_thread(dec.refresh)   # re-captures graphs if weights moved

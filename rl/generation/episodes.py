@@ -74,8 +74,10 @@ class Episodes:
 
     def __init__(self, ctx, factory, decoder, max_new_tokens: int):
         self.ctx, self.factory, self.dec, self.max_new_tokens = ctx, factory, decoder, max_new_tokens
-        self.steps: dict[asyncio.Task, _Run] = {}     # environment steps running
-        self.done_steps: list[tuple[_Run, object]] = []
+        # environment steps, running or finished and not yet harvested. Finished ones are found by
+        # task.done(), not by a done-callback: the callback runs only once the loop turns, and the
+        # generator may look before that (it would then see nothing to wait on and spin)
+        self.steps: dict[asyncio.Task, _Run] = {}
         self.counts = {"episodes": 0, "failed": 0, "turns": 0}
 
     # ----- start / admit -------------------------------------------------------------------------
@@ -117,23 +119,23 @@ class Episodes:
         run.logprobs += sample["logprobs"]
         run.token_versions += sample.get("token_versions") or [self.dec.version] * len(ids)
         self.counts["turns"] += 1
-        task = asyncio.ensure_future(self._step(run, ids, sample["finished"]))
-        self.steps[task] = run
-        task.add_done_callback(self._stepped)
+        self.steps[asyncio.ensure_future(self._step(run, ids, sample["finished"]))] = run
 
     async def _step(self, run: _Run, ids: list[int], finished: bool):
         with self._env_span("env step"):
             return await run.ep.step(ids, finished)
 
-    def _stepped(self, task: asyncio.Task) -> None:
-        run = self.steps.pop(task)
-        self.done_steps.append((run, task))
+    @property
+    def stepped(self) -> bool:
+        """An environment step has finished and waits for harvest()."""
+        return any(task.done() for task in self.steps)
 
     def harvest(self) -> tuple[list[tuple], list[tuple]]:
         """(extend requests for the decoder, [(tag, final sample)] of the episodes that ended)."""
         extend, final = [], []
-        done, self.done_steps = self.done_steps, []
-        for run, task in done:
+        done = [task for task in self.steps if task.done()]
+        for task in done:
+            run = self.steps.pop(task)
             turn = task.result()          # an error here is the library's bug: it fails the node
             if turn.done or not turn.append_ids:
                 self.dec.release(run.slot)
@@ -152,13 +154,16 @@ class Episodes:
     @property
     def waiting(self) -> int:
         """Episodes waiting on their environment (steps running or not yet harvested)."""
-        return len(self.steps) + len(self.done_steps)
+        return len(self.steps)
 
     async def wait(self, others: list, timeout_s: float) -> None:
         """Until an environment step (or one of `others`, e.g. start tasks) is done, or timeout_s;
         traced as waiting on the environment."""
-        tasks = [t for t in (*self.steps, *others) if not t.done()]
-        if self.done_steps or not tasks:
+        if self.stepped:
+            return
+        tasks = [t for t in others if not t.done()] + list(self.steps)
+        if not tasks:    # nothing to wait on: still yield, so the event loop is never held
+            await asyncio.sleep(timeout_s)
             return
         tracer = self.ctx.tracer
         span = tracer.waiting(ENVIRONMENT, "wait environment") if tracer is not None else contextlib.nullcontext()

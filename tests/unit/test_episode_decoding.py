@@ -119,3 +119,29 @@ def test_noise_differs_across_turns_and_follows_the_episode_index(tok, policy):
         second.update(dec.step())
     assert second["e"]["response_ids"] == [drawn(t) for t in (5, 6, 7)]
     assert second["e"]["response_ids"] != first["response_ids"]
+
+
+def test_an_environment_step_that_just_ended_is_seen_before_the_event_loop_turns():
+    """The generator checks for finished steps right after its own await; a step that ended in that
+    same loop turn must count (a done-callback would run only after the check, and the generator,
+    seeing nothing to wait on, would spin holding the event loop)."""
+    import asyncio
+    from rl.generation.episodes import Episodes
+
+    async def main():
+        episodes = Episodes(None, None, None, max_new_tokens=8)
+
+        async def step():
+            return "turn"
+        task = asyncio.ensure_future(step())
+        episodes.steps[task] = "run"
+        await asyncio.sleep(0)    # the step runs and ends; callbacks it schedules run after us
+        assert task.done() and episodes.stepped and episodes.waiting == 1
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await episodes.wait([], 5.0)          # returns at once: there is a step to harvest
+        assert loop.time() - t0 < 1.0
+        episodes.steps.clear()
+        await episodes.wait([], 0.05)         # nothing to wait on: sleeps, never spins
+        assert loop.time() - t0 >= 0.05
+    asyncio.run(main())
