@@ -175,10 +175,6 @@ class Generator(Node):
         self.ctx.log(f"generator: backend {backend} ({why})")
         self.env = None
         if c.env.path:
-            if backend == "vllm":
-                raise UserError(f"generator: env.path (multi-turn episodes) runs on the static decoder or the HF "
-                                f"loop, and the backend is vllm ({why}); set generator.backend=static (llama / "
-                                "qwen2) or hf")
             with self.ctx.span("load environment"):
                 self.env = load_environment(c.env, self.tokenizer, self.stop_ids)
         if backend != "static" and (c.partial_rollout or c.max_new_tokens_key):
@@ -206,8 +202,8 @@ class Generator(Node):
             with self.ctx.span("build decoder"):
                 self.decoder = await asyncio.to_thread(
                     build_decoder, c, self.model, self.stop_ids, self.prompts_per_call * c.group_size,
-                    self.max_prompt + c.max_new_tokens, self.ctx.gpu_share, lambda: self.weight_sync.version,
-                    self.ctx.log)
+                    self.max_prompt + self.max_response, self.ctx.gpu_share, lambda: self.weight_sync.version,
+                    self.ctx.log, episodes=self.env is not None, max_new_tokens=turn_tokens)
             return
         if c.prompts_per_call == 0:
             # A real model's slot is large (SmolLM2: 30 layers x 1,152 positions, 53 MiB in fp32 on a
