@@ -377,13 +377,15 @@ def trl_variant(args, shape: dict, paths: dict, out: Path, timeout_s: float) -> 
         cmd.append("--cpu")
     if args.trl_grad_ckpt:
         cmd.append("--gradient-checkpointing")
+    if args.trl_lora_rank:
+        cmd += ["--lora-rank", str(args.trl_lora_rank)]
     log(f"trl: start (timeout {timeout_s:.0f} s)")
     t = time.time()
     env = dict(os.environ)
     if args.trl_python != sys.executable:  # a separate venv: don't leak this interpreter's site dirs
         env.pop("PYTHONPATH", None)
     rc = run_logged(cmd, vdir / "run.log", timeout_s, "trl", env=env)
-    row = {"variant": "trl-grpo-sync-1gpu", "algo": "grpo", "mode": "trl", "gpus": 1, "rc": rc,
+    row = {"variant": "trl-grpo-sync-1gpu" + (f"-lora{args.trl_lora_rank}" if args.trl_lora_rank else ""), "algo": "grpo", "mode": "trl", "gpus": 1, "rc": rc,
            "wall_s": time.time() - t, "status": "ok" if rc == 0 else ("timeout" if rc == 124 else f"failed rc={rc}")}
     result = vdir / "result.json"
     if result.exists():
@@ -583,6 +585,8 @@ def main() -> int:
     p.add_argument("--trl-python", default=sys.executable, help="interpreter with trl installed")
     p.add_argument("--trl-micro-batch", type=int, default=16, help="TRL per_device_train_batch_size")
     p.add_argument("--trl-grad-ckpt", action="store_true", help="TRL with gradient checkpointing (its default)")
+    p.add_argument("--trl-lora-rank", type=int, default=0, help="TRL with LoRA of this rank (peft; the anchor "
+                   "for --set learner.lora.rank=R)")
     p.add_argument("--tiny", action="store_true", help="a small shape on CPU: checks the whole script end to end")
     p.add_argument("--shape", default="w1", choices=sorted(SHAPES), help="model shape (w1: Qwen2.5-0.5B's)")
     p.add_argument("--micro-batch", type=int, default=0,

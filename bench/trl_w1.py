@@ -12,6 +12,8 @@ loaded in fp32, as our learner holds it), AdamW lr 1e-6 constant, weight decay 0
 AdamW default, which our learner uses), clip eps 0.2, KL beta = our kl coef, loss_type "dapo"
 (token mean over the whole step's tokens, our loss), group-std scaled advantages, grad clip 1.0,
 no gradient checkpointing (ours has none; TRL's default is on: --gradient-checkpointing).
+--lora-rank R: LoRA through TRL's peft_config (all linear layers, alpha --lora-alpha, no dropout:
+X
 Imports nothing from this project, so it runs in a separate venv.
 
 Timing: a callback synchronizes CUDA and stamps every optimizer step's end; s/step is the mean
@@ -61,6 +63,8 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--beta", type=float, default=0.01)
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA through peft (TRL's peft_config), 0 = full")
+    p.add_argument("--lora-alpha", type=float, default=32.0, help="as learner.lora.alpha")
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -120,8 +124,13 @@ def main() -> int:
             if entry:
                 logs.append(dict(entry))
 
+    peft_config = None
+    if args.lora_rank:   # as our learner.lora: every linear layer but the head, no dropout
+        from peft import LoraConfig
+        peft_config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                                 target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=model, reward_funcs=load_reward(args.reward), args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[Timer()])
+                          processing_class=tokenizer, callbacks=[Timer()], peft_config=peft_config)
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     log(f"training {args.steps} steps of {completions} completions x {args.max_new_tokens} tokens")
@@ -130,7 +139,7 @@ def main() -> int:
     steady = step_s[args.warmup:]
     lengths = [l["completions/mean_length"] for l in logs if "completions/mean_length" in l]
     length = statistics.mean(lengths[args.warmup:] or lengths) if lengths else float("nan")
-    result = {"steps_done": len(step_s), "step_s": step_s,
+    result = {"steps_done": len(step_s), "step_s": step_s, "lora_rank": args.lora_rank,
               "s_per_step": statistics.mean(steady) if steady else None,
               "s_per_step_median": statistics.median(steady) if steady else None,
               "response_length": length,
