@@ -125,6 +125,9 @@ class GpuMemory:
         self._thread.join()
 
 
+LORA_A, LORA_B = ".lora_A.default.weight", ".lora_B.default.weight"   # peft's names in a LoRA checkpoint
+
+
 class Evaluator:
     """Greedy held-out accuracy (examples/smollm2_arithmetic/heldout.evaluate) of weight snapshots, in one model kept
     on the evaluation device, so every engine is judged by the same code on the same problems."""
@@ -133,17 +136,38 @@ class Evaluator:
         self.model, self.tokenizer = heldout.load_model(model_dir, device)
         self.rows = heldout.read_rows(val_path, n)
         self.batch, self.max_new_tokens = batch, max_new_tokens
+        self._base: dict | None = None
 
-    def __call__(self, state_dict: dict | None = None) -> dict:
+    def __call__(self, state_dict: dict | None = None, lora_scaling: float = 0.0) -> dict:
+        """state_dict: a learner checkpoint's model state, full weights or (learner.lora) the
+        adapter alone, merged here into the base as the generators merge it, at lora_scaling =
+        learner.lora.alpha / rank."""
         if state_dict is not None:
             # torch.compile'd layers name their weights "..._orig_mod...": strip it.
             clean = {k.replace("_orig_mod.", ""): v for k, v in state_dict.items()}
+            if any(k.endswith(LORA_A) for k in clean):
+                clean = self._merged(clean, lora_scaling)
             missing, unexpected = self.model.load_state_dict(clean, strict=False)
             if unexpected or set(missing) - {"lm_head.weight"}:
                 raise RuntimeError(f"snapshot does not fit the model: missing {missing[:4]}, unexpected {unexpected[:4]}")
             if self.model.config.tie_word_embeddings:
                 self.model.tie_weights()
         return heldout.evaluate(self.model, self.tokenizer, self.rows, self.max_new_tokens, self.batch)
+
+    def _merged(self, adapter: dict, scaling: float) -> dict:
+        """The base weights with W0 + scaling B A in every adapted layer (peft's own names)."""
+        from dataflow.weights.lora import merged_weight
+
+        if not scaling:
+            raise ValueError("a LoRA snapshot needs lora_scaling (learner.lora.alpha / rank)")
+        if self._base is None:   # the model still holds the base: keep a pristine copy
+            self._base = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        state = dict(self._base)
+        for key in [k for k in adapter if k.endswith(LORA_A)]:
+            target = key[:-len(LORA_A)]
+            a, b = adapter[key], adapter[target + LORA_B]
+            state[target + ".weight"] = merged_weight(self._base[target + ".weight"], a, b.float() * scaling)
+        return state
 
 
 def eval_fields(result: dict) -> dict:

@@ -179,6 +179,8 @@ def main() -> int:
 
     evaluate = Evaluator(model, val, args.val_n, args.eval_batch, args.max_new_tokens,
                          "cuda" if on_gpu else "cpu")
+    lora = config.learner.lora
+    lora_scaling = lora.alpha / lora.rank if lora.rank else 0.0
     points = [{"step": 0, "wall_s": 0.0, "train_s": 0.0, **eval_fields(evaluate())}]
     log(args.algo, f"step 0 (base model): accuracy {points[0]['accuracy']:.3f}")
     saves_so_far = 0.0
@@ -188,7 +190,7 @@ def main() -> int:
         saves_so_far += clock.save_s(step)
         wall = startup_s + steps[step]["time_s"] if step in steps else float("nan")
         points.append({"step": step, "wall_s": wall, "train_s": wall - saves_so_far, "save_s": clock.save_s(step),
-                       **eval_fields(evaluate(state))})
+                       **eval_fields(evaluate(state, lora_scaling))})
         log(args.algo, f"step {step}: accuracy {points[-1]['accuracy']:.3f} at {wall:.1f} s")
     samples = [r["perf/samples_per_s"] * r["timing/step_s"] for r in steps.values()]
     tokens = sum(r["response_length/mean"] * n for r, n in zip(steps.values(), samples))

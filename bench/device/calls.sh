@@ -113,3 +113,22 @@ warm() {  # warm <out dir> <examples> [warm_start.py args...]: the calculator ta
   python3 examples/agents/warm_start.py /tmp/real/smollm2 /tmp/real/agent_data/calculator/train.jsonl "$dir" \
     --examples "$n" "$@" 2>&1 | tail -2
 }
+
+ladder() {  # ladder <name> <timeout s> <bench/gpu_step.py args...>: one row of the memory-plan ladder
+  # e.g. ladder l7b_lora 300 --shape 7b --set learner.lora.rank=32; with --trl --trl-lora-rank 32
+  # the TRL anchor runs beside it (it needs TRL=1 in payload.sh). The W1-shaped model dir (GBs) stays.
+  local name=$1 limit=$2; shift 2
+  local run=/tmp/runs/$name dest=$OUT/$name
+  mkdir -p "$dest"
+  echo "== $name $(date +%T) (call at ${SECONDS}s)"
+  timeout "$limit" python3 bench/gpu_step.py --plan --gpus 1 --algos grpo --modes async --steps 6 --warmup 2 \
+    --out "$run" "$@" > "$dest/log.txt" 2>&1
+  echo "   rc=$? $(date +%T)"; grep -h "s/step\|error\|OOM" "$dest/log.txt" | tail -4 | cut -c1-200
+  cp "$run"/results.json "$dest"/ 2>/dev/null
+  for d in "$run"/*/; do
+    local b; b=$(basename "$d")
+    [ -f "$d/describe.txt" ] && cp "$d/describe.txt" "$dest/${b}_describe.txt"
+    [ -f "$d/run/metrics.jsonl" ] && gzip -c "$d/run/metrics.jsonl" > "$dest/${b}_metrics.jsonl.gz"
+  done
+  pack "$name"
+}

@@ -73,13 +73,14 @@ from typing import Annotated, Any, Literal
 
 import torch
 
-from dataflow.channel import codec
 from dataflow.checks import Positive
 from dataflow.errors import UserError
 from dataflow.weights import ipc as cuda_ipc
 from dataflow.weights.lora import AdapterHolder, AdapterMerger, is_adapter
 from dataflow.weights.edges import SYNC_EDGE
 from dataflow.weights.rendezvous import device_info, tcp_store
+from dataflow.weights.state import (decode_state, encode_state, state_bytes, state_checksum, travel_copy,
+                                    weights_checksum)
 from dataflow.timeouts import wait_within
 
 
@@ -104,23 +105,6 @@ class WeightSyncConfig:
     (which include loading the models)."""
     checksums: bool = False
     """Log a checksum of the weights per version (learner: pushed; generator: switched to)."""
-
-
-def weights_checksum(model: torch.nn.Module, dtype: torch.dtype | None = None) -> float:
-    """Order-sensitive checksum of the parameters (by name), optionally cast to `dtype` first.
-    Sharded (DTensor) parameters are gathered whole first: a collective for a multi-rank learner."""
-    from torch.distributed.tensor import DTensor
-
-    return state_checksum({n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.named_parameters()},
-                          dtype)
-
-
-def state_checksum(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> float:
-    """weights_checksum of named tensors (a LoRA learner's merged weights, rl/model/lora.merged_state)."""
-    with torch.no_grad():
-        sums = [p.detach().to(dtype or p.dtype).double().sum() * (i + 1)
-                for i, (_, p) in enumerate(sorted(state.items(), key=lambda kv: kv[0]))]
-        return float(torch.stack(sums).sum().item()) if sums else 0.0
 
 
 def _group_device(backend: str) -> str:
@@ -220,51 +204,65 @@ class LearnerWeightSync:
 
     async def publish(self, model: torch.nn.Module, version: int) -> None:
         """Deliver `model`'s weights as `version` to every generator, then announce it on the edge.
-        A dp x tp learner calls it on every rank (collective); rank 0 publishes."""
-        if self.adapter is not None:
-            await self._publish_adapter(version)
-        elif self.config.transport == "cuda_ipc":
+        A dp x tp learner calls it on every rank (collective); rank 0 publishes. Rank 0 logs one
+        record per push: "weights/pushed_version", "weights/push_s" (until every generator holds
+        it), "weights/push_mib" (what travelled), "weights/push_adapter"; with `checksums` also
+        "weights/version" and "weights/checksum"."""
+        t0 = time.perf_counter()
+        sent = await (self._publish_adapter(version) if self.adapter is not None else self._deliver(model, version))
+        record = {"weights/pushed_version": version, "weights/push_s": time.perf_counter() - t0,
+                  "weights/push_mib": sent / 2**20, "weights/push_adapter": self.adapter is not None}
+        if self.config.checksums:
+            if self.adapter is not None:   # the merged weights a generator holds
+                checksum = await asyncio.to_thread(lambda: state_checksum(self.adapter.merged(self.dtype)))
+            else:
+                checksum = await asyncio.to_thread(weights_checksum, model, self.dtype)
+            record.update({"weights/version": version, "weights/checksum": checksum})
+        if self.lead:
+            self.ctx.metrics(record)
+
+    async def _deliver(self, model: torch.nn.Module, version: int) -> int:
+        """publish()'s delivery of the full weights; returns the bytes that travelled (rank 0)."""
+        sent = 0
+        if self.config.transport == "cuda_ipc":
             if self.ranks is None:
                 state = model.state_dict()
             else:              # the whole weights, gathered on rank 0 (CPU)
                 state, _ = await asyncio.to_thread(self.ranks.full_state, model)
             if self.lead:
+                sent = state_bytes(state, self.dtype)
                 with self.ctx.span("weight push", version=version):
                     payload = await asyncio.to_thread(cuda_ipc.write_version, self.ipc, state, version,
                                                       self.dtype, self.ctx.full_name)
                 await self.ctx.publish(self.edge, payload, version=version)
         elif self.pusher is None:
             if self.ranks is None:
-                state = {k: _travel_copy(v, self.dtype) for k, v in model.state_dict().items()}
+                state = {k: travel_copy(v, self.dtype) for k, v in model.state_dict().items()}
             else:              # the whole weights, gathered on rank 0
                 state, _ = await asyncio.to_thread(self.ranks.full_state, model)
-                state = {k: _travel_copy(v, self.dtype) for k, v in state.items()}
+                state = {k: travel_copy(v, self.dtype) for k, v in state.items()}
             if self.lead:
+                sent = state_bytes(state, None)
                 await self.ctx.publish(self.edge, encode_state(state), version=version)
         else:
             with self.ctx.span("weight push", version=version):
                 await asyncio.to_thread(self.pusher.push, model, version)
             if self.lead:
+                sent = state_bytes(model.state_dict(), self.dtype)
                 await self.ctx.publish(self.edge, None, version=version)
-        if self.config.checksums:
-            if self.adapter is not None:   # the merged weights a generator holds
-                checksum = await asyncio.to_thread(lambda: state_checksum(self.adapter.merged(self.dtype)))
-            else:
-                checksum = await asyncio.to_thread(weights_checksum, model, self.dtype)
-            if self.lead:
-                self.ctx.metrics({"weights/version": version, "weights/checksum": checksum})
+        return sent
 
     def _sent_dtype(self) -> torch.dtype | None:
         """What travels: the adapter in float32 (megabytes; its delta is merged in float32), else
         the weights in the travel dtype."""
         return torch.float32 if self.adapter is not None else self.dtype
 
-    async def _publish_adapter(self, version: int) -> None:
-        """LoRA: the adapter alone (one rank), over the configured transport."""
+    async def _publish_adapter(self, version: int) -> int:
+        """LoRA: the adapter alone (one rank), over the configured transport; returns its bytes."""
         state = self.adapter.tensors()
         with self.ctx.span("weight push", version=version, adapter=True):
             if self.config.transport == "object_store":
-                payload = encode_state({k: _travel_copy(v, torch.float32) for k, v in state.items()})
+                payload = encode_state({k: travel_copy(v, torch.float32) for k, v in state.items()})
             elif self.config.transport == "cuda_ipc":
                 payload = await asyncio.to_thread(cuda_ipc.write_version, self.ipc, state, version,
                                                   torch.float32, self.ctx.full_name)
@@ -273,30 +271,11 @@ class LearnerWeightSync:
                 await asyncio.to_thread(self.pusher.push, self.holder, version)
                 payload = None
         await self.ctx.publish(self.edge, payload, version=version)
+        return state_bytes(state, torch.float32)
 
 
 def _travel_dtype(config: WeightSyncConfig, auto: str | None) -> str | None:
     return auto if config.dtype == "auto" else config.dtype
-
-
-def encode_state(state: dict[str, torch.Tensor]) -> dict:
-    """A state dict as the channel codec's header and flat numpy buffers (views, no copy)."""
-    header, buffers = codec.encode(codec.Message(state))
-    return {"state_dict": header, "buffers": buffers}
-
-
-def decode_state(payload: dict) -> dict[str, torch.Tensor]:
-    """encode_state's state dict: read-only tensors over the object store's memory (load_state_dict
-    copies them). No size limit: one tensor of a large model can pass the codec's 1 GiB default."""
-    return codec.decode(payload["state_dict"], payload["buffers"], max_bytes=1 << 62).data
-
-
-def _travel_copy(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A CPU copy of `t` for the object store, floating point cast to `dtype` first (on its device)."""
-    t = t.detach()
-    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-        t = t.to(dtype)
-    return t.to("cpu", copy=True)
 
 
 class GeneratorWeightSync:

@@ -251,6 +251,11 @@ def test_grpo_with_lora_through_the_cli_trains_pushes_adapters_saves_both_dirs_a
     model_keys = [k for k in state if k.startswith("/model/")]
     assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys), model_keys
     assert len([k for k in state if k.startswith("/optimizer/")]) == 2 * len(model_keys) + len(model_keys)
+    # every push (version 0 at the start, then after steps 1-3) carried the fp32 adapter alone
+    pushes = [x for x in records(straight) if "weights/push_s" in x]
+    assert [x["weights/pushed_version"] for x in pushes] == [0, 1, 2, 3]
+    adapter_bytes = sum(state[k].numel() * 4 for k in model_keys)
+    assert all(x["weights/push_adapter"] and x["weights/push_mib"] * 2**20 == adapter_bytes for x in pushes), pushes
 
     merged = AutoModelForCausalLM.from_pretrained(straight / "final").eval()
     base = AutoModelForCausalLM.from_pretrained(model_dir).eval()

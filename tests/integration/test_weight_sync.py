@@ -23,7 +23,7 @@ from dataflow.driver.runtime import RunOptions, load_graph, run_graph  # noqa: E
 from rl.model.causal_lm import ModelConfig, build_policy  # noqa: E402
 from rl.data.tasks import build_tokenizer  # noqa: E402
 from dataflow.weights import ipc as weight_ipc  # noqa: E402
-from dataflow.weights import sync as weight_sync  # noqa: E402
+from dataflow.weights.state import travel_copy  # noqa: E402
 from dataflow.weights.ipc import (flat_layout, ipc_state_split, pack_state, seqlock_consistent,  # noqa: E402
                                   stage_copy, unpack_state)
 from dataflow.weights.sync import (SYNC_EDGE, GeneratorWeightSync, LearnerWeightSync,  # noqa: E402
@@ -146,10 +146,10 @@ def test_object_store_weights_travel_in_the_generators_dtype():
     assert cfg("placement=colocated", "num_gpus=1", "generator.dtype=float16").dtype == "float16"
     assert cfg("learner.weight_sync.dtype=float32", "placement=colocated", "num_gpus=1").dtype == "float32"
     weights = torch.randn(3, 4)
-    sent = weight_sync._travel_copy(weights, torch.bfloat16)
+    sent = travel_copy(weights, torch.bfloat16)
     assert sent.dtype == torch.bfloat16 and torch.equal(sent, weights.to(torch.bfloat16))
-    assert weight_sync._travel_copy(torch.arange(3), torch.bfloat16).dtype == torch.int64
-    assert weight_sync._travel_copy(weights, None).dtype == torch.float32
+    assert travel_copy(torch.arange(3), torch.bfloat16).dtype == torch.int64
+    assert travel_copy(weights, None).dtype == torch.float32
 
 
 def test_cuda_ipc_on_cpu_fails_naming_the_setting():
@@ -326,6 +326,13 @@ def test_generators_serve_the_learners_weights(ray_instance, tmp_path, transport
     served = set().union(*sums.values())
     # Object store: version 0 is the shared seed's (no switch); collective: pushed like the others.
     assert served == ({0, 1, 2} if transport == "collective" else {1, 2})
+    # Each push's size: the whole state dict in float32 (CPU's travel dtype), on both transports.
+    from rl.data.tasks import build_tokenizer
+    from rl.model.causal_lm import ModelConfig, build_policy
+    whole = sum(v.numel() * 4 for v in build_policy(ModelConfig(), build_tokenizer()).state_dict().values())
+    pushes = [r for r in records if "weights/push_s" in r]
+    assert [r["weights/pushed_version"] for r in pushes] == [0, 1, 2]
+    assert all(r["weights/push_mib"] * 2**20 == whole and not r["weights/push_adapter"] for r in pushes), pushes
 
 
 def test_stalled_push_fails_the_learner_naming_both_ends(ray_instance, tmp_path):

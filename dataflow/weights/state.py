@@ -1,0 +1,51 @@
+"""What a weight push carries, apart from how it travels (dataflow/weights/sync.py): the object
+store's encoding of a state dict, the copy that travels, its size, and the checksums both ends log."""
+
+from __future__ import annotations
+
+import torch
+
+from dataflow.channel import codec
+
+
+def weights_checksum(model: torch.nn.Module, dtype: torch.dtype | None = None) -> float:
+    """Order-sensitive checksum of the parameters (by name), optionally cast to `dtype` first.
+    Sharded (DTensor) parameters are gathered whole first: a collective for a multi-rank learner."""
+    from torch.distributed.tensor import DTensor
+
+    return state_checksum({n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.named_parameters()},
+                          dtype)
+
+
+def state_checksum(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> float:
+    """weights_checksum of named tensors (a LoRA learner's merged weights, rl/model/lora.merged_state)."""
+    with torch.no_grad():
+        sums = [p.detach().to(dtype or p.dtype).double().sum() * (i + 1)
+                for i, (_, p) in enumerate(sorted(state.items(), key=lambda kv: kv[0]))]
+        return float(torch.stack(sums).sum().item()) if sums else 0.0
+
+
+def state_bytes(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> int:
+    """Bytes of `state` with its floating tensors in `dtype` (None: as they are)."""
+    return sum(t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
+               for t in state.values())
+
+
+def encode_state(state: dict[str, torch.Tensor]) -> dict:
+    """A state dict as the channel codec's header and flat numpy buffers (views, no copy)."""
+    header, buffers = codec.encode(codec.Message(state))
+    return {"state_dict": header, "buffers": buffers}
+
+
+def decode_state(payload: dict) -> dict[str, torch.Tensor]:
+    """encode_state's state dict: read-only tensors over the object store's memory (load_state_dict
+    copies them). No size limit: one tensor of a large model can pass the codec's 1 GiB default."""
+    return codec.decode(payload["state_dict"], payload["buffers"], max_bytes=1 << 62).data
+
+
+def travel_copy(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A CPU copy of `t` for the object store, floating point cast to `dtype` first (on its device)."""
+    t = t.detach()
+    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+        t = t.to(dtype)
+    return t.to("cpu", copy=True)
