@@ -154,7 +154,7 @@ class TraceCollector:
             return {}
         created, loaded = p["created"] - off, min(p["loaded"] - off, p["created"] - off)
         start = loaded if self._launched is None else min(self._launched, loaded)
-        parts = {"process start": loaded - start, "imports": created - loaded}
+        parts = {k: us for k, us in (("process start", loaded - start), ("imports", created - loaded)) if us > 0}
         state_us = dict(p["state_us"], startup=p["state_us"].get("startup", 0) + created - start)
         return {"window": [start, p["window"][1] - off], "state_us": state_us,
                 "startup_parts": dict(parts, **p["startup_parts"])}

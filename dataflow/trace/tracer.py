@@ -113,6 +113,7 @@ class Tracer:
         self.starting = starting      # until started(): every microsecond is start-up (module docstring)
         self._loaded = _LOADED_US if starting else None  # said once, in the first drain
         self._set_up = False          # a span was opened while starting: the no-span time after it is WAITING_SETUP
+        self._starting_spans: list = []  # busy spans opened while starting and still open, in order
         self._run_start = None        # when started() was called (process clock)
         self._state_t = self._window_start = self.now_us()
         self._reset_aggregates()
@@ -130,6 +131,7 @@ class Tracer:
             now = self.now_us()
             self._advance(now)
             self.starting, self._run_start = False, now
+            self._starting_spans = []
 
     # ---- recording ------------------------------------------------------------------------------
     def span(self, name: str, track: str = "compute", **args) -> "_Span":
@@ -252,12 +254,8 @@ class Tracer:
 
     def _startup_part(self) -> str:
         """The start-up part now: the innermost (latest opened) busy span, else a wait for the others."""
-        innermost = None
-        for s in self._live:
-            if s._kind == BUSY and (innermost is None or s._t0 >= innermost._t0):
-                innermost = s
-        if innermost is not None:
-            return innermost._name
+        if self._starting_spans:
+            return self._starting_spans[-1]._name
         return WAITING_SETUP if self._set_up else WAITING_PROCESSES
 
     def _util_add(self, state: int, t0: int, t1: int) -> None:
@@ -366,6 +364,7 @@ class _Span:
         if self._kind == BUSY:
             if t.starting:
                 t._set_up = True
+                t._starting_spans.append(self)
             if t._gpu is not None:
                 self._cuda = t._gpu.start()
         else:
@@ -379,6 +378,8 @@ class _Span:
         t._open[self._kind] -= 1
         t._live.discard(self)
         if self._kind == BUSY:
+            if t._starting_spans and self in t._starting_spans:
+                t._starting_spans.remove(self)
             t._count_span(self._name, now - self._t0)
             if self._cuda is not None:
                 t._gpu.stop(self._cuda)
