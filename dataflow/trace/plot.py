@@ -123,9 +123,11 @@ def _draw_startup_parts(cx, parted) -> None:
             else:
                 color, k = SETUP_COLORS[k % len(SETUP_COLORS)], k + 1
             cx.barh(yi, sec, left=left, color=color, height=0.6, edgecolor="white", linewidth=0.5)
-            if sec >= 0.08 * total:   # name the parts wide enough to hold it
+            char = total * 1.12 / 170   # about one 7-point character, in seconds on this axis
+            label = next((t for t in (part, "waiting" if part in WAITING else "") if t and sec >= (len(t) + 2) * char), "")
+            if label:   # only in a part wide enough to hold it
                 light = part in WAITING or part == "imports"
-                cx.text(left + sec / 2, yi, part, ha="center", va="center", fontsize=7,
+                cx.text(left + sec / 2, yi, label, ha="center", va="center", fontsize=7,
                         color="black" if light else "white", clip_on=True)
             left += sec
         cx.text(left + 0.01 * total, yi, f"{v['startup_s']:.1f} s", va="center", fontsize=8)
