@@ -69,6 +69,7 @@ class Monitor:
         # Run-level counters (queue depths, staleness) live on a driver track of the same trace.
         self.driver_tracer = Tracer("driver", enabled=options.trace_path is not None)
         self.t_start = time.time()
+        self.trace.launched(self.t_start * 1e6)  # the nodes' start-up counts from here (Ray up), as RunSummary.startup
         self.t_running = None
         self.ray_s = 0.0                             # ray.init (or connecting), before t_start
         self.phases: dict[str, float] = {}           # start-up phase -> its end, s after t_start

@@ -12,11 +12,13 @@ each GPU idle, in every run; with --trace also a Chrome/Perfetto timeline.
     __main__.py   `python -m dataflow.trace out.json [--plot out.png]`: the table of a saved trace
 
 How the engine uses it:
-  host      tracer = Tracer(name, enabled=trace, device=device); clock() returns tracer.now_us();
+  host      tracer = Tracer(name, enabled=trace, device=device, starting=True), started() when its
+            run() begins (start-up apart: report.py); clock() returns tracer.now_us();
             poll() returns tracer.drain(); nodes call ctx.span(name, **args).
   channels  `with tracer.wait_input(ch): await <item>` in recv, `with tracer.blocked_output(ch):
             await <room>` in send, `tracer.counter(f"channel/{ch}/depth", depth=n)`.
-  driver    collector = TraceCollector(enabled); set_clock_offset(name, measure_clock_offset(
+  driver    collector = TraceCollector(enabled); launched(t_us) when Ray is up (where every node's
+            start-up begins); set_clock_offset(name, measure_clock_offset(
             [(t_send, remote_now, t_recv), ...])); add(name, drained) per poll; at the end
             report() (always), write(path) (--trace), plot(png), flat_metrics(summary()) for JSONL.
 `python -m dataflow.trace out.json [--plot out.png]` prints the same table from a saved file; the

@@ -2,6 +2,14 @@
 on the driver's clock (measure_clock_offset), and gives the end-of-run table, the metrics, the
 Chrome file (size rule 3 of dataflow/trace/tracer.py: thinned to fit MAX_TRACE_EVENTS and
 MAX_TRACE_BYTES) and the plot.
+
+Start-up in front of a tracer: each node process's tracer says when its process loaded the trace
+module (the host's module); the driver says when it began launching the processes (`launched`: Ray
+up). A node's start-up then begins at the launch, with two more parts before its tracer's own
+(dataflow/trace/tracer.py): "process start" (launch -> the host's module loaded: placement, the
+worker process, Ray's start-up in it) and "imports" (-> the tracer built: the node's module and
+what it imports, torch, transformers ...). A restarted replica's new process starts up again
+inside the training window: that time is "other" there, not start-up.
 """
 
 from __future__ import annotations
@@ -46,6 +54,11 @@ class TraceCollector:
         self._gpu_intervals: dict[str, list] = {}
         self._kernel_intervals: dict[str, list] = {}
         self._gpu_util: dict[str, dict] = {}  # GPU label -> {nvml ts: (process, t0, t1, percent)}
+        self._launched: int | None = None     # driver clock: when the node processes were asked for
+
+    def launched(self, t_us: int) -> None:
+        """When the driver began launching the node processes (driver clock, us): their start-up's start."""
+        self._launched = round(t_us)
 
     def set_clock_offset(self, process_name: str, offset_us: float) -> None:
         self._offsets[process_name] = round(offset_us)
@@ -57,17 +70,23 @@ class TraceCollector:
         if p is None:
             p = self._procs[process_name] = {
                 "device": drained["device"], "gpu": drained.get("gpu"), "window": list(drained["window"]),
-                "state_us": {}, "wait_us": {}, "blocked_us": {}, "spans": {}, "startup_spans": {}, "run_start": None,
-                "dropped": 0, "node": node}
+                "state_us": {}, "wait_us": {}, "blocked_us": {}, "spans": {}, "startup_parts": {}, "run_start": None,
+                "loaded": drained.get("loaded"), "created": drained["window"][0], "dropped": 0, "node": node}
         p["window"] = [min(p["window"][0], drained["window"][0]), max(p["window"][1], drained["window"][1])]
-        for group in ("state_us", "wait_us", "blocked_us"):
-            for k, v in drained[group].items():
+        states = dict(drained["state_us"])
+        if p["run_start"] is not None and states.get("startup"):  # a restarted process (module docstring)
+            states["other"] = states.get("other", 0) + states.pop("startup")
+        else:
+            for part, us in drained.get("startup_parts", {}).items():
+                p["startup_parts"][part] = p["startup_parts"].get(part, 0) + us
+        for group, values in (("state_us", states), ("wait_us", drained["wait_us"]),
+                              ("blocked_us", drained["blocked_us"])):
+            for k, v in values.items():
                 p[group][k] = p[group].get(k, 0) + v
-        for group in ("spans", "startup_spans"):
-            for name, (count, us) in drained.get(group, {}).items():
-                c = p[group].setdefault(name, [0, 0])
-                c[0] += count
-                c[1] += us
+        for name, (count, us) in drained.get("spans", {}).items():
+            c = p["spans"].setdefault(name, [0, 0])
+            c[0] += count
+            c[1] += us
         if drained.get("run_start") is not None and p["run_start"] is None:
             p["run_start"] = drained["run_start"]  # (a restarted replica's process starts up again: the first one counts)
         p["dropped"] += drained.get("dropped", 0)
@@ -98,6 +117,9 @@ class TraceCollector:
             window = [p["window"][0] - off, p["window"][1] - off]
             run_start = None if p["run_start"] is None else p["run_start"] - off
             procs[name] = dict(p, window=window, run_start=run_start)
+            procs[name].update(self._before_tracer(p, off))
+            del procs[name]["loaded"], procs[name]["created"]
+            window = procs[name]["window"]
             if p["gpu"]:
                 g = gpus.setdefault(p["gpu"], {"window": list(window), "nodes": []})
                 g["window"] = [min(g["window"][0], window[0]), max(g["window"][1], window[1])]
@@ -124,6 +146,18 @@ class TraceCollector:
                 g["util_samples"] = coarsen_samples(one_sample_stream(list(streams.values())))
         dropped = sum(p["dropped"] for p in self._procs.values())
         return {"processes": procs, "gpus": gpus, "dropped": dropped}, merged
+
+    def _before_tracer(self, p: dict, off: int) -> dict:
+        """A node process's start-up before its tracer (module docstring), on the driver clock:
+        its window, state and parts with "process start" and "imports" in front."""
+        if p["loaded"] is None:  # not a starting tracer (the driver's track, a trace of old)
+            return {}
+        created, loaded = p["created"] - off, min(p["loaded"] - off, p["created"] - off)
+        start = loaded if self._launched is None else min(self._launched, loaded)
+        parts = {k: us for k, us in (("process start", loaded - start), ("imports", created - loaded)) if us > 0}
+        state_us = dict(p["state_us"], startup=p["state_us"].get("startup", 0) + created - start)
+        return {"window": [start, p["window"][1] - off], "state_us": state_us,
+                "startup_parts": dict(parts, **p["startup_parts"])}
 
     def add_kernel_intervals(self, process_name: str, intervals: list, window: list) -> None:
         """Kernel [t0, t1] intervals of `process_name` (CUPTI records through torch.profiler under
@@ -176,8 +210,14 @@ class TraceCollector:
         for name, evs in self._events.items():
             off = self._offsets.get(name, 0)
             shifted[name] = [_shift(ev, off) for ev in evs]
-        for name in aggs["processes"]:
+        for name, a in aggs["processes"].items():
             shifted.setdefault(name, [])
+            t = a["window"][0]   # the parts before the tracer, as slices (_before_tracer)
+            for part in ("process start", "imports"):
+                us = a.get("startup_parts", {}).get(part)
+                if us:
+                    shifted[name].append(("X", part, "compute", t, us, "startup", None, None))
+                    t += us
         starts = [a["window"][0] for a in aggs["processes"].values()]
         origin = min(starts) if starts else 0
         return chrome_trace(shifted, gpu_intervals if self.enabled else {}, aggs, origin, max_events,

@@ -1,22 +1,29 @@
 """The trace as a PNG (matplotlib, Agg; imported only when a plot is asked for): a timeline of every
-node and GPU above a utilization chart.
+node and GPU above a utilization chart of the training window and a chart of the start-up's parts.
 """
 
 from __future__ import annotations
 
 from dataflow.trace.chrome import BUCKET_SHIFT
 from dataflow.trace.intervals import merge_intervals, spread
+from dataflow.trace.report import BEFORE_SETUP, WAITING
 
 COLORS = {"busy": "#2e9e44", "wait_input": "#f0a01e", "blocked_output": "#d62728", "gpu": "#1f6fd1",
-          "startup": "#9467bd"}
+          "startup": "#9467bd", "starting": "#ddd0ec"}
 LABELS = {"busy": "busy", "wait_input": "waiting for input", "blocked_output": "blocked on output",
-          "gpu": "GPU busy", "startup": "start-up (set-up, waiting for the others')"}
+          "gpu": "GPU busy", "startup": "start-up: process, imports, set-up",
+          "starting": "start-up: waiting for the others"}
+# The start-up chart's parts: before the set-up, each set-up part (cycling), waiting.
+PART_COLORS = {"process start": "#8c6bb1", "imports": "#b69fd6", "waiting": COLORS["starting"]}
+SETUP_COLORS = ("#4a1486", "#6a51a3", "#807dba", "#54278f", "#9e9ac8")
 
 
 def plot(path: str, rows: list, summary: dict, t0_us: int, slices_up_to_s: float = 60.0) -> None:
     """PNG: a timeline (one row per node/GPU) above a utilization chart; a title, legend, seconds.
-    Start-up is its own band (its slices, or its share) and the run's start-up is shaded; the
-    utilization chart is of the training window, with each node's start-up seconds beside it.
+    Start-up is its own band (its slices, or its share, over a light band from the launch to the
+    node's run start) and the run's start-up is shaded; the utilization chart is of the training
+    window, with each node's start-up seconds beside it; a third chart splits each node's start-up
+    into its parts (process start, imports, set-up parts, waiting for the others).
 
     `rows` as from `rows_from_doc`, times shown in seconds since `t0_us`. A run up to
     `slices_up_to_s` long with every slice kept shows its slices (upper band busy, lower band
@@ -34,11 +41,20 @@ def plot(path: str, rows: list, summary: dict, t0_us: int, slices_up_to_s: float
     # GPUs get their own utilization bar; a CPU node's "device" is the node's own busy time.
     util = list(nodes.items()) + [(d, v) for d, v in devices.items() if not d.startswith("cpu ")]
     n_rows = max(1, len(rows))
+    parted = [(n, v) for n, v in nodes.items() if v.get("startup_parts")]
     tl_in, ut_in = 0.8 + 0.55 * max(2, n_rows), 0.8 + 0.4 * max(2, len(util))  # axes heights, inches
-    height = 1.9 + tl_in + ut_in
-    fig, (ax, bx) = plt.subplots(2, 1, figsize=(13, height), gridspec_kw={"height_ratios": [tl_in, ut_in]})
+    st_in = 0.8 + 0.4 * max(2, len(parted)) if parted else 0
+    height = 2.3 + tl_in + ut_in + st_in
+    fig, axes = plt.subplots(2 + bool(parted), 1, figsize=(13, height),
+                             gridspec_kw={"height_ratios": [tl_in, ut_in] + ([st_in] if parted else [])})
+    ax, bx = axes[0], axes[1]
     train0 = (summary.get("train_window") or [t0_us])[0]
     span_s = max(summary["window_s"] + summary.get("startup_s", 0.0), 1e-6)
+    for i, (label, _) in enumerate(rows):   # the light band: a node's whole start-up, waits included
+        a, b = nodes.get(label, {}).get("startup_window", (0, 0))
+        if b > a:
+            ax.broken_barh([((a - t0_us) / 1e6, (b - a) / 1e6)], (n_rows - 1 - i - 0.40, 0.77),
+                           facecolors=COLORS["starting"], linewidth=0)
     if span_s <= slices_up_to_s and not summary["dropped_events"] and not summary.get("thinned_events"):
         _draw_slices(ax, rows, n_rows, t0_us, gap=span_s * 1e6 / 2000)  # gap ~ one pixel
         ax.set_title("Timeline (upper band: busy; lower band: waiting for input / blocked on output)",
@@ -79,16 +95,47 @@ def plot(path: str, rows: list, summary: dict, t0_us: int, slices_up_to_s: float
     bx.set_xlabel("% of the node's (or GPU's) time in the training window")
     bx.set_title("Utilization over the training window (start-up apart)", fontsize=10)
 
+    if parted:
+        _draw_startup_parts(axes[2], parted)
     handles = [Patch(color=COLORS[k], label=LABELS[k])
-               for k in ("busy", "wait_input", "blocked_output", "gpu", "startup")]
+               for k in ("busy", "wait_input", "blocked_output", "gpu", "startup", "starting")]
     handles.append(Patch(color="#c7c7c7", label="other / GPU idle"))
-    top = 1 - 0.75 / height  # inches kept for the title and the legend
+    top = 1 - 1.0 / height  # inches kept for the title and the legend
     fig.suptitle(f"dataflow trace: where time went ({summary.get('startup_s', 0.0):.3g} s start-up, "
                  f"{summary['window_s']:.3g} s training)", fontsize=13, y=1 - 0.15 / height)
-    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.42 / height), ncol=6, frameon=False)
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.42 / height), ncol=4, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, top))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _draw_startup_parts(cx, parted) -> None:
+    """Each node's start-up in seconds, stacked by part in the order they happen."""
+    y = list(range(len(parted)))[::-1]
+    total = max(v["startup_s"] for _, v in parted) or 1.0
+    for yi, (_, v) in zip(y, parted):
+        left, k = 0.0, 0
+        for part, sec in v["startup_parts"].items():
+            if part in WAITING:
+                color = PART_COLORS["waiting"]
+            elif part in BEFORE_SETUP:
+                color = PART_COLORS[part]
+            else:
+                color, k = SETUP_COLORS[k % len(SETUP_COLORS)], k + 1
+            cx.barh(yi, sec, left=left, color=color, height=0.6, edgecolor="white", linewidth=0.5)
+            char = total * 1.12 / 170   # about one 7-point character, in seconds on this axis
+            label = next((t for t in (part, "waiting" if part in WAITING else "") if t and sec >= (len(t) + 2) * char), "")
+            if label:   # only in a part wide enough to hold it
+                light = part in WAITING or part == "imports"
+                cx.text(left + sec / 2, yi, label, ha="center", va="center", fontsize=7,
+                        color="black" if light else "white", clip_on=True)
+            left += sec
+        cx.text(left + 0.01 * total, yi, f"{v['startup_s']:.1f} s", va="center", fontsize=8)
+    cx.set_yticks(y, [n for n, _ in parted])
+    cx.set_xlim(0, total * 1.12)
+    cx.set_xlabel("seconds from the launch to the node's run start")
+    cx.set_title("Start-up per node by part: process start, imports, set-up parts (darker), waiting for the "
+                 "others (light)", fontsize=10)
 
 
 def _draw_slices(ax, rows, n_rows, t0_us, gap) -> None:

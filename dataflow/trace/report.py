@@ -10,23 +10,29 @@ Aggregates (what `summarize` reads, and what the trace file stores under
     {"device": str, "gpu": str | None, "window": [t0, t1], "run_start": t | None,
      "state_us": {"busy", "wait_input", "blocked_output", "other", "startup"},  # exclusive, sum = window
      "wait_us": {channel: us}, "blocked_us": {channel: us},           # split of those two states
-     "spans": {name: [count, us]}, "startup_spans": {name: [count, us]},
+     "spans": {name: [count, us]}, "startup_parts": {part: us},       # parts: exclusive, sum = startup
      "dropped": events sampled out in the process}
 and per GPU: {"busy_us": |union of busy intervals within window|, "window": [t0, t1], "nodes": [...],
 "startup_us"}: its window starts when every node on it runs.
 
-Start-up (a node's time before its run() began: its set-up, then waiting for the other nodes'
-set-up; dataflow/trace/tracer.py) is its own state: every fraction here (busy, waits, idle causes,
-device idle) is of the training window only, and the start-up seconds stand beside them, per node
-and per part (the spans its set-up opened). A trace written before start-up was its own state has
-none: its fractions are of the whole window, as they were.
+Start-up (a node's time from the launch of the run's processes until its run() began: its process
+start, imports, set-up, and waiting for the other nodes'; dataflow/trace/tracer.py, collector.py)
+is its own state: every fraction here (busy, waits, idle causes, device idle) is of the training
+window only (TRAINING_WINDOW), and the start-up seconds stand beside them, per node and per part.
+A trace written before start-up was its own state has none: its fractions are of the whole window.
 """
 
 from __future__ import annotations
 
 from dataflow.trace.intervals import sampled_idle, sampled_window
+from dataflow.trace.tracer import WAITING_PROCESSES, WAITING_SETUP
 
 KINDS = ("busy", "wait_input", "blocked_output")
+# TRAINING_WINDOW: from the run() start of the last node (all set up and running) to the run's end;
+# a node's own: from its run() start (ms apart). Not from the first step: the pipeline filling up
+# (a learner waiting for its first rollouts) is training time the table must show.
+BEFORE_SETUP = ("process start", "imports", WAITING_PROCESSES)   # start-up parts outside the set-up
+WAITING = (WAITING_PROCESSES, WAITING_SETUP)
 
 
 def summarize(aggregates: dict, top: int = 8) -> dict:
@@ -40,11 +46,12 @@ def summarize(aggregates: dict, top: int = 8) -> dict:
     causes of a device are the waits of the nodes on it (by total time, not intersected with the
     device's idle intervals).
 
-    {"window_s" (training), "startup_s" (the run's: first process up -> every node running),
-     "train_window": [t0, t1],
+    {"window_s" (training), "startup_s" (the run's: launch -> every node running),
+     "train_window": [t0, t1] (TRAINING_WINDOW),
      "nodes": {name: {"busy", "wait_input", "blocked_output", "other", "window_s", "startup_s",
-       "startup_parts": {span: s}, "device", "gpu", "wait_input_by_channel",
-       "blocked_output_by_channel", "spans", "causes"}},
+       "startup_parts": {part: s} (in the order they happen, set-up parts largest first; they add
+       up to startup_s), "setup_s", "waiting_s" (of them), "startup_window": [t0, run start],
+       "device", "gpu", "wait_input_by_channel", "blocked_output_by_channel", "spans", "causes"}},
      "devices": {label: {"idle", "window_s", "nodes", "causes"}},
      "idle_causes": [{"who", "kind", "channel", "seconds", "fraction"}],   # largest first
      "dropped_events", "thinned_events"}
@@ -66,9 +73,12 @@ def summarize(aggregates: dict, top: int = 8) -> dict:
         node_causes = sorted(
             [("wait_input", ch, us) for ch, us in a["wait_us"].items()]
             + [("blocked_output", ch, us) for ch, us in a["blocked_us"].items()], key=lambda c: -c[2])
-        nodes[name] = dict(fr, window_s=length / 1e6, startup_s=startup_us / 1e6,
-                           startup_parts={n: us / 1e6 for n, (_, us) in
-                                          sorted(a.get("startup_spans", {}).items(), key=lambda kv: -kv[1][1])},
+        parts = _ordered_parts(a.get("startup_parts", {}))
+        run_start = a.get("run_start")
+        nodes[name] = dict(fr, window_s=length / 1e6, startup_s=startup_us / 1e6, startup_parts=parts,
+                           setup_s=sum(v for k, v in parts.items() if k not in BEFORE_SETUP + WAITING),
+                           waiting_s=sum(parts.get(k, 0.0) for k in WAITING),
+                           startup_window=[a["window"][0], a["window"][0] if run_start is None else run_start],
                            device=a["device"], gpu=a.get("gpu"),
                            wait_input_by_channel={ch: us / length for ch, us in a["wait_us"].items()},
                            blocked_output_by_channel={ch: us / length for ch, us in a["blocked_us"].items()},
@@ -111,6 +121,12 @@ def summarize(aggregates: dict, top: int = 8) -> dict:
             "thinned_events": aggregates.get("thinned", 0)}
 
 
+def _ordered_parts(parts_us: dict) -> dict:
+    """{part: s} in the order they happen: before the set-up, its parts (largest first), after it."""
+    setup = sorted((k for k in parts_us if k not in BEFORE_SETUP + WAITING), key=lambda k: -parts_us[k])
+    return {k: parts_us[k] / 1e6 for k in [*BEFORE_SETUP, *setup, WAITING_SETUP] if k in parts_us}
+
+
 def _merged_causes(nodes: dict, names: list) -> list:
     out = [dict(c, who=n) for n in names for c in nodes[n]["causes"]]
     return sorted(out, key=lambda c: -c["fraction"])[:3]
@@ -143,8 +159,8 @@ def format_report(summary: dict) -> str:
         return "[dataflow] time report: no trace data was collected"
     w = max([len(n) for n in nodes] + [len(d) for d in devices] + [6])
     startup = summary.get("startup_s", 0.0)
-    lines = [f"[dataflow] where time went (training window {summary['window_s']:.1f} s, after "
-             f"{startup:.1f} s of start-up; exclusive states: busy > blocked > waiting)",
+    lines = [f"[dataflow] where time went: {startup:.1f} s of start-up (launch -> every node running), then the "
+             f"training window, {summary['window_s']:.1f} s: every % is of it (exclusive states: busy > blocked > waiting)",
              f"  {'node':<{w}}  {'busy':>6} {'wait-in':>8} {'blocked':>8} {'other':>6} {'start-up':>9}  top idle cause"]
     for name, n in nodes.items():
         cause = _cause_text(n["causes"][0]) if n["causes"] else "-"
@@ -163,14 +179,7 @@ def format_report(summary: dict) -> str:
             also = (f", NVML over the same window {_pct(d['nvml_idle_kernel_window'])}"
                     if "nvml_idle_kernel_window" in d else "")
             lines.append(f"    {label}: idle from {how}; span events say {_pct(d['span_idle'])}{also}")
-    parts = {name: n["startup_parts"] for name, n in nodes.items() if n.get("startup_parts")}
-    if parts:
-        lines.append("  start-up per node (s; the spans its set-up opened, nested ones inside 'setup'; "
-                     "the rest: waiting for the other nodes' set-up):")
-        for name, p in parts.items():
-            rest = nodes[name]["startup_s"] - p.get("setup", 0.0)
-            listed = ", ".join(f"{part} {s:.1f}" for part, s in list(p.items())[:5])
-            lines.append(f"    {name:<{w}}  {nodes[name]['startup_s']:.1f}: {listed}; rest {max(0.0, rest):.1f}")
+    lines += _startup_lines(nodes, w)
     if summary["idle_causes"]:
         lines.append("  top idle causes (training window):")
         for i, c in enumerate(summary["idle_causes"], start=1):
@@ -181,6 +190,27 @@ def format_report(summary: dict) -> str:
     if summary.get("dropped_events"):
         lines.append(f"  (trace: {summary['dropped_events']} fine-grained events sampled out; totals are exact)")
     return "\n".join(lines)
+
+
+def _startup_lines(nodes: dict, w: int) -> list[str]:
+    """Start-up per node, in exclusive parts that add up to it (summarize's startup_parts)."""
+    parted = {name: n for name, n in nodes.items() if n.get("startup_parts")}
+    if not parted:
+        return []
+    lines = [f"  {'start-up (s)':<{w}}  {'total':>6} {'process':>8} {'imports':>8} {'set-up':>7} {'waiting':>8}"
+             "  set-up parts, largest first"]
+    for name, n in parted.items():
+        p = n["startup_parts"]
+        setup = [(part, sec) for part, sec in p.items() if part not in BEFORE_SETUP + WAITING]
+        shown = [f"{part} {sec:.1f}" for part, sec in setup[:4] if sec >= 0.05]
+        more = len(setup) - len(shown)   # the rest are shorter than the shortest shown
+        lines.append(f"  {name:<{w}}  {n['startup_s']:>6.1f} {p.get('process start', 0.0):>8.1f} "
+                     f"{p.get('imports', 0.0):>8.1f} {n['setup_s']:>7.1f} {n['waiting_s']:>8.1f}  "
+                     + ", ".join(shown + ([f"+{more} more ({sum(s for _, s in setup[len(shown):]):.1f} s)"] if more else []))
+                     or "-")
+    lines.append("    (process: launch -> the node's process up; imports: its modules (torch ...); set-up: its "
+                 "setup(), 'setup' = outside its named parts; waiting: for the other nodes' processes and set-up)")
+    return lines
 
 
 def _pct(x: float) -> str:

@@ -24,11 +24,16 @@ cost of a few additions per span, the aggregates behind the end-of-run table:
     Measured against a CUDA-graph ground truth (bench/gpu_idle_check.py, H200): kernel records
     within ~1 point; NVML 2x too busy on launch-bound tiny kernels (22.6% vs 10.6%) and a few
     points too idle on back-to-back matmuls; span events count launch gaps as busy.
-Start-up is its own state. A node's tracer (`starting=True`) counts from its creation until `started()` (the host calls it when the
-node's run() begins, after every node of the run is set up) all time counts as "startup", whatever
-spans are open, and the spans opened then ("setup", "load model", ...) are counted apart
-(`startup_spans`) and drawn as "startup" slices: utilization and idle causes are then figures of
-the training window only (dataflow/trace/report.py), with the start-up beside them.
+Start-up is its own state. In a node's tracer (`starting=True`) all time from its creation until
+`started()` (the host calls it when the node's run() begins, after every node of the run is set up)
+is "startup", whatever spans are open; waits then are no idle causes, and the spans opened then
+("setup", "load model", ...) are drawn as "startup" slices. The start-up is split into exclusive
+parts that add up to it (`startup_parts`): the innermost busy span open at each instant ("load
+model", "compile warm-up"; "setup" for the set-up's own time), else WAITING_PROCESSES before the
+first span and WAITING_SETUP after it. The drain also says when this module was loaded (`loaded`):
+the host's module, before the node's module and what it imports (torch ...), so the collector adds
+"process start" and "imports" in front (dataflow/trace/collector.py). Utilization and idle causes
+are then figures of the training window only (dataflow/trace/report.py), start-up beside them.
 It also knows which spans are open right now (open_spans()): what the process is doing or waiting
 for at this instant, which the driver's stall diagnosis reads (dataflow/driver/stall.py).
 With `enabled=True` (`--trace`) it also records Chrome trace events: X slices on named tracks
@@ -72,6 +77,11 @@ BUSY, WAIT_INPUT, BLOCKED_OUTPUT, OTHER, STARTUP = 0, 1, 2, 3, 4
 KIND_NAMES = ("busy", "wait_input", "blocked_output")
 _KIND_OF = {name: i for i, name in enumerate(KIND_NAMES)}
 STATE_NAMES = KIND_NAMES + ("other", "startup")
+# Start-up parts with no span open: before the first (the host waits for connect(), which the driver
+# calls once every node's process is up) and after the set-up (until every node is set up).
+WAITING_PROCESSES = "waiting for the other processes"
+WAITING_SETUP = "waiting for the other nodes' set-up"
+_LOADED_US = time.time_ns() // 1000  # when this process imported the trace (the host's module)
 
 
 class Tracer:
@@ -101,6 +111,9 @@ class Tracer:
         self._util_acc = [0, 0, 0, 0, 0]
         self._util_last = None
         self.starting = starting      # until started(): every microsecond is start-up (module docstring)
+        self._loaded = _LOADED_US if starting else None  # said once, in the first drain
+        self._set_up = False          # a span was opened while starting: the no-span time after it is WAITING_SETUP
+        self._starting_spans: list = []  # busy spans opened while starting and still open, in order
         self._run_start = None        # when started() was called (process clock)
         self._state_t = self._window_start = self.now_us()
         self._reset_aggregates()
@@ -118,6 +131,7 @@ class Tracer:
             now = self.now_us()
             self._advance(now)
             self.starting, self._run_start = False, now
+            self._starting_spans = []
 
     # ---- recording ------------------------------------------------------------------------------
     def span(self, name: str, track: str = "compute", **args) -> "_Span":
@@ -146,10 +160,15 @@ class Tracer:
         if k != BUSY and channel is None:
             raise ValueError(f"complete({name!r}, kind={kind!r}) needs the channel it waited on")
         dur = t1_us - t0_us
-        self._state_us[STARTUP if self.starting else k] += dur
+        if self.starting:  # all start-up, whatever its kind (no idle cause)
+            self._state_us[STARTUP] += dur
+            self._startup_parts[name] = self._startup_parts.get(name, 0) + dur
+            self._set_up = self._set_up or k == BUSY
+        else:
+            self._state_us[k] += dur
         if k == BUSY:
             self._count_span(name, dur)
-        else:
+        elif not self.starting:
             d = self._wait_us if k == WAIT_INPUT else self._blocked_us
             d[channel] = d.get(channel, 0) + dur
         if self.enabled:
@@ -177,7 +196,8 @@ class Tracer:
 
         {"process", "device", "gpu": label | None, "window": [t0, t1],
          "state_us": {kind, "other" or "startup": us}, "wait_us": {channel: us}, "blocked_us": {channel: us},
-         "spans": {name: [count, us]}, "startup_spans": {name: [count, us]}, "run_start": us | None,
+         "spans": {name: [count, us]}, "startup_parts": {part: us}, "run_start": us | None,
+         "loaded": us | None (first drain of a starting tracer only),
          "events": [...], "dropped": int, "gpu_intervals": [[t0, t1]],
          "gpu_util": [[t0, t1, percent, nvml_timestamp]]}
         Spans still open are accounted in the states up to now and as slices when they end.
@@ -193,11 +213,11 @@ class Tracer:
                "gpu": self._gpu.label if self._gpu else None, "window": [self._window_start, now],
                "state_us": {k: us for k, us in zip(STATE_NAMES, self._state_us) if us or k != "startup"},
                "wait_us": self._wait_us, "blocked_us": self._blocked_us, "spans": self._spans,
-               "startup_spans": self._startup_spans, "run_start": self._run_start,
+               "startup_parts": self._startup_parts, "run_start": self._run_start, "loaded": self._loaded,
                "events": self._events, "dropped": self._dropped,
                "gpu_intervals": self._gpu.resolve() if self._gpu else [],
                "gpu_util": self._nvml.read() if self._nvml else []}
-        self._window_start = now
+        self._window_start, self._loaded = now, None
         self._events, self._dropped = [], 0
         self._reset_aggregates()
         return out
@@ -208,7 +228,7 @@ class Tracer:
         self._wait_us: dict = {}
         self._blocked_us: dict = {}
         self._spans: dict = {}
-        self._startup_spans: dict = {}
+        self._startup_parts: dict = {}
 
     def _advance(self, now: int) -> None:
         """Credit the time since the last transition to the current exclusive state and, when
@@ -219,6 +239,9 @@ class Tracer:
             else WAIT_INPUT if o[WAIT_INPUT] else OTHER
         elapsed = now - self._state_t
         self._state_us[state] += elapsed
+        if state == STARTUP and elapsed:
+            part = self._startup_part()
+            self._startup_parts[part] = self._startup_parts.get(part, 0) + elapsed
         if self.enabled:
             self._util_add(state, self._state_t, now)
         self._state_t = now
@@ -228,6 +251,12 @@ class Tracer:
             share = elapsed / len(channels)
             for ch in channels:
                 d[ch] = d.get(ch, 0) + share
+
+    def _startup_part(self) -> str:
+        """The start-up part now: the innermost (latest opened) busy span, else a wait for the others."""
+        if self._starting_spans:
+            return self._starting_spans[-1]._name
+        return WAITING_SETUP if self._set_up else WAITING_PROCESSES
 
     def _util_add(self, state: int, t0: int, t1: int) -> None:
         """Exact per-bucket utilization (the "utilization %" counter): time in `state` from t0 to t1.
@@ -271,7 +300,9 @@ class Tracer:
     def _count_span(self, name: str, dur: int) -> None:
         if self.tally is not None:
             self.tally[name] = self.tally.get(name, 0) + dur
-        spans = self._startup_spans if self.starting else self._spans
+        if self.starting:   # its time is in startup_parts (_advance)
+            return
+        spans = self._spans
         s = spans.get(name)
         if s is None:
             spans[name] = [1, dur]
@@ -331,6 +362,9 @@ class _Span:
         t._open[self._kind] += 1
         t._live.add(self)
         if self._kind == BUSY:
+            if t.starting:
+                t._set_up = True
+                t._starting_spans.append(self)
             if t._gpu is not None:
                 self._cuda = t._gpu.start()
         else:
@@ -344,6 +378,8 @@ class _Span:
         t._open[self._kind] -= 1
         t._live.discard(self)
         if self._kind == BUSY:
+            if t._starting_spans and self in t._starting_spans:
+                t._starting_spans.remove(self)
             t._count_span(self._name, now - self._t0)
             if self._cuda is not None:
                 t._gpu.stop(self._cuda)

@@ -17,7 +17,7 @@ import pytest
 from dataflow.driver.runtime import RunOptions, load_graph, run_graph
 from dataflow.trace.collector import TraceCollector
 from dataflow.trace.report import flat_metrics, format_report, summarize
-from dataflow.trace.tracer import Tracer
+from dataflow.trace.tracer import WAITING_PROCESSES, WAITING_SETUP, Tracer
 from tests.chat_model import make_chat_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ def test_tracer_counts_startup_apart():
     drained = critic_run(FakeClock())
     assert drained["state_us"] == {"busy": 20 * S, "wait_input": 16 * S, "blocked_output": 0, "other": 0,
                                    "startup": 64 * S}
-    assert drained["startup_spans"] == {"setup": [1, 60 * S], "load model": [1, 50 * S]}
+    assert drained["startup_parts"] == {"load model": 50 * S, "setup": 10 * S, WAITING_SETUP: 4 * S}
     assert drained["spans"] == {"update": [4, 20 * S]}
     assert drained["run_start"] == 64 * S
     kinds = {(e[1], e[5]) for e in drained["events"] if e[0] == "X"}
@@ -76,18 +76,19 @@ def test_report_over_the_training_window_hand_built():
         "critic": {"device": "cpu", "gpu": None, "window": [0, 100 * S], "run_start": 64 * S,
                    "state_us": {"busy": 20 * S, "wait_input": 16 * S, "blocked_output": 0, "other": 0, "startup": 64 * S},
                    "wait_us": {"with_ref": 16 * S}, "blocked_us": {}, "spans": {"update": [4, 20 * S]},
-                   "startup_spans": {"setup": [1, 60 * S], "load model": [1, 50 * S]}, "dropped": 0},
+                   "startup_parts": {"load model": 50 * S, "setup": 10 * S, WAITING_SETUP: 4 * S}, "dropped": 0},
         "prompts": {"device": "cpu", "gpu": None, "window": [1 * S, 100 * S], "run_start": 64 * S,
                     "state_us": {"busy": 0, "wait_input": 0, "blocked_output": 18 * S, "other": 18 * S, "startup": 63 * S},
                     "wait_us": {}, "blocked_us": {"prompts": 18 * S}, "spans": {},
-                    "startup_spans": {"setup": [1, 2 * S]}, "dropped": 0}},
+                    "startup_parts": {"imports": 1 * S, WAITING_PROCESSES: 20 * S, "setup": 2 * S,
+                                      WAITING_SETUP: 40 * S}, "dropped": 0}},
         "gpus": {}}
     s = summarize(aggs)
     critic = s["nodes"]["critic"]
     assert critic["busy"] == pytest.approx(20 / 36) and critic["wait_input"] == pytest.approx(16 / 36)
     assert critic["other"] == pytest.approx(0.0, abs=1e-9)
     assert critic["startup_s"] == 64 and critic["window_s"] == 36
-    assert critic["startup_parts"] == {"setup": 60, "load model": 50}
+    assert critic["startup_parts"] == {"load model": 50, "setup": 10, WAITING_SETUP: 4}
     assert s["nodes"]["prompts"]["blocked_output"] == pytest.approx(0.5)
     assert s["window_s"] == 36 and s["startup_s"] == 64 and s["train_window"] == [64 * S, 100 * S]
     assert s["devices"]["cpu critic"]["idle"] == pytest.approx(16 / 36)
@@ -95,9 +96,10 @@ def test_report_over_the_training_window_hand_built():
                                    "seconds": 18.0, "fraction": pytest.approx(0.5)}
     assert flat_metrics(s)["util/critic/startup_s"] == 64
     table = format_report(s)
-    assert "training window 36.0 s, after 64.0 s of start-up" in table
+    assert "64.0 s of start-up (launch -> every node running), then the training window, 36.0 s" in table
     assert "55.6%" in table                                    # the critic's busy share, not 84%
-    assert re.search(r"critic +64\.0: setup 60\.0, load model 50\.0; rest 4\.0", table), table
+    assert re.search(r"critic +64\.0 +0\.0 +0\.0 +60\.0 +4\.0  load model 50\.0, setup 10\.0\n", table), table
+    assert re.search(r"prompts +63\.0 +0\.0 +1\.0 +2\.0 +60\.0  setup 2\.0\n", table), table
 
 
 def test_gpu_idle_over_the_training_window():
@@ -106,7 +108,7 @@ def test_gpu_idle_over_the_training_window():
     d = {"device": "cuda", "gpu": "gpu0", "window": [0, 10 * S], "run_start": 6 * S,
          "state_us": {"busy": 1 * S, "wait_input": 3 * S, "blocked_output": 0, "other": 0, "startup": 6 * S},
          "wait_us": {"samples": 3 * S}, "blocked_us": {}, "spans": {"update": [1, 1 * S]},
-         "startup_spans": {"setup": [1, 6 * S]}, "events": [], "dropped": 0,
+         "startup_parts": {"setup": 6 * S}, "events": [], "dropped": 0,
          "gpu_intervals": [[0, 5 * S], [6 * S, 7 * S]]}
     c.add("learner", d)
     s = c.summary()
@@ -127,8 +129,43 @@ def test_trace_file_cli_and_plot_show_startup(tmp_path):
     assert {e["cat"] for e in doc["traceEvents"] if e["ph"] == "X" and e["name"] in ("setup", "load model")} == {"startup"}
     out = subprocess.run([sys.executable, "-m", "dataflow.trace", str(path), "--plot", str(png)],
                          capture_output=True, text=True, cwd=ROOT, check=True).stdout
-    assert "training window 36.0 s, after 64.0 s of start-up" in out
+    assert "64.0 s of start-up (launch -> every node running), then the training window, 36.0 s" in out
     assert "55.6%" in out and png.stat().st_size > 10_000
+
+
+@pytest.mark.usefixtures("ray_instance")
+def test_cpu_demo_table_shows_startup_apart(tmp_path):
+    """The CPU demo (graphs/ppo.py, built-in task, tiny model) for one step, traced: the end-of-run
+    table and `python -m dataflow.trace` on its file print the same table, in which every node's
+    start-up stands apart, counted from the launch (no shorter than the driver's own start-up),
+    split into parts that add up to it (the critic's 'load model' among them, no busy time), and
+    every node's states add up to its training window."""
+    trace_path = tmp_path / "trace.json"
+    graph, config = load_graph(str(ROOT / "graphs" / "ppo.py"), [
+        "prompts_per_step=8", "channel_capacity=16", "critic.minibatch_size=8", "learner.minibatch_size=8",
+        "learner.kl.coef=0"])   # no reference node: a process less to start
+    summary = asyncio.run(run_graph(graph, RunOptions(max_steps=1, out_dir=str(tmp_path / "run"), quiet=True,
+                                                      trace_path=str(trace_path)), config))
+    assert summary.status in ("done", "max steps reached"), summary.status
+    aggs = json.loads(trace_path.read_text())["otherData"]["dataflow"]["aggregates"]
+    nodes = {"prompts", "generator", "reward", "critic", "learner"}
+    assert nodes <= aggs["processes"].keys()
+    for name in nodes:
+        a = aggs["processes"][name]
+        assert sum(a["startup_parts"].values()) == a["state_us"]["startup"] > 0, (name, a)
+        assert sum(a["state_us"].values()) == a["window"][1] - a["window"][0], (name, a)
+        assert a["startup_parts"]["imports"] > 0 and a["run_start"] - a["window"][0] == a["state_us"]["startup"]
+        # from the launch: at least the driver's start-up (Ray up -> every node set up), give or take the clock offset
+        assert a["state_us"]["startup"] / S >= summary.startup["total"] - 0.5, (name, a, summary.startup)
+    assert aggs["processes"]["critic"]["startup_parts"]["load model"] > 0
+    assert "load model" not in aggs["processes"]["critic"]["spans"]   # set-up is not busy time
+    table = summary.report[summary.report.index("[dataflow] where time went"):summary.report.index("  padding")]
+    assert "s of start-up (launch -> every node running), then the training window" in table
+    assert re.search(r"\n  start-up \(s\) +total +process +imports +set-up +waiting", table), table
+    assert re.search(r"\n  critic +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+  load model [\d.]+", table), table
+    out = subprocess.run([sys.executable, "-m", "dataflow.trace", str(trace_path)], capture_output=True,
+                         text=True, cwd=ROOT, check=True, timeout=120).stdout
+    assert table in out   # the same figures, the same training window
 
 
 @pytest.mark.usefixtures("ray_instance")

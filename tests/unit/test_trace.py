@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from dataflow.trace import __main__ as trace_cli
 from dataflow.trace import chrome as trace_chrome
 from dataflow.trace import collector as trace_collector
 from dataflow.trace import intervals as trace_intervals
@@ -632,3 +633,152 @@ def test_nvml_samples_see_a_known_duty_cycle():
     window = trace_intervals.sampled_window(samples, [start, t.now_us()])
     busy = 1 - trace_intervals.sampled_idle(samples, window)
     assert 0.15 < busy < 0.45, (busy, samples)
+
+
+# ---- start-up: its own state, utilization over the training window -------------------------------
+S = 1_000_000  # us per second
+
+
+def starting_tracer(name: str, clock: FakeClock, loaded_us: int) -> Tracer:
+    """A node host's tracer (starting=True), built at clock.t, its process's trace module loaded at loaded_us."""
+    t = Tracer(name, enabled=True, starting=True)
+    t.now_us = clock
+    t._state_t = t._window_start = clock()
+    t._loaded = loaded_us
+    return t
+
+
+def test_ten_second_load_then_five_of_work_in_ten_reads_half_busy():
+    """The issue's example, exactly: a node that loads its model for 10 s, then works 5 s of a 10 s
+    training window, reads 50% busy with 10 s of start-up (it read 75% busy when set-up was busy)."""
+    clock = FakeClock(0)
+    t = starting_tracer("critic", clock, loaded_us=0)
+    with t.span("setup"):
+        with t.span("load model"):
+            clock.t = 10 * S
+    t.started()
+    with t.span("critic train"):
+        clock.t = 15 * S
+    with t.wait_input("with_ref"):
+        clock.t = 20 * S
+    c = TraceCollector(enabled=True)
+    c.launched(0)
+    c.add("critic", t.drain())
+    s = c.summary()
+    n = s["nodes"]["critic"]
+    assert (n["busy"], n["wait_input"], n["blocked_output"], n["other"]) == (0.5, 0.5, 0.0, 0.0)
+    assert (n["startup_s"], n["window_s"], n["startup_parts"]) == (10.0, 10.0, {"load model": 10.0})
+    assert (s["startup_s"], s["window_s"], s["train_window"]) == (10.0, 10.0, [10 * S, 20 * S])
+    assert n["spans"] == {"critic train": {"count": 1, "total_s": 5.0}}   # "load model" is no busy span
+    assert s["devices"]["cpu critic"]["idle"] == 0.5
+    assert s["idle_causes"] == [{"who": "critic", "kind": "wait_input", "channel": "with_ref",
+                                 "seconds": 5.0, "fraction": 0.5}]
+    lines = c.report().splitlines()
+    assert lines[0].startswith("[dataflow] where time went: 10.0 s of start-up (launch -> every node running), "
+                               "then the training window, 10.0 s: every % is of it")
+    assert next(x for x in lines if x.strip().startswith("critic")).split() == [
+        "critic", "50.0%", "50.0%", "0.0%", "0.0%", "10.0", "s", "wait", "with_ref", "50%"]
+    assert next(x for x in lines if x.strip().startswith("critic") and "load model" in x).split() == [
+        "critic", "10.0", "0.0", "0.0", "10.0", "0.0", "load", "model", "10.0"]
+
+
+def test_startup_parts_are_exclusive_and_start_at_the_launch(tmp_path, capsys):
+    """Every part of a start-up, on the driver clock (the process's clock is 7 s ahead): the launch at
+    100 s, the host's module loaded at 102 (process start 2 s), the tracer built at 105 (imports 3 s),
+    connect() at 106 (1 s waiting for the other processes), set-up 106-116: load model 8 s with a
+    nested 'lora' 1 s, a compile warm-up 1 s, 1 s of the set-up's own; 2 s waiting for the other
+    nodes' set-up (and an input waited on meanwhile: no idle cause), run() at 118, then 4 s busy and
+    4 s other. The parts add up to the start-up, which adds up with the states to the window; the
+    trace file holds them and slices for the parts before the tracer, and the CLI prints the same."""
+    off = 7 * S
+    clock = FakeClock(105 * S + off)
+    t = starting_tracer("learner", clock, loaded_us=102 * S + off)
+    clock.t += 1 * S
+    with t.span("setup"):
+        with t.span("load model"):
+            clock.t += 3 * S
+            with t.span("lora"):
+                clock.t += 1 * S
+            clock.t += 4 * S
+        with t.span("compile warm-up"):
+            clock.t += 1 * S
+        clock.t += 1 * S
+    with t.wait_input("rollouts"):
+        clock.t += 2 * S
+    first = t.drain()
+    assert first["loaded"] == 102 * S + off and first["wait_us"] == {} and first["run_start"] is None
+    t.started()
+    with t.span("train step"):
+        clock.t += 4 * S
+    clock.t += 4 * S
+    second = t.drain()
+    assert second["loaded"] is None and second["startup_parts"] == {} and second["run_start"] == 118 * S + off
+    c = TraceCollector(enabled=True)
+    c.launched(100 * S)
+    c.set_clock_offset("learner", off)
+    c.add("learner", first)
+    c.add("learner", second)
+    a = c.aggregates()["processes"]["learner"]
+    parts = {"process start": 2 * S, "imports": 3 * S, trace.WAITING_PROCESSES: 1 * S, "load model": 7 * S,
+             "lora": 1 * S, "compile warm-up": 1 * S, "setup": 1 * S, trace.WAITING_SETUP: 2 * S}
+    assert a["startup_parts"] == parts and a["window"] == [100 * S, 126 * S] and a["run_start"] == 118 * S
+    assert a["state_us"] == {"busy": 4 * S, "wait_input": 0, "blocked_output": 0, "other": 4 * S, "startup": 18 * S}
+    assert sum(parts.values()) == a["state_us"]["startup"] and a["wait_us"] == {}
+    n = c.summary()["nodes"]["learner"]
+    assert list(n["startup_parts"]) == ["process start", "imports", trace.WAITING_PROCESSES, "load model", "lora",
+                                        "compile warm-up", "setup", trace.WAITING_SETUP]   # as they happen
+    assert (n["startup_s"], n["setup_s"], n["waiting_s"], n["busy"], n["other"]) == (18.0, 10.0, 3.0, 0.5, 0.5)
+    assert n["startup_window"] == [100 * S, 118 * S]
+    row = next(x for x in c.report().splitlines() if x.strip().startswith("learner") and "load model" in x)
+    assert row.split() == ["learner", "18.0", "2.0", "3.0", "10.0", "3.0", "load", "model", "7.0,", "lora", "1.0,",
+                           "compile", "warm-up", "1.0,", "setup", "1.0"]
+
+    path = tmp_path / "t.json"
+    c.write(str(path))
+    doc = _load(path)
+    assert doc["otherData"]["dataflow"]["origin_us"] == 100 * S   # the run's time 0 is the launch
+    startup = sorted((e["name"], e["ts"], e["dur"]) for e in doc["traceEvents"] if e.get("cat") == "startup")
+    assert startup == [("compile warm-up", 14 * S, 1 * S), ("imports", 2 * S, 3 * S), ("load model", 6 * S, 8 * S),
+                       ("lora", 9 * S, 1 * S), ("process start", 0, 2 * S), ("setup", 6 * S, 10 * S)]
+    busy = [e for e in doc["traceEvents"] if e.get("cat") == "busy"]
+    assert [(e["name"], e["ts"]) for e in busy] == [("train step", 18 * S)]
+    png = tmp_path / "t.png"
+    assert trace_cli.main([str(path), "--plot", str(png)]) == 0    # `python -m dataflow.trace`, in process
+    assert c.report() in capsys.readouterr().out and png.stat().st_size > 10_000
+
+
+def test_a_restarted_process_starts_up_inside_the_training_window():
+    """A replica whose process died and came back: the new process's set-up is time the node
+    spent in training ("other"), not start-up, and its parts do not add to the start-up's."""
+    clock = FakeClock(0)
+    t = starting_tracer("generator", clock, loaded_us=0)
+    with t.span("setup"):
+        clock.t = 2 * S
+    t.started()
+    with t.span("generate"):
+        clock.t = 6 * S
+    c = TraceCollector(enabled=False)
+    c.launched(0)
+    c.add("generator", t.drain())
+    t2 = starting_tracer("generator", clock, loaded_us=6 * S)   # the new process
+    with t2.span("setup"):
+        clock.t = 9 * S
+    t2.started()
+    with t2.span("generate"):
+        clock.t = 10 * S
+    c.add("generator", t2.drain())
+    n = c.summary()["nodes"]["generator"]
+    assert (n["startup_s"], n["startup_parts"], n["window_s"]) == (2.0, {"setup": 2.0}, 8.0)
+    assert (n["busy"], n["other"]) == (5 / 8, 3 / 8)
+
+
+def test_a_trace_without_startup_parts_still_reads():
+    """A trace written before start-up had parts (startup_spans, inclusive): its total still stands apart."""
+    aggs = {"processes": {"critic": {
+        "device": "cpu", "gpu": None, "window": [0, 100 * S], "run_start": 64 * S,
+        "state_us": {"busy": 20 * S, "wait_input": 16 * S, "blocked_output": 0, "other": 0, "startup": 64 * S},
+        "wait_us": {"with_ref": 16 * S}, "blocked_us": {}, "spans": {}, "startup_spans": {"setup": [1, 60 * S]},
+        "dropped": 0}}, "gpus": {}}
+    s = trace_report.summarize(aggs)
+    assert s["nodes"]["critic"]["busy"] == 20 / 36 and s["nodes"]["critic"]["startup_parts"] == {}
+    assert "start-up (s)" not in trace_report.format_report(s)
