@@ -222,3 +222,67 @@ def test_logprobs_missing_or_misaligned_are_errors():
         token_logprobs([7, 8], lp)
     with pytest.raises(ValueError, match="do not include the sampled token 8"):
         token_logprobs([8], lp)
+
+
+# ---- multi-turn episodes on a real engine (GPU only) -------------------------------------------------
+needs_vllm_gpu = pytest.mark.skipif(_WHY_NOT is not None or not torch.cuda.is_available(),
+                                    reason=str(_WHY_NOT or "vLLM's engine needs CUDA (none here)"))
+
+
+@needs_vllm_gpu
+def test_vllm_episode_turns_resend_the_history_hit_the_prefix_cache_and_match_the_model(tmp_path):
+    """rl/generation/vllm_episodes.VllmEpisodeDecoder on a real engine: a 3-turn episode with 5
+    environment tokens between turns. Each turn's request is the whole history (prompt, earlier
+    turns, appended ids); the later turns find the history's blocks in vLLM's prefix cache; each
+    turn's behaviour log-probs match the model's on that history (bf16 engine); the slot is parked
+    between turns and free after release(); the same key samples the same turns again."""
+    import transformers
+
+    from rl.generation.vllm_episodes import VllmEpisodeDecoder
+
+    config = transformers.Qwen2Config(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=96, max_position_embeddings=512,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config)
+    model.save_pretrained(tmp_path)
+    model = model.cuda().eval()
+    dec = VllmEpisodeDecoder(str(tmp_path), model, num_slots=4, max_len=256, stop_ids=[63], max_new_tokens=8,
+                             min_new_tokens=8, temperature=1.0, seed=0, gpu_memory_utilization=0.2,
+                             version=lambda: 0, loaded=0, log=lambda text: None)
+
+    def episode(key: int) -> list[dict]:
+        prompt = list(range(1, 40))          # over two of vLLM's 16-token blocks
+        history, turns = list(prompt), []
+        dec.refresh()
+        dec.set_version(0)
+        dec.add([(prompt, "episode", key, None, 8)], keep=True)
+        for turn in range(3):
+            out = []
+            while not out:
+                out = dec.step()
+            [(tag, sample)] = out
+            assert tag == "episode" and sample["prompt_ids"] == history and len(sample["response_ids"]) == 8
+            assert sample["slot"] in dec.parked and sample["token_versions"] == [0] * 8 and dec.decoding == 0
+            history += sample["response_ids"]
+            turns.append(sample)
+            if turn < 2:
+                dec.extend([(sample["slot"], [5, 6, 7, 8, 9], len(history) + 5 - len(prompt), 8)])
+                history += [5, 6, 7, 8, 9]
+        dec.release(turns[-1]["slot"])
+        assert dec.active == 0 and not dec.parked
+        return turns
+
+    turns = episode(key=7)
+    assert dec.cached_tokens >= 32, (dec.cached_tokens, dec.prompt_tokens)   # turns 2-3 reused the history
+    with torch.no_grad():
+        for s in turns:
+            ids = torch.tensor([s["prompt_ids"] + s["response_ids"]], device="cuda")
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+            P = len(s["prompt_ids"])
+            want = logp[P - 1:, :].gather(1, ids[0, P:, None])[:, 0]
+            got = torch.tensor(s["logprobs"], device="cuda")
+            assert (got - want).abs().max() < 0.1 and (got - want).abs().mean() < 0.02, (got, want)
+    again = episode(key=7)
+    assert [s["response_ids"] for s in again] == [s["response_ids"] for s in turns]
+    dec.close()
