@@ -198,12 +198,13 @@ class Generator(Node):
         self.max_prompt = c.max_prompt_tokens or min(max(max_pos - self.max_response, 256), 1024)
         if backend == "vllm":
             from rl.generation.vllm_engine import build_decoder
+            from rl.generation.vllm_episodes import VllmEpisodeDecoder
             # a minute or so: in a thread, so the actor keeps answering (weight sync, channels)
             with self.ctx.span("build decoder"):
                 self.decoder = await asyncio.to_thread(
                     build_decoder, c, self.model, self.stop_ids, self.prompts_per_call * c.group_size,
                     self.max_prompt + self.max_response, self.ctx.gpu_share, lambda: self.weight_sync.version,
-                    self.ctx.log, episodes=self.env is not None, max_new_tokens=turn_tokens)
+                    self.ctx.log, decoder=VllmEpisodeDecoder if self.env else None, max_new_tokens=turn_tokens)
             return
         if c.prompts_per_call == 0:
             # A real model's slot is large (SmolLM2: 30 layers x 1,152 positions, 53 MiB in fp32 on a

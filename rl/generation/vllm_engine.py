@@ -202,10 +202,10 @@ def engine_dir(model, path: str) -> tuple[str, bool]:
 
 
 def build_decoder(c, model, stop_ids: list[int], num_slots: int, max_len: int, gpu_share: float,
-                  version, log=print, episodes: bool = False, max_new_tokens: int = 0) -> "VllmDecoder":
+                  version, log=print, decoder: type | None = None, max_new_tokens: int = 0) -> "VllmDecoder":
     """The generator's VllmDecoder from its GeneratorConfig `c` (nodes/generator.py): sized to this
-    replica's GPU share, tensor parallel over the replica's GPUs. episodes: the multi-turn one
-    (rl/generation/vllm_episodes.py), a turn capped at max_new_tokens (0: c.max_new_tokens)."""
+    replica's GPU share, tensor parallel over the replica's GPUs. decoder: the class to build (VllmDecoder unless the
+    caller passes the multi-turn VllmEpisodeDecoder), a turn capped at max_new_tokens (0: c.max_new_tokens)."""
     import torch
 
     if not vllm_installed():
@@ -222,11 +222,7 @@ def build_decoder(c, model, stop_ids: list[int], num_slots: int, max_len: int, g
     dtype = "bfloat16" if c.dtype == "auto" else c.dtype     # generator.dtype on CUDA
     log(f"generator: vLLM engine on {tp} GPU(s), gpu_memory_utilization {util:g}, {num_slots} sequences "
         f"of up to {max_len} tokens, {dtype}" + (f", sleep level {c.vllm.sleep_level}" if c.vllm.sleep_level else ""))
-    if episodes:
-        from rl.generation.vllm_episodes import VllmEpisodeDecoder as decoder
-    else:
-        decoder = VllmDecoder
-    return decoder(
+    return (decoder or VllmDecoder)(
         directory, model, num_slots=num_slots, max_len=max_len, stop_ids=stop_ids,
         max_new_tokens=max_new_tokens or c.max_new_tokens, min_new_tokens=c.min_new_tokens, temperature=c.temperature,
         top_k=c.top_k, seed=c.seed, stop_strings=c.stop_strings, dtype=dtype,

@@ -87,6 +87,11 @@ def tiny_policy(seed: int):
                         build_tokenizer())
 
 
+def checksums(records: list[dict]) -> list[dict]:
+    """The checksum keys of the learner's push records (each also carries the push's cost)."""
+    return [{k: r[k] for k in ("weights/version", "weights/checksum")} for r in records]
+
+
 def test_collective_sync_in_one_process():
     """Rendezvous in the setups; a generator asking for weights before the first push waits for
     version 0 (then serves the learner's weights, not its own different init); versions pushed
@@ -119,7 +124,12 @@ def test_collective_sync_in_one_process():
             await learner.publish(model, version)
             want[version] = weights_checksum(model)
         assert [await serve(g) for g in gens] == [(2, want[2])] * 2
-        assert lctx.logged == [{"weights/version": v, "weights/checksum": c} for v, c in want.items()]
+        assert checksums(lctx.logged) == [{"weights/version": v, "weights/checksum": c} for v, c in want.items()]
+        # each push's cost in the same record: the whole float32 state dict travelled over the collective
+        whole = sum(v.numel() * 4 for v in model.state_dict().values())
+        assert [(e["weights/pushed_version"], e["weights/push_mib"] * 2**20, e["weights/push_adapter"])
+                for e in lctx.logged] == [(v, whole, False) for v in want]
+        assert all(e["weights/push_s"] > 0 for e in lctx.logged)
         assert [e["weights/version"] for e in gctx[0].logged] == [0, 2]     # switched to 0, then 2
 
         stuck = gens[1].receiver._arena_lock
@@ -264,7 +274,8 @@ def test_cuda_ipc_both_ends_with_cpu_stand_ins(monkeypatch):
         for (k, v), (k2, v2) in zip(model.state_dict().items(), gen.model.state_dict().items()):
             assert k == k2 and torch.equal(v2, v.to(torch.bfloat16).float()), k
         assert [e["weights/version"] for e in gctx.logged] == [2]
-        assert lctx.logged[1:] == [{"weights/version": v, "weights/checksum": c} for v, c in want.items()]
+        assert checksums(lctx.logged[1:]) == [{"weights/version": v, "weights/checksum": c} for v, c in want.items()]
+        assert [e["weights/pushed_version"] for e in lctx.logged[1:]] == list(want)
 
         learner.config = WeightSyncConfig(transport="cuda_ipc")   # publish now returns before the receipt
         await learner.publish(model, 3)
