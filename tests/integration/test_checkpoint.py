@@ -377,8 +377,8 @@ def test_every_checkpoint_holds_its_step_both_modes_write_the_same_files_and_a_r
         blocked = [r["timing/checkpoint_blocked_s"] for r in records if "timing/checkpoint_blocked_s" in r]
         print(f"{mode}: probe blocked per checkpoint: {', '.join(f'{b * 1e3:.0f}' for b in blocked)} ms")
         assert len(blocked) == 6
-        if mode == "async":
-            assert max(blocked) < 10, blocked
+        if mode == "async":   # far below the 60 s poll, with room for a loaded machine's first save
+            assert max(blocked) < 30, blocked
     # The same deterministic graph: the same node state in both modes (the processes' RNG states,
     # saved beside it, are unseeded here and differ between any two runs).
     for step in (5, 6):
