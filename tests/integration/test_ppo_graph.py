@@ -1,5 +1,6 @@
-"""graphs/ppo.py on a real Ray instance: learning and the staleness bound, reward failures, a user's
-model, data and reward (and the KL at the start). One Ray instance for the module; runs go through
+"""graphs/ppo.py on a real Ray instance: learning and the staleness bound, the end-of-run table's
+start-up (on the same traced run), reward failures, a user's model, data and reward (and the KL at
+the start). One Ray instance for the module; runs go through
 runtime.run_graph in-process. (graphs/grpo.py's synchronous mode and trace: tests/integration/test_algorithms.py.)"""
 
 from __future__ import annotations
@@ -7,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -38,19 +42,60 @@ def steps(records: list[dict]) -> list[dict]:
 SMALL = ("prompts_per_step=32", "channel_capacity=16", "critic.minibatch_size=32", "learner.minibatch_size=32")
 
 
-def test_ppo_reward_rises_on_the_default_task_within_the_staleness_bound(tmp_path):
+@pytest.fixture(scope="module")
+def learning_run(ray_instance, tmp_path_factory):
+    """One traced PPO run on the default task (asynchronous: max_staleness=1, the default, spelled
+    out), read by the two tests below: (summary, its directory, its trace file)."""
+    out = tmp_path_factory.mktemp("ppo_learns")
+    graph, config = load_graph(str(ROOT / "graphs" / "ppo.py"), ["target_reward=0.6", "max_staleness=1"])
+    options = RunOptions(max_steps=150, out_dir=str(out / "run"), quiet=True, trace_path=str(out / "trace.json"))
+    summary = asyncio.run(run_graph(graph, options, config))
+    assert summary.status in ("done", "max steps reached"), summary.status
+    return summary, out / "run", out / "trace.json"
+
+
+def test_ppo_reward_rises_on_the_default_task_within_the_staleness_bound(learning_run):
     """A short PPO run on the default task (copy 2 digits) must clearly learn: from under 0.3
-    (a random policy scores ~0.05) to a mean reward of at least 0.6. The same run (asynchronous:
-    max_staleness=1, the default, spelled out) checks the staleness bound: no step trains on
-    samples more than 1 version old, and generators really ran ahead of the learner at some point."""
-    records = steps(run("graphs/ppo.py", tmp_path, "target_reward=0.6", "max_staleness=1", max_steps=150))
+    (a random policy scores ~0.05) to a mean reward of at least 0.6. The same run checks the
+    staleness bound: no step trains on samples more than 1 version old, and generators really ran
+    ahead of the learner at some point."""
+    summary, run_dir, _ = learning_run
+    records = steps([json.loads(line) for line in Path(summary.metrics_path).read_text().splitlines()])
     first, last = records[0]["reward/mean"], records[-1]["reward/mean"]
     assert first < 0.3, first
     assert last >= 0.6, [round(r["reward/mean"], 2) for r in records]
-    assert (tmp_path / "final" / "model.safetensors").is_file()
-    assert (tmp_path / "final" / "tokenizer.json").is_file()
+    assert (run_dir / "final" / "model.safetensors").is_file()
+    assert (run_dir / "final" / "tokenizer.json").is_file()
     assert all(r["staleness/max"] <= 1 for r in records), [r["staleness/max"] for r in records]
     assert any(r["staleness/max"] > 0 for r in records)
+
+
+def test_the_end_of_run_table_shows_startup_apart(learning_run):
+    """The same run's trace: the end-of-run table and `python -m dataflow.trace` on its file print
+    the same table, in which every node's start-up stands apart, counted from the launch (no
+    shorter than the driver's own start-up), split into parts that add up to it (the critic's
+    'load model' among them, no busy time), and every node's states add up to its training window."""
+    summary, _, trace_path = learning_run
+    S = 1_000_000  # us per second
+    aggs = json.loads(trace_path.read_text())["otherData"]["dataflow"]["aggregates"]
+    nodes = {"prompts", "generator", "reward", "reference", "critic", "learner"}
+    assert nodes <= aggs["processes"].keys()
+    for name in nodes:
+        a = aggs["processes"][name]
+        assert sum(a["startup_parts"].values()) == a["state_us"]["startup"] > 0, (name, a)
+        assert sum(a["state_us"].values()) == a["window"][1] - a["window"][0], (name, a)
+        assert a["startup_parts"]["imports"] > 0 and a["run_start"] - a["window"][0] == a["state_us"]["startup"]
+        # from the launch: at least the driver's start-up (Ray up -> every node set up), give or take the clock offset
+        assert a["state_us"]["startup"] / S >= summary.startup["total"] - 0.5, (name, a, summary.startup)
+    assert aggs["processes"]["critic"]["startup_parts"]["load model"] > 0
+    assert "load model" not in aggs["processes"]["critic"]["spans"]   # set-up is not busy time
+    table = summary.report[summary.report.index("[dataflow] where time went"):summary.report.index("  padding")]
+    assert "s of start-up (launch -> every node running), then the training window" in table
+    assert re.search(r"\n  start-up \(s\) +total +process +imports +set-up +waiting", table), table
+    assert re.search(r"\n  critic +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+  load model [\d.]+", table), table
+    out = subprocess.run([sys.executable, "-m", "dataflow.trace", str(trace_path)], capture_output=True,
+                         text=True, cwd=ROOT, check=True, timeout=120).stdout
+    assert table in out   # the same figures, the same training window
 
 
 # Synchronous GRPO (max_staleness=0: every step on the current version) and the run's trace: checked

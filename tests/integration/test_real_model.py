@@ -67,6 +67,9 @@ def test_grpo_two_steps_on_the_real_model(smollm2_dir, tmp_path, ray_instance):
                  # An entropy bonus moves the weights even when all 4 scores are equal (advantages
                  # 0), so the push below carries new weights, not the starting ones again.
                  "learner.lr=1e-5", "learner.entropy_coef=0.01",
+                 # No reference node: KL is not what this test is about, and a third process
+                 # loading the real model costs the suite more than the rest of the run.
+                 "learner.kl.coef=0",
                  "weight_checksums=true",
                  # The decoder's auto size on CPU is 32 prompts x group slots of 1024 + 16 tokens: a
                  # 3 GB fp32 KV cache for this model; 2 prompts of < 64 tokens need a sliver of it.

@@ -134,38 +134,8 @@ def test_trace_file_cli_and_plot_show_startup(tmp_path):
 
 
 @pytest.mark.usefixtures("ray_instance")
-def test_cpu_demo_table_shows_startup_apart(tmp_path):
-    """The CPU demo (graphs/ppo.py, built-in task, tiny model) for one step, traced: the end-of-run
-    table and `python -m dataflow.trace` on its file print the same table, in which every node's
-    start-up stands apart, counted from the launch (no shorter than the driver's own start-up),
-    split into parts that add up to it (the critic's 'load model' among them, no busy time), and
-    every node's states add up to its training window."""
-    trace_path = tmp_path / "trace.json"
-    graph, config = load_graph(str(ROOT / "graphs" / "ppo.py"), [
-        "prompts_per_step=8", "channel_capacity=16", "critic.minibatch_size=8", "learner.minibatch_size=8",
-        "learner.kl.coef=0"])   # no reference node: a process less to start
-    summary = asyncio.run(run_graph(graph, RunOptions(max_steps=1, out_dir=str(tmp_path / "run"), quiet=True,
-                                                      trace_path=str(trace_path)), config))
-    assert summary.status in ("done", "max steps reached"), summary.status
-    aggs = json.loads(trace_path.read_text())["otherData"]["dataflow"]["aggregates"]
-    nodes = {"prompts", "generator", "reward", "critic", "learner"}
-    assert nodes <= aggs["processes"].keys()
-    for name in nodes:
-        a = aggs["processes"][name]
-        assert sum(a["startup_parts"].values()) == a["state_us"]["startup"] > 0, (name, a)
-        assert sum(a["state_us"].values()) == a["window"][1] - a["window"][0], (name, a)
-        assert a["startup_parts"]["imports"] > 0 and a["run_start"] - a["window"][0] == a["state_us"]["startup"]
-        # from the launch: at least the driver's start-up (Ray up -> every node set up), give or take the clock offset
-        assert a["state_us"]["startup"] / S >= summary.startup["total"] - 0.5, (name, a, summary.startup)
-    assert aggs["processes"]["critic"]["startup_parts"]["load model"] > 0
-    assert "load model" not in aggs["processes"]["critic"]["spans"]   # set-up is not busy time
-    table = summary.report[summary.report.index("[dataflow] where time went"):summary.report.index("  padding")]
-    assert "s of start-up (launch -> every node running), then the training window" in table
-    assert re.search(r"\n  start-up \(s\) +total +process +imports +set-up +waiting", table), table
-    assert re.search(r"\n  critic +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+  load model [\d.]+", table), table
-    out = subprocess.run([sys.executable, "-m", "dataflow.trace", str(trace_path)], capture_output=True,
-                         text=True, cwd=ROOT, check=True, timeout=120).stdout
-    assert table in out   # the same figures, the same training window
+# The CPU demo's own table (graphs/ppo.py, traced), start-up apart from the training window:
+# tests/integration/test_ppo_graph.py checks it on its learning run's trace.
 
 
 @pytest.mark.usefixtures("ray_instance")

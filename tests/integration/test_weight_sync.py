@@ -313,11 +313,12 @@ def run(graph_file: str, tmp_path: Path, *overrides: str, max_steps: int) -> lis
 
 @pytest.mark.parametrize("transport", ["object_store", "collective"])
 def test_generators_serve_the_learners_weights(ray_instance, tmp_path, transport):
-    """Synchronous PPO (batch k is generated at version k), 2 generators, 3 steps: steps and
+    """Synchronous GRPO (batch k is generated at version k), 2 generators, 3 steps: steps and
     versions progress alike on both transports, and every version a generator switched to has the
     checksum the learner logged for it, up to the last version pushed (2: step 3 ends the run)."""
-    # learner.kl.coef=0: no reference node (a process less to start); it takes no weights.
-    records = run("graphs/ppo.py", tmp_path, *SMALL, "generator_replicas=2", "max_staleness=0", "learner.kl.coef=0",
+    # GRPO with learner.kl.coef=0: no critic and no reference node (processes less to start); neither takes weights.
+    records = run("graphs/grpo.py", tmp_path, "prompts_per_step=8", "group_size=4", "channel_capacity=16",
+                  "learner.minibatch_size=32", "generator_replicas=2", "max_staleness=0", "learner.kl.coef=0",
                   "weight_checksums=true", f"weight_transport={transport}", max_steps=3)
     steps = [r for r in records if "step" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
