@@ -222,7 +222,7 @@ def test_room_bytes_on_cpu_is_half_the_available_memory():
 
 
 def test_kv_bytes_per_slot_is_what_the_static_decoder_allocates(tok, policy):
-    from nodes.generator import kv_bytes_per_slot
+    from rl.generation.decoder_slots import kv_bytes_per_slot
 
     dec = decoding.StaticDecoder(policy, num_slots=3, max_len=40, eos_id=tok.eos_token_id, max_new_tokens=8)
     dec.refresh()
