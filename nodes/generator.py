@@ -10,13 +10,13 @@ Unblocked by: the prompt source; new weights arrive on the versioned edge `polic
 Llama / Qwen2 policies decode with rl/generation/decoding.py (static KV cache, CUDA graphs on a GPU) by
 continuous batching: prompts_per_call x group_size slots are refilled from the `prompts` channel as
 prompts arrive and sequences finish, and each prompt's item goes downstream as soon as its whole
-group finished, not after a batch. A prompt's group is admitted at once, and only while no newer
-weight version is announced: then admission stops, the slots drain, the weights switch (between
+group finished, not after a batch (rl/generation/groups.py). A prompt's group is admitted at once,
+and only while no newer weight version is announced: then admission stops, the slots drain, the weights switch (between
 serving() blocks), and admission resumes, so no response or group mixes versions. Prompts already
 taken are generated, never lost. generator.backend=vllm runs a vLLM engine in the same loop
 (rl/generation/vllm_engine.VllmDecoder has the decoder's interface; the weight sync writes into this replica's
-HF copy, which is loaded into vLLM at each switch). The HF loop (rl/generation/hf_sampling.py:sample_responses)
-runs in batches of up to prompts_per_call prompts, switching weights between batches.
+HF copy, which is loaded into vLLM at each switch). The HF loop (rl/generation/hf_loop.py) runs in
+batches of up to prompts_per_call prompts, switching weights between batches.
 Generation runs in a worker thread so the actor keeps answering channel pulls and weight pushes.
 
 Partial rollouts (generator.partial_rollout; slime's and verl's name, AReaL's interruptible
@@ -53,23 +53,23 @@ torch.Generator per call from (seed, id of the call's first prompt).
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 import torch
 
 from dataflow import Node
-from dataflow.channel import EndOfChannel, WouldBlock
 from dataflow.checks import AtLeast, Each, NonNegative
 from dataflow.errors import UserError
-from rl.generation.episodes import Episodes, hf_episodes
+from rl.generation.episodes import Episodes
+from rl.generation.hf_loop import HFLoop
 from rl.generation.reports import Drain, ValidationSpan
 from rl.data import policy
 from rl.agent import EnvConfig, load_environment
-from rl.generation.decoder_slots import kv_bytes_per_slot, prompts_per_call, room_bytes
-from rl.generation.decoding import StaticDecoder, sample_key, unsupported_reason
-from rl.generation.hf_sampling import cut_at_stop_strings, sample_responses
+from rl.generation.decoder_slots import fitted_prompts_per_call, prompts_per_call
+from rl.generation.decoding import StaticDecoder, unsupported_reason
+from rl.generation.groups import PromptGroups, response_cap, sample_plan
+from rl.generation.hf_sampling import cut_at_stop_strings
 from rl.generation.vllm_engine import VllmConfig, choose_backend, missing_vllm, vllm_installed
 from dataflow.weights.sync import SYNC_EDGE, GeneratorWeightSync, WeightSyncConfig
 
@@ -148,7 +148,7 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-class Generator(Node):
+class Generator(HFLoop, Node):
     Config = GeneratorConfig
     inputs = ("prompts",)
     outputs = ("samples",)
@@ -206,18 +206,10 @@ class Generator(Node):
                     self.max_prompt + self.max_response, self.ctx.gpu_share, lambda: self.weight_sync.version,
                     self.ctx.log, decoder=VllmEpisodeDecoder if self.env else None, max_new_tokens=turn_tokens)
             return
-        if c.prompts_per_call == 0:
-            # A real model's slot is large (SmolLM2: 30 layers x 1,152 positions, 53 MiB in fp32 on a
-            # CPU; 32 prompts x 8 would be 13 GiB): auto takes fewer slots where they do not fit.
-            slot = kv_bytes_per_slot(self.model, self.max_prompt + self.max_response)
-            room = room_bytes(self.ctx.device, self.ctx.gpu_share)
-            wanted = self.prompts_per_call     # auto without the memory rule (set above)
-            self.prompts_per_call = prompts_per_call(c, self.ctx.device, slot, room)
-            if self.prompts_per_call < wanted:
-                self.ctx.log(f"generator: {self.prompts_per_call * c.group_size} decoder slots (auto), not "
-                             f"{wanted * c.group_size}: a slot's KV cache is {slot / 2**20:.0f} MiB and this "
-                             f"replica has {room / 2**30:.1f} GiB to use; set generator.prompts_per_call "
-                             "(and generator.max_prompt_tokens) to choose")
+        if c.prompts_per_call == 0:     # auto: fewer prompts where their KV cache does not fit
+            slot_len = self.max_prompt + self.max_response
+            self.prompts_per_call = fitted_prompts_per_call(c, self.ctx.device, self.model, slot_len,
+                                                            self.ctx.gpu_share, self.ctx.log)
         with self.ctx.span("build decoder"):
             self.decoder = StaticDecoder(
                 self.model, self.prompts_per_call * c.group_size, self.max_prompt + self.max_response,
@@ -227,7 +219,7 @@ class Generator(Node):
 
     async def run(self):
         if self.decoder is None:
-            await self._run_batched()
+            await self._run_batched()      # the HF loop (rl/generation/hf_loop.py)
         else:
             await self._run_continuous()
 
@@ -243,38 +235,14 @@ class Generator(Node):
     def _stop_strings(self, sample: dict) -> dict:
         return cut_at_stop_strings(sample, self.tokenizer, self.config.stop_strings)
 
-    @staticmethod
-    def _fields(msg) -> dict:
-        # every sample carries its prompt_ids: the item need not carry them again
-        return {k: v for k, v in msg.data.items() if k != "prompt_ids"}
-
     def _plan(self, msg) -> list[tuple[int, float | None]]:
-        """(noise key, temperature or None = the configured one) per sample of a prompt's group.
-        A validation prompt (nodes/evaluator.py) gets one greedy response, then val.n at the
-        training temperature; its noise depends on its row, not the round, so every round draws
-        the same noise and rounds differ only by the weights."""
-        c, val = self.config, msg.data.get("val")
-        if val is None:
-            return [(sample_key(c.seed, msg.data["id"], j), None) for j in range(c.group_size)]
-        plan = [(sample_key(c.seed, val["row"], VAL_NOISE + j), 0.0 if j == 0 else None) for j in range(1 + val["n"])]
-        if self.decoder is not None and len(plan) > self.decoder.num_slots:
-            raise UserError(f"generator: a validation prompt needs 1 + val.n = {len(plan)} decoder slots, the "
-                            f"decoder has {self.decoder.num_slots} (generator.prompts_per_call x group_size); "
-                            "lower val.n or raise generator.prompts_per_call")
-        return plan
-
-    def _cap(self, msg) -> int | None:
-        """This prompt's response cap (generator.max_new_tokens_key; None = max_new_tokens)."""
-        value = msg.data.get("fields", {}).get(self.config.max_new_tokens_key or None)
-        return None if value is None else int(value)
+        """msg's samples: (noise key, temperature or None) each (rl/generation/groups.sample_plan)."""
+        c = self.config
+        return sample_plan(msg, c.seed, c.group_size, None if self.decoder is None else self.decoder.num_slots)
 
     async def _run_continuous(self):
         c, dec = self.config, self.decoder
         prompts, out = self.ctx.inputs["prompts"], self.ctx.outputs["samples"]
-        waiting: deque = deque()      # (msg, prompt ids) taken but not admitted
-        groups: dict[int, list] = {}  # group number -> [msg, samples, still running, version admitted under]
-        ready: deque = deque()        # finished items the outbox had no room for, in order
-        ended, number = False, 0
         val_span, drain = ValidationSpan(self.ctx), Drain(self.ctx, dec.num_slots)
         partial = c.partial_rollout and isinstance(dec, StaticDecoder)   # vLLM's requests drain (logged)
         # Episodes: a group is admitted once its starts are done; each turn's end goes to the
@@ -288,55 +256,30 @@ class Generator(Node):
                 return msg, self._tokenize(msg)
             return msg, episodes.start(msg, self._plan(msg), None)
 
-        def finish(n: int, j: int, sample: dict) -> None:
-            group = groups[n]
-            group[1][j] = sample if episodes else self._stop_strings(sample)
-            group[2] -= 1
-            if group[2] == 0:
-                del groups[n]
-                msg = group[0]
-                val_span.finished(msg)
-                # the version admitted under: its oldest token's (partial rollout, episodes)
-                item = ({**self._fields(msg), "version": group[3], "samples": group[1]},
-                        {**msg.meta, "version": group[3]})
-                if ready or not emit(item):   # keep the order of completion
-                    ready.append(item)
+        # taken prompts, open groups, finished items waiting for room (rl/generation/groups.py)
+        groups = PromptGroups(prompts, out, take, val_span)
+        waiting, ready = groups.waiting, groups.ready
 
-        def emit(item) -> bool:     # never wait for room while holding the weights
-            try:
-                out.send_nowait(item[0], **item[1])
-                return True
-            except WouldBlock:
-                return False
+        def finish(n: int, j: int, sample: dict) -> None:
+            groups.finish(n, j, sample if episodes else self._stop_strings(sample))
 
         try:
             while True:
                 # Wait for work outside serving(): an idle generator must not hold the weights (the
                 # collective push waits for them, and the prompt source for that push).
-                for item, meta in ready:
-                    await out.send(item, **meta)
-                ready.clear()
-                if not waiting and not ended and not dec.active:   # live slots (partial rollout): no wait
-                    try:
-                        for msg in await prompts.recv_batch(self.prompts_per_call, 0.02):
-                            waiting.append(take(msg))
-                    except EndOfChannel:
-                        ended = True
+                await groups.send_ready()
+                if not waiting and not groups.ended and not dec.active:   # live slots (partial rollout): no wait
+                    await groups.take_batch(self.prompts_per_call)
                 if not waiting and not dec.active:
-                    if ended:
+                    if groups.ended:
                         return
                     continue
                 if episodes and not dec.decoding:
                     # every live episode waits on its environment (or its start): wait here, out of
                     # serving(), so the weights may switch meanwhile (module docstring); meanwhile
                     # free slots take new prompts
-                    if not waiting and not ended and dec.free_slots() >= c.group_size:
-                        try:
-                            waiting.append(take(prompts.recv_nowait()))
-                        except WouldBlock:
-                            pass
-                        except EndOfChannel:
-                            ended = True
+                    if not waiting and not groups.ended and dec.free_slots() >= c.group_size:
+                        groups.take_one()
 
                     def admissible() -> bool:
                         return bool(waiting) and waiting[0][1].done() and \
@@ -357,8 +300,7 @@ class Generator(Node):
                             # Finished groups the outbox had no room for go first, as soon as it
                             # has room: held to the end of the serving block, one full moment of
                             # the channel turned streaming into a batch at the end.
-                            while ready and emit(ready[0]):
-                                ready.popleft()
+                            groups.send_ready_now()
                             if episodes:   # environment steps that ended: extend their slots or finish
                                 extend, final = episodes.harvest()
                                 for (n, j), sample in final:
@@ -371,31 +313,23 @@ class Generator(Node):
                             if newer and partial:
                                 break
                             while not newer and not ready and dec.free_slots() - len(admit) >= c.group_size:
-                                if not waiting and not ended:
-                                    try:
-                                        waiting.append(take(prompts.recv_nowait()))
-                                    except WouldBlock:
-                                        break
-                                    except EndOfChannel:
-                                        ended = True
-                                        break
+                                if not waiting and not groups.ended and not groups.take_one():
+                                    break
                                 if not waiting or (episodes and not waiting[0][1].done()):
                                     break
                                 plan = self._plan(waiting[0][0])
                                 if dec.free_slots() - len(admit) < len(plan):   # a larger validation group
                                     break
                                 msg, ids = waiting.popleft()
-                                groups[number] = [msg, [None] * len(plan), len(plan), self.version]
-                                val_span.admitted(msg)
+                                number = groups.admit(msg, len(plan), self.version)
                                 if episodes:
                                     requests, failed = episodes.admit(self._episode_prompts(msg, ids.result()), number)
                                     admit += requests
                                     for (n, j), sample in failed:
                                         finish(n, j, sample)
                                 else:
-                                    cap = self._cap(msg)
+                                    cap = response_cap(msg, c.max_new_tokens_key)
                                     admit += [(ids, (number, j), key, temp, cap) for j, (key, temp) in enumerate(plan)]
-                                number += 1
                             if admit:
                                 await asyncio.to_thread(dec.add, admit, episodes is not None)
                             if not dec.decoding:   # idle, or (episodes) every slot waits on its environment
@@ -420,58 +354,3 @@ class Generator(Node):
                                 f"episode's first turn, more than generator.max_prompt_tokens={self.max_prompt}; "
                                 "raise it")
         return runs
-
-    async def _run_batched(self):
-        prompts = self.ctx.inputs["prompts"]
-        async for batch in prompts.batches(self.prompts_per_call, 0.02):
-            # validation prompts in calls (and trace spans) of their own
-            for part, span in (([m for m in batch if "val" not in m.data], "generate"),
-                               ([m for m in batch if "val" in m.data], "generate val")):
-                if part:
-                    await self._generate_batch(part, span)
-
-    async def _generate_batch(self, batch: list, span: str) -> None:
-        c = self.config
-        plans = [self._plan(m) for m in batch]
-        if self.env is not None:
-            return await self._episodes_batch(batch, plans, span)
-        ids = [self._tokenize(m) for m in batch]
-        repeated = [p for p, plan in zip(ids, plans) for _ in plan]
-        temps = [c.temperature if t is None else t for plan in plans for _, t in plan]
-        first = batch[0].data
-        rng = torch.Generator().manual_seed(c.seed * 2**32 + (first["val"]["row"] if "val" in first else first["id"]))
-        async with self.weight_sync.serving() as self.version:   # weights switch only here
-            with self.ctx.span(span, prompts=len(batch), version=self.version):
-                samples = await asyncio.to_thread(
-                    sample_responses, self.model, self.tokenizer, repeated, c.max_new_tokens,
-                    temps, c.top_k or None, rng, None, c.min_new_tokens, self.stop_ids)
-        at = 0
-        for msg, plan in zip(batch, plans):
-            group = [self._stop_strings(s) for s in samples[at:at + len(plan)]]
-            at += len(plan)
-            item = {**self._fields(msg), "version": self.version, "samples": group}
-            await self.ctx.outputs["samples"].send(item, **{**msg.meta, "version": self.version})
-
-
-    async def _episodes_batch(self, batch: list, plans: list, span: str) -> None:
-        """The HF loop's episodes (rl/generation/episodes.hf_episodes): the weights stay the same
-        for the whole batch of episodes (one serving() block), every turn re-prefills its history."""
-        c = self.config
-        first = batch[0].data
-        rng = torch.Generator().manual_seed(c.seed * 2**32 + (first["val"]["row"] if "val" in first else first["id"]))
-        episodes = Episodes(self.ctx, self.env, None, c.max_new_tokens)
-
-        async def sample(histories, temps, cap):
-            temps = [c.temperature if t is None else t for t in temps]
-            return await asyncio.to_thread(sample_responses, self.model, self.tokenizer, histories, cap, temps,
-                                           c.top_k or None, rng, None, c.min_new_tokens, self.stop_ids)
-        async with self.weight_sync.serving() as self.version:
-            with self.ctx.span(span, prompts=len(batch), version=self.version):
-                groups = await hf_episodes(episodes, batch, plans, sample, self.version)
-        for msg, group in zip(batch, groups):
-            item = {**self._fields(msg), "version": self.version, "samples": group}
-            await self.ctx.outputs["samples"].send(item, **{**msg.meta, "version": self.version})
-
-
-VAL_NOISE = 1 << 31
-"""Sample-index offset of validation responses' noise keys (apart from any training group's)."""

@@ -8,10 +8,11 @@ Step k trains on exactly the prompts the source admitted for batch k (meta "batc
 staleness of every sample is k - sample.version <= max_staleness by construction (admission
 control in nodes/prompts.py); the learner reports it, and refuses a sample that breaks the bound.
 The step is a flat sequence of phases: collect -> old log-probs, advantages and PPO epochs over
-minibatches (rl/update/ppo_update.py) -> KL controller -> report -> checkpoint (every save_interval
-steps) -> publish. The algorithm variants (advantage estimators, policy losses, loss aggregation,
-KL placement, DAPO's shaping, the learning-rate schedule) are settings of LearnerConfig; their
-math is in rl/ (docs/algorithms.md). Collect keeps one copy of each prompt id (a prompt re-issued
+minibatches (rl/update/ppo_update.py) -> KL controller -> report (rl/update/step_metrics.py) ->
+checkpoint (every save_interval steps; the state: rl/update/learner_state.py) -> publish. The
+algorithm variants (advantage estimators, policy losses, loss aggregation, KL placement, DAPO's
+shaping, the learning-rate schedule) are settings of LearnerConfig; their math is in rl/
+(docs/algorithms.md). Collect keeps one copy of each prompt id (a prompt re-issued
 after a node restart arrives twice). A minibatch update with a non-finite loss or gradient is
 skipped and logged; max_bad_updates of them in a row stop the run.
 """
@@ -19,11 +20,9 @@ skipped and logged; max_bad_updates of them in a row stop the run.
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
@@ -37,14 +36,14 @@ from dataflow.weights.sync import SYNC_EDGE, LearnerWeightSync, WeightSyncConfig
 from nodes.reference import add_logprobs
 from rl.model import lora
 from rl.data import policy
-from rl.generation.episodes import episode_metrics
 from rl.update.compile_warm_up import start_warm_up
 from rl.algorithm.kl import AdaptiveKLController, FixedKLController, KLConfig
 from rl.model.lora import LoraConfig
 from rl.algorithm.losses import PolicyLoss
 from rl.update.microbatch import enable_gradient_checkpointing
-from rl.model.causal_lm import save_policy
 from rl.update.packing import use_varlen_attention
+from rl.update.learner_state import LearnerState
+from rl.update.step_metrics import step_metrics, step_samples
 from rl.update.ppo_update import check_config, ppo_update, step_advantages  # noqa: F401 (step_advantages: tests, bench)
 from rl.model.precision import Precision, compile_layers, compile_setting, prepare_trained
 from rl.algorithm.schedule import ScheduleConfig, lr_multiplier
@@ -183,7 +182,7 @@ class BadUpdates(UserError, FloatingPointError):
     with one line naming the setting and the last reason (lower the lr, check the rewards)."""
 
 
-class Learner(RankCommands, Node):
+class Learner(LearnerState, RankCommands, Node):
     Config = LearnerConfig
     check_settings = staticmethod(check_config)  # before Ray starts (dataflow/driver/preflight.py), and in setup
     inputs = ("rollouts",)
@@ -254,42 +253,6 @@ class Learner(RankCommands, Node):
         with self.ctx.span("weight sync setup"):
             await self.weight_sync.setup(self.model, self.ranks,
                                          adapter=lora.LoraWeights(self.model) if self.peft else None)
-
-    def state_dict(self) -> dict:
-        if self.ranks is None:
-            model = lora.trainable_state(self.model) if self.peft else self.model.state_dict()
-            return {"step": self.version, "model": model, "optimizer": self.optimizer.state_dict(),
-                    "kl": self.kl_ctl.state_dict(), "rng": self.rng.getstate()}
-        # dp x tp: rank 0 saves the whole state (the one-rank format, so any layout can resume
-        # from it), gathered by every rank in prepare_checkpoint.
-        if not self.ranks.lead:
-            return {"step": self.version}
-        (model, optimizer), self._saved = self._saved, None
-        return {"step": self.version, "model": model, "optimizer": optimizer, "kl": self.kl_ctl.state_dict(),
-                "rng": self.rng.getstate()}
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.ranks is not None:  # spread over the ranks at the start of run() (a collective)
-            self.version = state["step"]
-            if self.ranks.lead:
-                self._pending_state = (state["model"], state["optimizer"])
-                self.kl_ctl.load_state_dict(state["kl"])
-                self.rng.setstate(state["rng"])
-            return
-        if self.peft:
-            lora.load_trainable(self.model, state["model"])
-        else:
-            self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.kl_ctl.load_state_dict(state["kl"])
-        self.rng.setstate(state["rng"])
-        self.version = state["step"]
-
-    async def prepare_checkpoint(self) -> None:
-        """dp x tp: the whole state onto rank 0 (a collective: at a save_interval checkpoint or
-        on Ctrl-C, whenever rank 0's loop is between commands)."""
-        if self.ranks is not None and self.ranks.lead:
-            self._saved = await self._all("gather", optimizer=True)
 
     async def _handle(self, op: str, args: dict):
         c = self.config
@@ -373,28 +336,6 @@ class Learner(RankCommands, Node):
         finally:
             await self._finish(ended)
 
-    async def _finish(self, ended: bool) -> None:
-        """Save the final weights (one rank: also after a failure; dp x tp: gathered, so only after
-        a normal end, when the other ranks still follow) and release the other ranks."""
-        c = self.config
-        if c.save_final and self.version > 0 and (self.ranks is None or ended):
-            model = self.model
-            if self.ranks is not None:          # a plain copy with the gathered weights
-                weights, _ = await self._all("gather", optimizer=False)
-                model, _ = policy.load(c.policy)
-                prepare_trained(model, "cpu", c.precision).load_state_dict(weights)
-            if self.peft:                       # merged into a fresh float32 base, and the adapter
-                merged, adapter = lora.save_outputs(self.peft, self.tokenizer, policy.load(c.policy)[0].float(),
-                                                    self.ctx.run_dir)
-                self.ctx.artifact("final weights (LoRA merged)", merged)
-                self.ctx.artifact("final LoRA adapter (peft)", adapter)
-            else:
-                path = Path(self.ctx.run_dir) / "final"
-                save_policy(model, self.tokenizer, str(path))
-                self.ctx.artifact("final weights", str(path))
-        if ended:
-            await self._stop_followers()
-
     async def _lead(self):
         c = self.config
         if self._pending_state is not None:    # dp x tp, resumed: every rank takes its shards
@@ -407,18 +348,7 @@ class Learner(RankCommands, Node):
             if items is None:
                 return
             wait_s = time.perf_counter() - t_wait
-            samples = [s for item in items for s in item["samples"]]
-            for item in items:
-                for s in item["samples"]:
-                    # The item's version is its oldest token's (a partial rollout's tokens may be
-                    # newer: "token_versions", nodes/generator.py), so the bound below holds per token.
-                    s["version"] = item["version"]
-                    s.setdefault("token_versions", [item["version"]] * len(s["response_ids"]))
-            staleness = [self.version - s["version"] for s in samples]
-            token_staleness = [self.version - v for s in samples for v in s["token_versions"]]
-            if max(staleness) > c.max_staleness:
-                raise RuntimeError(f"sample of version {min(s['version'] for s in samples)} reached learner "
-                                   f"version {self.version}: staleness {max(staleness)} > max_staleness {c.max_staleness}")
+            samples, staleness, token_staleness = step_samples(items, self.version, c.max_staleness)
             # Update -> report, under the state lock: a checkpoint sees a step whole or not at all.
             async with self.ctx.state_lock:
                 with self.ctx.span("train step", samples=len(samples), version=self.version):
@@ -435,25 +365,11 @@ class Learner(RankCommands, Node):
                     self.kl_ctl.update(kl, len(samples))
                 self.version += 1
                 now = time.perf_counter()
-                ok = [s["score"] for s in samples if not s["failed"]]
-                mean = sum(ok) / max(len(ok), 1)
-                std = math.sqrt(sum((x - mean) ** 2 for x in ok) / max(len(ok), 1))
-                metrics = {
-                    "reward/mean": mean, "reward/std": std, **({"kl": kl} if kl is not None else {}),
-                    "entropy": stats["entropy"], "lr": self.lr_at(self.version - 1),
-                    "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
-                    "staleness/token_mean": sum(token_staleness) / max(len(token_staleness), 1),
-                    "samples/mixed_versions": sum(len(set(s["token_versions"])) > 1 for s in samples),
-                    "perf/samples_per_s": len(samples) / (now - t_last), "kl_coef": kl_coef,
-                    "samples/failed": len(samples) - len(ok), "response_length/mean":
-                        sum(len(s["response_ids"]) for s in samples) / len(samples),
-                    "timing/wait_batch_s": wait_s, "timing/step_s": now - t_last, "version": self.version,
-                    "prompts/duplicates_dropped": self.duplicates,
-                    **{k: v for k, v in stats.items() if k not in ("losses/kl", "entropy")},
-                }
-                if c.record_prompt_ids:
-                    metrics["prompt_ids"] = [item["id"] for item in items]
-                metrics.update(episode_metrics(samples))    # multi-turn (rl/generation/episodes.py)
+                metrics = step_metrics(items, samples, staleness, token_staleness, stats, kl=kl, kl_coef=kl_coef,
+                                       lr=self.lr_at(self.version - 1), version=self.version, wait_s=wait_s,
+                                       step_s=now - t_last, duplicates=self.duplicates,
+                                       record_prompt_ids=c.record_prompt_ids)
+                mean = metrics["reward/mean"]
                 t_last = now
                 go_on = await self.ctx.step_done(metrics)
             # Checkpoint before the new weights go out: in synchronous mode nothing of the next

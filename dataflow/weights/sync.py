@@ -38,11 +38,12 @@ store: the subscribers' acks; collective: push() returns once every receiver sta
 the source admitted for version v meets a generator that holds v: serving() switches to the newest
 version staged, and first waits (bounded) until it reaches the version announced on `policy`.
 
-Rendezvous (collective), in the nodes' setups (which run concurrently): the learner opens a TCPStore
-and publishes its address on the versioned edge `policy_sync` (graph: learner -> generator); each
-generator writes its device (type, GPU UUID) and weight dtype there; the learner picks the backend
-(NCCL only when every end is on a distinct CUDA device: two ranks on one GPU cannot use NCCL, as in
-placement=colocated) and the dtype to push in, then all ends build the PushGroup. Every wait is
+Rendezvous (collective; dataflow/weights/rendezvous.py), in the nodes' setups (which run
+concurrently): the learner opens a TCPStore and publishes its address on the versioned edge
+`policy_sync` (graph: learner -> generator); each generator writes its device (type, GPU UUID) and
+weight dtype there; the learner picks the backend (NCCL only when every end is on a distinct CUDA
+device: two ranks on one GPU cannot use NCCL, as in placement=colocated) and the dtype to push in,
+then all ends build the PushGroup. Every wait is
 bounded (`rendezvous_timeout_s` in setup, `timeout_s` for a push or a generator's wait for a version)
 and fails naming both ends (WeightPushError), which fails the node.
 
@@ -65,7 +66,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -77,11 +77,10 @@ from dataflow.checks import Positive
 from dataflow.errors import UserError
 from dataflow.weights import ipc as cuda_ipc
 from dataflow.weights.lora import AdapterHolder, AdapterMerger, is_adapter
-from dataflow.weights.edges import SYNC_EDGE
-from dataflow.weights.rendezvous import device_info, tcp_store
+from dataflow.weights.edges import SYNC_EDGE  # noqa: F401 (the nodes import it from here)
+from dataflow.weights.rendezvous import host_push_group, join_push_group, push_address, push_names, tcp_store
 from dataflow.weights.state import (decode_state, encode_state, state_bytes, state_checksum, travel_copy,
                                     weights_checksum)
-from dataflow.timeouts import wait_within
 
 
 @dataclass(kw_only=True)
@@ -105,10 +104,6 @@ class WeightSyncConfig:
     (which include loading the models)."""
     checksums: bool = False
     """Log a checksum of the weights per version (learner: pushed; generator: switched to)."""
-
-
-def _group_device(backend: str) -> str:
-    return f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
 
 
 class LearnerWeightSync:
@@ -142,7 +137,7 @@ class LearnerWeightSync:
             travel = _travel_dtype(self.config, None)
             self.dtype = getattr(torch, travel) if travel else None
             return
-        from dataflow.weights.hybrid_engine import ParallelLayout, PushGroup, WeightPusher, WeightPushError
+        from dataflow.weights.hybrid_engine import ParallelLayout, WeightPusher
 
         if not self.lead:      # rank 0 tells the dtype the generators hold (the gathers cast to it)
             self.dtype = getattr(torch, await asyncio.to_thread(ranks.broadcast))
@@ -152,37 +147,12 @@ class LearnerWeightSync:
 
         import ray
 
-        c, me = self.config, self.ctx.full_name
-        names = [me] + list(self.ctx.subscribers(SYNC_EDGE))
-        if len(names) < 2:
-            raise UserError(f"weight_transport=collective: no generator subscribes to '{SYNC_EDGE}' "
-                            f"(declare g.versioned('{SYNC_EDGE}', src='{self.ctx.name}', dst=[...]))")
+        c, names = self.config, push_names(self.ctx)
         host, timeout = ray.util.get_node_ip_address(), timedelta(seconds=c.rendezvous_timeout_s)
-        self._store = await asyncio.to_thread(tcp_store, host, 0, True, timeout)
-        port = self._store.port
+        self._store = await asyncio.to_thread(tcp_store, host, 0, True, timeout)   # kept: the group meets on it
         lora = {"lora": self.holder.shapes()} if self.holder is not None else {}
-        await self.ctx.publish(SYNC_EDGE, {"host": host, "port": port, "names": names, **lora}, version=0)
-        keys = [f"end/{i}" for i in range(1, len(names))]
-        try:
-            await asyncio.to_thread(self._store.wait, keys, timeout)
-        except Exception:
-            missing = [names[i + 1] for i, k in enumerate(keys) if not self._store.check([k])]
-            raise WeightPushError(f"weight push rendezvous of {me} at {host}:{port}: "
-                                  f"{', '.join(missing)} did not join within {c.rendezvous_timeout_s:g} s") from None
-        ends = [device_info(self.ctx.device)] + [json.loads(self._store.get(k)) for k in keys]
-        dtypes = {e["dtype"] for e in ends[1:]}
-        if len(dtypes) != 1:
-            raise WeightPushError(f"weight push from {me}: the generators hold different dtypes "
-                                  f"{dict(zip(names[1:], (e['dtype'] for e in ends[1:])))}")
-        self.dtype = getattr(torch, dtypes.pop())
-        own_gpus = all(e["device"] == "cuda" for e in ends) and len({e["uuid"] for e in ends}) == len(ends)
-        backend = "nccl" if own_gpus and c.backend == "auto" else "gloo"
-        def tell_plan(push_port: int):     # the generators read it, then join the group on that port
-            self._store.set("plan", json.dumps({"backend": backend, "port": push_port}))
-
-        group = await asyncio.to_thread(lambda: PushGroup(
-            host=host, port=0, rank=0, names=names, device=_group_device(backend),
-            timeout_s=c.rendezvous_timeout_s, on_listen=tell_plan))
+        group, backend, dtype = await host_push_group(self.ctx, c, self._store, host, names, lora)
+        self.dtype = getattr(torch, dtype)
         if ranks is not None:
             await asyncio.to_thread(ranks.broadcast, str(self.dtype).removeprefix("torch."))
         # dp x tp: the training layout, generation tp 1 (a generator holds the whole model), so each
@@ -299,37 +269,14 @@ class GeneratorWeightSync:
             return
         if self.config.transport != "collective":
             return
-        from dataflow.weights.hybrid_engine import PushGroup, WeightPushError, WeightReceiver
+        from dataflow.weights.hybrid_engine import WeightReceiver
 
         c, me = self.config, self.ctx.full_name
-        try:
-            await wait_within(self.ctx.wait_version(SYNC_EDGE, 0), c.rendezvous_timeout_s)
-        except asyncio.TimeoutError:
-            raise WeightPushError(f"{me}: no weight push address from the learner on '{SYNC_EDGE}' "
-                                  f"within {c.rendezvous_timeout_s:g} s") from None
-        _, addr = await self.ctx.latest(SYNC_EDGE)
-        names = addr["names"]
-        if me not in names:
-            raise WeightPushError(f"{me}: not among the weight push receivers {names[1:]} of {names[0]}")
-        rank, timeout = names.index(me), timedelta(seconds=c.rendezvous_timeout_s)
+        addr = await push_address(self.ctx, c)
         if "lora" in addr:         # only the adapter is pushed: receive it into a holder, merge at switches
             self.holder = AdapterHolder(addr["lora"]).to(self.ctx.device)
-
-        def join():
-            try:
-                store = tcp_store(addr["host"], addr["port"], False, timeout)
-                store.set(f"end/{rank}", json.dumps(device_info(self.ctx.device, model)))
-                plan = json.loads(store.get("plan"))
-            except Exception as e:
-                raise WeightPushError(f"weight push rendezvous of {names[0]} at {addr['host']}:"
-                                      f"{addr['port']}: {me} could not join ({e})") from None
-            if plan["backend"] == "nccl" and not self.ctx.device.startswith("cuda"):
-                raise WeightPushError(f"{names[0]} chose NCCL but {me} is on {self.ctx.device}")
-            return PushGroup(host=addr["host"], port=plan["port"], rank=rank, names=names,
-                             device=_group_device(plan["backend"]), timeout_s=c.rendezvous_timeout_s)
-
-        group = await asyncio.to_thread(join)
-        self.learner = names[0]
+        group = await asyncio.to_thread(join_push_group, self.ctx, c, addr, model)
+        self.learner = addr["names"][0]
         # Version -1: the learner's first push (version 0) is applied too, so a generator serves
         # exactly the learner's weights from the start (also after the learner resumed).
         self.version = -1

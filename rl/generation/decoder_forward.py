@@ -5,7 +5,8 @@ HF model's own modules.
 
 The functions taking `dec` read the decoder's buffers (caches, lengths, the token to feed) and are
 its methods (`_prefill`, `_decode_logits`, `teacher_forced_logits`); they live here so that
-rl/generation/decoding.py keeps to the slots, the sampling state, CUDA graphs and the public API.
+rl/generation/decoding.py keeps to the slots, the sampling state and the public API (the decode
+steps and their CUDA graphs: rl/generation/decoder_steps.py).
 """
 
 from __future__ import annotations

@@ -47,3 +47,21 @@ def kv_bytes_per_slot(model, max_len: int) -> int:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     elem = next(model.parameters()).element_size()
     return 2 * cfg.num_hidden_layers * kv_heads * head_dim * max_len * elem
+
+
+def fitted_prompts_per_call(c, device, model, max_len: int, gpu_share: float, log) -> int:
+    """prompts_per_call = 0 (auto) for a static decoder of `max_len`-token slots on `model`: fewer
+    prompts than auto's count where their KV cache would not fit this replica's room (logged, with
+    the settings to choose)."""
+    # A real model's slot is large (SmolLM2: 30 layers x 1,152 positions, 53 MiB in fp32 on a
+    # CPU; 32 prompts x 8 would be 13 GiB): auto takes fewer slots where they do not fit.
+    slot = kv_bytes_per_slot(model, max_len)
+    room = room_bytes(device, gpu_share)
+    wanted = prompts_per_call(c, device)     # auto without the memory rule
+    fitted = prompts_per_call(c, device, slot, room)
+    if fitted < wanted:
+        log(f"generator: {fitted * c.group_size} decoder slots (auto), not "
+            f"{wanted * c.group_size}: a slot's KV cache is {slot / 2**20:.0f} MiB and this "
+            f"replica has {room / 2**30:.1f} GiB to use; set generator.prompts_per_call "
+            "(and generator.max_prompt_tokens) to choose")
+    return fitted

@@ -37,6 +37,7 @@ from torch import nn
 from rl.generation.decoder_forward import (attention_input, attention_output, compile_layer_halves, decode_logits,
                                            extend_prefill, flash_with_kvcache, prefill, teacher_forced_logits,
                                            unsupported_reason)
+from rl.generation.decoder_steps import capture, collect_finished, decode_step, record, run_sampler, run_step
 from rl.generation.sampling import M32, _fmix32, gumbel_noise, sample_key, sample_tokens  # noqa: F401 (decoding.sample_key)
 
 
@@ -191,75 +192,9 @@ class StaticDecoder:
     _prefill, _decode_logits, _extend_prefill = prefill, decode_logits, extend_prefill
     teacher_forced_logits = teacher_forced_logits   # dec.teacher_forced_logits(prompts, continuations)
 
-    def _sampler(self, *args):
-        if self._compiled is not None:
-            try:
-                return self._compiled(*args)
-            except Exception as e:    # e.g. no compiler toolchain: eager is correct, just slower
-                if torch.cuda.is_current_stream_capturing():
-                    raise
-                print(f"StaticDecoder: torch.compile of the sampler failed ({type(e).__name__}: "
-                      f"{str(e)[:200]}); sampling eagerly", flush=True)
-                self._compiled = None
-        return sample_tokens(*args)
-
-    def _record(self, rows: torch.Tensor, logits: torch.Tensor, live: torch.Tensor,
-                sampler=None) -> None:
-        """Sample for `rows` and advance their state where `live` (all tensor ops)."""
-        steps = self.n_gen[rows]
-        temperature = self.temps[rows] if self._odd_temps else self.temperature
-        tok, lp = (sampler or self._sampler)(logits, self.keys[rows], steps, self.vocab_hash,
-                                             temperature, self.top_k, self.stop_tensor,
-                                             self.min_new_tokens, steps + self.noise_base[rows])
-        col = steps.clamp(max=self.max_new_tokens - 1)
-        self.out_tokens[rows, col] = torch.where(live, tok, self.out_tokens[rows, col])
-        self.out_logp[rows, col] = torch.where(live, lp, self.out_logp[rows, col])
-        self.last[rows] = torch.where(live, tok, self.last[rows])
-        n_gen = steps + live.long()
-        self.n_gen[rows] = n_gen
-        self.alive[rows] = live & ~self.is_stop[tok] & (n_gen < self.caps[rows])
-
-    def _step(self, B: int, L: int | None = None) -> None:
-        rows, live = self.slot_ids[:B], self.alive[:B].clone()
-        logits = self._decode_logits(B, L)
-        # the token fed this step is now in the cache (capped: a full slot stops being alive anyway)
-        self.lengths[:B] = torch.where(live, (self.lengths[:B] + 1).clamp(max=self.max_len - 1),
-                                       self.lengths[:B])
-        self._record(rows, logits, live)
-
-    def _run_step(self, B: int, L: int) -> None:
-        if not self.cuda_graphs:
-            # CPU: reading the lengths costs nothing; attend only over the filled positions
-            self._step(B, int(self.lengths[:B].max()) + 1 if self.exact_lengths else L)
-            return
-        graph = self._graphs.get((B, L, bool(self._odd_temps)))
-        if graph is None:
-            graph = self._capture(B, L)
-        graph.replay()
-
-    def _capture(self, B: int, L: int):
-        """Capture _step(B, L). The warm-up steps capture needs (on a side stream: cuBLAS
-        workspaces, the compiled sampler) really run, so the state they advance is saved before
-        and restored after: the live sequences must not move or see extra K/V."""
-        state = [self.lengths, self.last, self.n_gen, self.alive, self.out_tokens, self.out_logp]
-        saved = [t.clone() for t in state] + [[c.clone() for c in cs] for cs in (self.k_cache, self.v_cache)]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._step(B, L)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the weight receiver's thread may use CUDA (NCCL) while this one captures
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._step(B, L)
-        for t, s in zip(state, saved):   # capture ran nothing, but the warm-ups did
-            t.copy_(s)
-        for cs, ss in zip((self.k_cache, self.v_cache), saved[len(state):]):
-            for c, s in zip(cs, ss):
-                c.copy_(s)
-        self._graphs[B, L, bool(self._odd_temps)] = graph
-        return graph
+    # ----- decode steps (rl/generation/decoder_steps.py) ---------------------------------------
+    _sampler, _record, _step, _run_step = run_sampler, record, decode_step, run_step
+    _capture, _collect = capture, collect_finished
 
     # ----- public API -------------------------------------------------------------------------
     @torch.no_grad()
@@ -401,38 +336,6 @@ class StaticDecoder:
                 alive = self.alive[:B].any()
         self.model.train(was_training)
         return self._collect(busy)
-
-    def _collect(self, busy: list[int]) -> list[tuple[object, dict]]:
-        alive = self.alive.tolist()
-        done = [i for i in busy if not alive[i]]
-        if not done:
-            return []
-        idx = torch.tensor(done, device=self._device)
-        n_gen = self.n_gen[idx].tolist()
-        tokens, logp = self.out_tokens[idx].tolist(), self.out_logp[idx].tolist()
-        out = []
-        for i, s in enumerate(done):
-            tag, prompt = self.slots[s]
-            response = tokens[i][:n_gen[i]]
-            sample = {"prompt_ids": prompt, "response_ids": response, "logprobs": logp[i][:n_gen[i]],
-                      "finished": bool(response) and response[-1] in self.stop_ids}
-            if self.token_versions:
-                sample["token_versions"] = expand_versions(self._versions[s], n_gen[i])
-            if self.keep[s]:       # an episode's turn: the slot waits, cache kept, for extend()
-                sample["slot"] = s
-                self.parked.add(s)
-            else:
-                self._free(s)
-            out.append((tag, sample))
-        return out
-
-
-
-def expand_versions(spans: list[tuple[int, int]], length: int) -> list[int]:
-    """Per token, the version of the last span [(first token index, version), ...] starting at or
-    before it: ([(0, 3), (5, 4)], 7) -> [3, 3, 3, 3, 3, 4, 4]."""
-    bounds = [start for start, _ in spans[1:]] + [length]
-    return [v for (start, v), end in zip(spans, bounds) for _ in range(max(0, min(end, length) - start))]
 
 
 @torch.no_grad()

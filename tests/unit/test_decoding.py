@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from rl.generation import decoding
+from rl.generation import decoder_steps, decoding
 from rl.model import causal_lm as models, padded_batch
 from rl.generation import hf_sampling
 from rl.data import tasks
@@ -222,7 +222,7 @@ def test_room_bytes_on_cpu_is_half_the_available_memory():
 
 
 def test_kv_bytes_per_slot_is_what_the_static_decoder_allocates(tok, policy):
-    from nodes.generator import kv_bytes_per_slot
+    from rl.generation.decoder_slots import kv_bytes_per_slot
 
     dec = decoding.StaticDecoder(policy, num_slots=3, max_len=40, eos_id=tok.eos_token_id, max_new_tokens=8)
     dec.refresh()
@@ -325,6 +325,6 @@ def test_weight_switch_mid_decode_keeps_the_cache_and_tags_each_token(tok, polic
 
 
 def test_expand_versions():
-    assert decoding.expand_versions([(0, 3)], 4) == [3, 3, 3, 3]
-    assert decoding.expand_versions([(0, 3), (5, 4)], 7) == [3, 3, 3, 3, 3, 4, 4]
-    assert decoding.expand_versions([(0, 3), (2, 4), (3, 6)], 5) == [3, 3, 4, 6, 6]
+    assert decoder_steps.expand_versions([(0, 3)], 4) == [3, 3, 3, 3]
+    assert decoder_steps.expand_versions([(0, 3), (5, 4)], 7) == [3, 3, 3, 3, 3, 4, 4]
+    assert decoder_steps.expand_versions([(0, 3), (2, 4), (3, 6)], 5) == [3, 3, 4, 6, 6]
