@@ -217,7 +217,9 @@ def main() -> int:
               "samples_trained": len(trained), "lost": lost, "duplicated": duplicated,
               "final_reward_chaos": round(final_reward(chaos_steps), 4),
               "final_reward_clean": round(final_reward(clean_steps), 4) if clean_steps else None,
-              "clean_steps": len(clean_steps), "chaos_wall_s": round(wall), "chaos_seconds": chaos_steps[-1]["time_s"],
+              "clean_steps": len(clean_steps), "chaos_wall_s": round(wall),
+              # the last step's run clock (a resumed run's starts again at its start: none then)
+              "chaos_seconds": None if redone else chaos_steps[-1]["time_s"],
               "clean_seconds": clean_steps[-1]["time_s"] if clean_steps else None}
     ok = lost == 0 and duplicated == 0
     if args.graph == "agent":
