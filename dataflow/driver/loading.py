@@ -1,6 +1,7 @@
 """Graph files: import one and build its Graph (load_graph), and print what it declares (describe).
 
     load_graph(path, overrides) -> (graph, config)   user mistakes raise UserError, nothing started
+    import_graph_file(path) -> module                the file imported, nothing built (its defaults)
     describe(graph, config) -> str                   --describe: nodes, channels, placement, settings
 
 Every setting's declared range (dataflow/checks.py) is checked after --set and before build(), so
@@ -32,26 +33,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 def load_graph(path: str, overrides: list[str] = ()) -> tuple[Graph, Any]:
     """Import a graph file and build its Graph with --set overrides applied. Returns (graph, config)."""
     file = Path(path)
-    if not file.is_file():
-        raise UserError(f"{path}: no such graph file")
-    for p in (str(PROJECT_ROOT), str(file.resolve().parent)):
-        if p not in sys.path:
-            sys.path.insert(0, p)
-    module_name = f"dataflow_graph_{file.stem}"
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except SyntaxError as e:
-        raise UserError(f"{path}:{e.lineno}: syntax error: {e.msg}\n    {(e.text or '').strip()}") from None
-    except Exception as e:
-        raise UserError(f"{_user_frame(e, file)}: {type(e).__name__}: {e}") from None
-    # Node classes defined in the graph file itself travel to the actors by value.
-    from ray import cloudpickle
-
-    cloudpickle.register_pickle_by_value(module)
-
+    module = import_graph_file(path)
     config = getattr(module, "config", None)
     if overrides:
         if config is None or not dataclasses.is_dataclass(config):
@@ -77,6 +59,33 @@ def load_graph(path: str, overrides: list[str] = ()) -> tuple[Graph, Any]:
     graph.validate(source=path)
     apply_memory_plan(graph, config)
     return graph, config
+
+
+def import_graph_file(path: str):
+    """The graph file imported (as dataflow_graph_<stem>), nothing built: its `config` holds its
+    defaults, whether or not they build a graph (graphs/agent.py refuses to without env.path)."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"{path}: no such graph file")
+    for p in (str(PROJECT_ROOT), str(file.resolve().parent)):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    module_name = f"dataflow_graph_{file.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise UserError(f"{path}:{e.lineno}: syntax error: {e.msg}\n    {(e.text or '').strip()}") from None
+    except Exception as e:
+        raise UserError(f"{_user_frame(e, file)}: {type(e).__name__}: {e}") from None
+    # Node classes defined in the graph file itself travel to the actors by value.
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(module)
+
+    return module
 
 
 def apply_memory_plan(graph: Graph, config: Any) -> None:

@@ -18,6 +18,7 @@ file's own `defines_the_run`) is refused naming the setting, unless `--allow-cha
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -27,7 +28,7 @@ from typing import Any
 from dataflow.actor import checkpoint
 from dataflow.config import flatten
 from dataflow.errors import UserError
-from dataflow.driver.loading import load_graph
+from dataflow.driver.loading import import_graph_file, load_graph
 
 # Settings whose change makes a resumed run another experiment (a key, a prefix ending in ".",
 # or a leaf name matched at any depth). A graph file may declare its own `defines_the_run`.
@@ -45,8 +46,10 @@ def load_for_resume(graph_file: str, overrides: list[str], resume: str, allow_ch
     if recorded is None:  # a checkpoint from before settings were recorded: the defaults, as then
         return (*load_graph(graph_file, overrides), ckpt)
     named = {item.split("=", 1)[0].strip(): item.split("=", 1)[1] for item in overrides if "=" in item}
-    _, defaults = load_graph(graph_file, [])
-    known = dict(flatten(defaults)) if defaults is not None else {}
+    # The file's settings, learnt without building its graph: a graph whose defaults do not build
+    # (graphs/agent.py wants env.path) resumes from the recorded settings as any other does.
+    defaults = getattr(import_graph_file(graph_file), "config", None)
+    known = dict(flatten(defaults)) if dataclasses.is_dataclass(defaults) else {}
     replay = [f"{k}={_as_text(v)}" for k, v in recorded.items() if k in known and k not in named]
     graph, config = load_graph(graph_file, replay + list(overrides))
     if not allow_changed and config is not None:
