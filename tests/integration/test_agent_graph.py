@@ -1,8 +1,8 @@
 """Multi-turn episodes through the graph on a real Ray, with the tiny chat model (tests/chat_model.py)
 and the toy environments of tests/agent_toy_env.py: the generator's samples exact against the
-episodes and the model, failures counted and stopping the run, a generator killed mid-episode
-(every prompt trained once), a learner killed mid-episode and the run resumed with --resume (every
-prompt trained once), the environment in the trace."""
+episodes and the model, failures counted and stopping the run, a generator killed mid-episode (restarted)
+and then the learner (the run resumed with --resume): every prompt trained once, the environment in
+the trace."""
 
 from __future__ import annotations
 
@@ -120,40 +120,16 @@ AGENT = ["max_new_tokens=4", "group_size=2", "prompts_per_step=4", "learner.mini
 
 
 @pytest.mark.usefixtures("ray_instance")
-def test_failed_episodes_are_counted_and_a_generator_killed_mid_episode_loses_none(tmp_path, model_dir):
-    """graphs/agent.py on 24 prompts read once, the first of every 4 failing in its second turn
-    (both its episodes). Each step counts its 2 failed episodes (samples/failed, env/failed) and
-    still trains. The generator is killed after step 1 while it holds episodes mid-way (each
-    environment step sleeps 0.1 s; later batches are admitted, max_staleness=2): restarted, its
-    prompts re-issued, every prompt trained exactly once."""
-    run_dir = tmp_path / "run"
-    from dataflow.driver.runtime import RunOptions, load_graph
-
-    graph, config = load_graph(str(ROOT / "graphs/agent.py"), AGENT + [
-        f"policy.path={model_dir}", f"prompts.path={_data(tmp_path / 'd.jsonl', 24, fail=lambda i: int(i % 4 == 0))}",
-        "prompts.epochs=1", f"env.path={ENV}", "env.name=FailsOnSecondTurn", 'env.kwargs={"delay_s": 0.1}',
-        "max_staleness=2", "learner.record_prompt_ids=true"])
-    thread, outcome = run_in_thread(graph, config, RunOptions(out_dir=str(run_dir), quiet=True))
-    steps = lambda: [r for r in _records(run_dir) if "step" in r]  # noqa: E731
-    wait_until(lambda: len(steps()) >= 1, 600, "step 1", thread, outcome)
-    os.kill(json.loads((run_dir / "processes.json").read_text())["generator"], signal.SIGKILL)
-    thread.join(600)
-    assert not thread.is_alive() and "error" not in outcome, outcome.get("error")
-    assert outcome["summary"].status == "done" and outcome["summary"].restarts == {"generator": 1}
-    done = steps()
-    assert sorted(i for r in done for i in r["prompt_ids"]) == list(range(24))   # every prompt once
-    assert len(done) == 6
-    assert all(r["samples/failed"] == 2 and r["env/failed"] == 2 for r in done), done
-    assert all(r["env/turns"] == (2 * 2 + 6 * 3) / 8 for r in done), [r["env/turns"] for r in done]  # failed: in turn 2
-
-
-@pytest.mark.usefixtures("ray_instance")
-def test_a_learner_killed_mid_episode_stops_the_run_and_resume_trains_every_prompt_once(tmp_path, model_dir, capsys):
-    """graphs/agent.py on 24 prompts read once (6 steps), checkpointed every 2 steps; the learner is
-    killed after step 3 while the generator holds episodes mid-way (environment steps sleep 0.1 s,
-    later batches admitted: max_staleness=2). The run stops naming step_2; `--resume` through the
-    CLI, with no --set (the environment comes from the recorded settings), trains steps 3-6: every
-    prompt trained exactly once over both runs, the failing environment still the one that runs."""
+def test_failed_episodes_counted_a_generator_and_a_learner_killed_mid_episode_and_resume_train_every_prompt_once(
+        tmp_path, model_dir, capsys):
+    """graphs/agent.py on 24 prompts read once (6 steps), the first of every 4 failing in its second
+    turn (both its episodes), checkpointed every 2 steps; environment steps sleep 0.1 s and later
+    batches are admitted (max_staleness=2), so the generator holds episodes mid-way whenever a kill
+    comes. The generator is killed after step 1: restarted, its prompts re-issued. The learner is
+    killed after step 3: the run stops naming it and its last checkpoint; `--resume` through the CLI,
+    with no --set (the environment comes from the recorded settings), trains the rest. Over both
+    runs every prompt is trained exactly once, and every step counts its 2 failed episodes
+    (samples/failed, env/failed) and still trains. (One scenario for both kills: a graph run less.)"""
     from dataflow import run as cli
     from dataflow.driver.runtime import RunOptions, load_graph
     from dataflow.errors import NodeFailed
@@ -165,14 +141,22 @@ def test_a_learner_killed_mid_episode_stops_the_run_and_resume_trains_every_prom
         "max_staleness=2", "learner.record_prompt_ids=true", "save_interval=2"])
     thread, outcome = run_in_thread(graph, config, RunOptions(out_dir=str(run_dir), quiet=True))
     steps = lambda: [r for r in _records(run_dir) if "step" in r and "prompt_ids" in r]  # noqa: E731
+    pid = lambda node: json.loads((run_dir / "processes.json").read_text())[node]  # noqa: E731
+    wait_until(lambda: len(steps()) >= 1, 600, "step 1", thread, outcome)
+    generator_pid = pid("generator")
+    os.kill(generator_pid, signal.SIGKILL)
     step_2 = run_dir / "checkpoints" / "step_2"
-    wait_until(lambda: len(steps()) >= 3 and (step_2 / "manifest.json").is_file(), 600, "step 3", thread, outcome)
-    os.kill(json.loads((run_dir / "processes.json").read_text())["learner"], signal.SIGKILL)
+    restarted = lambda: [r["restarted"] for r in _records(run_dir) if "restarted" in r]  # noqa: E731
+    wait_until(lambda: len(steps()) >= 3 and (step_2 / "manifest.json").is_file() and restarted(), 600,
+               "step 3 and the generator's restart", thread, outcome)
+    assert pid("generator") != generator_pid    # a new process took the killed one's place
+    os.kill(pid("learner"), signal.SIGKILL)
     thread.join(120)
     assert not thread.is_alive()
     error = outcome.get("error")
     assert isinstance(error, NodeFailed) and error.node == "learner", repr(error)
     assert error.last_checkpoint is not None and Path(error.last_checkpoint).name in ("step_2", "step_4")
+    assert restarted() == ["generator"]
 
     rc = cli.main(["graphs/agent.py", "--resume", str(run_dir)])
     out, err = capsys.readouterr()
@@ -181,7 +165,9 @@ def test_a_learner_killed_mid_episode_stops_the_run_and_resume_trains_every_prom
     done = steps()
     assert [r["step"] for r in done] == [1, 2, 3, 4, 5, 6]
     assert sorted(i for r in done for i in r["prompt_ids"]) == list(range(24))   # every prompt once
-    assert all(r["samples/failed"] == 2 for r in done), [r["samples/failed"] for r in done]
+    assert all(r["samples/failed"] == 2 and r["env/failed"] == 2 for r in done), done
+    assert all(r["env/turns"] == (2 * 2 + 6 * 3) / 8 for r in done), [r["env/turns"] for r in done]  # failed: in turn 2
+
 
 @pytest.mark.usefixtures("ray_instance")
 def test_every_episode_failing_stops_the_run_in_one_line(tmp_path, model_dir):
