@@ -1,6 +1,7 @@
 """DAPO's dynamic sampling: the group filter's decisions (no Ray), then graphs/dapo.py end to end on
 a real Ray instance: every step trains on prompts_per_step groups with a learning signal, the
-dropped ones are refilled into their batch, and the filter's counts are in metrics.jsonl."""
+dropped ones are refilled into their batch, and the filter's counts are in metrics.jsonl; and so
+it goes on after kill -9 of the filter and of the reference (one run checks both)."""
 
 from __future__ import annotations
 
@@ -74,44 +75,13 @@ def test_filter_decisions_are_kept_per_prompt_and_a_full_batch_takes_no_more():
 
 
 @pytest.mark.usefixtures("ray_instance")  # one Ray for the module (tests/conftest.py)
-def test_dapo_trains_every_step_on_full_batches_of_informative_groups(tmp_path):
-    from dataflow.driver.runtime import RunOptions, load_graph, run_graph
-
-    pps = 4
-    graph, config = load_graph(str(ROOT / "graphs/dapo.py"), [   # kl.coef=0: no reference node to start
-        f"prompts_per_step={pps}", "group_size=4", "learner.minibatch_size=16", "learner.record_prompt_ids=true",
-        "filter.record_prompt_ids=true", "channel_capacity=16", "learner.kl.coef=0"])
-    summary = asyncio.run(run_graph(graph, RunOptions(max_steps=3, out_dir=str(tmp_path), quiet=True), config))
-    assert summary.status == "max steps reached", summary.status
-    records = [json.loads(line) for line in Path(summary.metrics_path).read_text().splitlines()]
-    steps = [r for r in records if "step" in r]
-    filtered = {r["filter/batch"]: r for r in records if "filter/batch" in r}
-    assert [r["step"] for r in steps] == [1, 2, 3]
-    assert all(r["staleness/max"] <= 1 for r in steps)
-    for r in steps:
-        batch = filtered[r["step"] - 1]
-        # The step trained on exactly the groups the filter kept for its batch: prompts_per_step of them.
-        assert sorted(r["prompt_ids"]) == sorted(batch["filter/kept_ids"]) and len(r["prompt_ids"]) == pps
-        # ... and on their group_size samples each (samples_per_s is samples / step_s)
-        assert len(r["prompt_ids"]) * 4 == round(r["perf/samples_per_s"] * r["timing/step_s"])
-        assert not set(batch["filter/kept_ids"]) & set(batch["filter/dropped_ids"])
-        assert (batch["filter/kept_groups"], batch["filter/dropped_groups"], batch["filter/prompts_per_step"]) == \
-            (pps, len(batch["filter/dropped_ids"]), pps + len(batch["filter/dropped_ids"]))
-    # Batch 0's first prompts are sampled by the initial policy, seeded per prompt id, so the same
-    # groups score alike in every run (ids 1 and 3 here): refills were needed (ids past 0..3).
-    assert filtered[0]["filter/dropped_ids"] and max(filtered[0]["filter/kept_ids"]) >= pps
-    trained = [i for r in steps for i in r["prompt_ids"]]
-    assert len(trained) == len(set(trained))                 # no prompt trained twice
-    dropped = {i for b in filtered.values() for i in b["filter/dropped_ids"]}
-    assert not dropped & set(trained)
-    assert all(r["filter/surplus_groups"] == 0 for r in filtered.values())
-
-
-@pytest.mark.usefixtures("ray_instance")
-def test_dapo_killed_filter_and_reference_keep_every_step_full_and_every_prompt_once(tmp_path):
-    """kill -9 of the filter (it comes back with its snapshot of decisions) and then of the reference
+def test_dapo_trains_full_batches_of_informative_groups_also_after_its_filter_and_reference_are_killed(tmp_path):
+    """One run of 10 steps. Steps 1-3, before any kill: each trains on exactly the prompts_per_step
+    groups the filter kept for its batch, the dropped ones refilled. Then kill -9 of the filter
+    after step 3 (it comes back with its snapshot of decisions) and of the reference after step 5
     (the prompts of the untrained batches are re-issued through the filter): every step still
-    trains on prompts_per_step groups the filter kept, no prompt twice, none it dropped."""
+    trains on prompts_per_step groups the filter kept, no prompt twice, none it dropped. (One run
+    for both: a graph start-up less; steps 1-3 are what a run without kills trains.)"""
     import signal
 
     from dataflow.driver.runtime import RunOptions, load_graph
@@ -127,17 +97,42 @@ def test_dapo_killed_filter_and_reference_keep_every_step_full_and_every_prompt_
     records = lambda: [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
         if (run_dir / "metrics.jsonl").exists() else []  # noqa: E731
     steps = lambda: [r for r in records() if "step" in r]  # noqa: E731
-    for node, after in (("filter", 1), ("reference", 3)):
+    for node, after in (("filter", 3), ("reference", 5)):
         wait_until(lambda: len(steps()) >= after, 300, f"step {after}", thread, outcome)
         os.kill(json.loads((run_dir / "processes.json").read_text())[node], signal.SIGKILL)
     thread.join(600)
     assert outcome.get("summary") is not None and outcome["summary"].status == "max steps reached", outcome
-    # Each was restarted once; the records' order is when each restart completed, and the filter's
-    # (which reloads its snapshot) can complete after the reference's (seen in CI: a flake).
+    assert [r["step"] for r in steps()] == list(range(1, 11))
+
+    # Steps 1-3 (batches 0-2), trained before the filter's kill: each batch's record was out
+    # before any of its groups left the filter, so there is one each, and no surplus yet.
+    filtered = {}
+    for r in records():
+        if "filter/batch" in r and r["filter/batch"] < 3:
+            assert r["filter/batch"] not in filtered, r
+            filtered[r["filter/batch"]] = r
+    for r in steps()[:3]:
+        assert r["staleness/max"] <= 1
+        batch = filtered[r["step"] - 1]
+        # The step trained on exactly the groups the filter kept for its batch: prompts_per_step of them.
+        assert sorted(r["prompt_ids"]) == sorted(batch["filter/kept_ids"]) and len(r["prompt_ids"]) == pps
+        # ... and on their group_size samples each (samples_per_s is samples / step_s)
+        assert len(r["prompt_ids"]) * 4 == round(r["perf/samples_per_s"] * r["timing/step_s"])
+        assert not set(batch["filter/kept_ids"]) & set(batch["filter/dropped_ids"])
+        assert (batch["filter/kept_groups"], batch["filter/dropped_groups"], batch["filter/prompts_per_step"]) == \
+            (pps, len(batch["filter/dropped_ids"]), pps + len(batch["filter/dropped_ids"]))
+        assert batch["filter/surplus_groups"] == 0
+    # Batch 0's first prompts are sampled by the initial policy, seeded per prompt id, so the same
+    # groups score alike in every run (ids 1 and 3 here): refills were needed (ids past 0..3).
+    assert filtered[0]["filter/dropped_ids"] and max(filtered[0]["filter/kept_ids"]) >= pps
+
+    # The whole run, kills included. Each was restarted once; the records' order is when each
+    # restart completed, and the filter's (which reloads its snapshot) can complete after the
+    # reference's (seen in CI: a flake).
     assert sorted(r["restarted"] for r in records() if r.get("restarted")) == ["filter", "reference"]
     trained = [r["prompt_ids"] for r in steps()]
     assert len(trained) == 10 and all(len(ids) == pps for ids in trained)
     flat = [i for ids in trained for i in ids]
-    assert len(flat) == len(set(flat))
+    assert len(flat) == len(set(flat))                       # no prompt trained twice
     dropped = {i for r in records() if "filter/batch" in r for i in r["filter/dropped_ids"]}
     assert not dropped & set(flat)

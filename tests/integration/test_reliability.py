@@ -4,8 +4,9 @@ only with drop_bad_items), the learner's process killed (the run stops naming th
 resume from), and a generator's process killed (restarted; every prompt trained exactly once).
 
 The in-process tests host a node in this process (NodeHost without an actor) fed by a fake
-producer; the kill tests run graphs/ppo.py through runtime.run_graph on the module's Ray instance
-and kill a node's process by PID."""
+producer; the kill tests run graphs/ppo.py (a critic to kill) or graphs/grpo.py through
+runtime.run_graph on the module's Ray instance and kill a node's process by PID. Neither reads a
+KL term (learner.kl.coef=0): no reference node, a model process less to start per run."""
 
 from __future__ import annotations
 
@@ -236,7 +237,7 @@ def test_a_killed_generator_is_restarted_and_a_killed_learner_stops_the_run(ray_
         "prompts_per_step=16", "channel_capacity=16", "max_staleness=1", "learner.minibatch_size=16",
         "critic.minibatch_size=16", "generator.prompts_per_call=4", "policy.model.n_layer=1",
         "policy.model.n_embd=64", "policy.model.intermediate_size=128", "save_interval=2",
-        "learner.record_prompt_ids=true"])
+        "learner.record_prompt_ids=true", "learner.kl.coef=0"])
     run_dir, trace = tmp_path / "run", tmp_path / "trace.json"
     thread, outcome = run_in_thread(graph, config, RunOptions(max_steps=1000, out_dir=str(run_dir), quiet=True,
                                                               trace_path=str(trace)))
@@ -297,15 +298,17 @@ def test_prompts_are_reissued_after_a_jsonl_dataset_is_exhausted(ray_instance, t
     (before the fix: the source had returned, and the run ended after step 1). The model and the
     response cap make a prompt cost the generator ~75 ms here, so batches 2 and 3 need ~2.4 s, past
     the ~1 s the kill takes to follow step 1: with a 1-layer model and 12 tokens the generator
-    once finished all three before it (CI, 2026-12-02), and the run ended with nothing to restart."""
+    once finished all three before it (CI, 2026-12-02), and the run ended with nothing to restart.
+    GRPO with groups of one response: the generator's work per prompt is PPO's, and no critic
+    (not what this tests) to start."""
     rows = [{"prompt": f"copy {i // 10} {i % 10} :", "answer": f"{i // 10} {i % 10}"} for i in range(48)]
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "reward.py").write_text("def reward(prompt, response, answer):\n"
                                         "    return float(response.split() == answer.split())\n")
-    graph, config = load_graph(str(ROOT / "graphs/ppo.py"), [
+    graph, config = load_graph(str(ROOT / "graphs/grpo.py"), [
         f"prompts.path={tmp_path / 'data.jsonl'}", "prompts.epochs=1", f"reward.path={tmp_path / 'reward.py'}",
-        "max_new_tokens=48", "prompts_per_step=16", "channel_capacity=64", "max_staleness=2",
-        "learner.minibatch_size=16", "critic.minibatch_size=16", "generator.prompts_per_call=1",
+        "max_new_tokens=48", "prompts_per_step=16", "group_size=1", "channel_capacity=64", "max_staleness=2",
+        "learner.minibatch_size=16", "generator.prompts_per_call=1", "learner.kl.coef=0",
         "policy.model.n_layer=2", "policy.model.n_embd=128", "policy.model.intermediate_size=256",
         "learner.record_prompt_ids=true"])
     run_dir = tmp_path / "run"

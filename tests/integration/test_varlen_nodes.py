@@ -303,7 +303,8 @@ def test_grpo_with_partial_rollouts_continues_responses_under_new_weights(tmp_pa
     bottleneck (one prompt's group at a time, 24 tokens each, <eos> masked), so weights arrive while
     responses decode; those go on under the new weights: some responses carry two versions, each
     token's staleness is below its sample's (the oldest token's, the one the bound holds for), and
-    every prompt is trained on once with all 24 of its tokens."""
+    every prompt is trained on once with all 24 of its tokens. No KL term, so no reference node (a
+    model process less to start; what this tests is the generator's)."""
     import asyncio
     import json
 
@@ -313,7 +314,7 @@ def test_grpo_with_partial_rollouts_continues_responses_under_new_weights(tmp_pa
     graph, config = load_graph(str(ROOT / "graphs/grpo.py"), [
         "prompts_per_step=4", "group_size=4", "learner.minibatch_size=16", "learner.record_prompt_ids=true",
         "max_staleness=1", "max_new_tokens=24", "generator.min_new_tokens=24", "generator.prompts_per_call=1",
-        "generator.partial_rollout=true"])
+        "generator.partial_rollout=true", "learner.kl.coef=0"])
     summary = asyncio.run(run_graph(graph, RunOptions(max_steps=4, out_dir=str(tmp_path), quiet=True), config))
     assert summary.status in ("done", "max steps reached"), summary.status
     records = [json.loads(line) for line in open(summary.metrics_path)]
