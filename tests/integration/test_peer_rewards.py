@@ -6,7 +6,9 @@ the conventions; the README claims TRL's and verl's (OpenRLHF's reward_func is n
 
 The model always answers <|im_end|> at once, so each response is "" (special tokens are not
 decoded): the functions below score from the row and the shape of what they are given, which
-makes every step's mean reward known in advance."""
+makes every step's mean reward known in advance. That model dir has no pad token and names
+<|im_end|> as an eos only in generation_config.json (the tokenizer's eos is <|endoftext|>): every
+run also checks that each response ends at that first token (length 1, not max_new_tokens=8)."""
 
 from __future__ import annotations
 
@@ -14,10 +16,12 @@ import json
 import textwrap
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from dataflow.run import main
-from tests.chat_model import make_chat_model_dir
+from tests.chat_model import IM_END, make_chat_model_dir
 
 pytestmark = pytest.mark.usefixtures("ray_instance")  # one Ray for the module (tests/conftest.py)
 
@@ -35,10 +39,15 @@ def chat(text: str) -> list[dict]:
     return [{"role": "system", "content": "you are terse"}, {"role": "user", "content": text}]
 
 
-def run_grpo(tmp_path: Path, model_dir: str, rows: list[dict], *overrides: str) -> list[dict]:
-    """GRPO for STEPS steps over `rows` (4 prompts a step, 2 responses each); metrics.jsonl records."""
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+def run_grpo(tmp_path: Path, model_dir: str, rows: list[dict], *overrides: str, parquet: bool = False) -> list[dict]:
+    """GRPO for STEPS steps over `rows` (4 prompts a step, 2 responses each), written as a jsonl
+    file or a parquet one (verl's); metrics.jsonl records."""
+    if parquet:
+        data = tmp_path / "train.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), data)
+    else:
+        data = tmp_path / "train.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "run"
     rc = main(["graphs/grpo.py", "--set", f"policy.path={model_dir}", "--set", f"prompts.policy.path={model_dir}",
                "--set", f"prompts.path={data}", "--set", "max_new_tokens=8", "--set", "prompts_per_step=4",
@@ -51,13 +60,15 @@ def run_grpo(tmp_path: Path, model_dir: str, rows: list[dict], *overrides: str) 
 
 def check_learner_received(records: list[dict], expected: list[float]) -> None:
     """Every step's reward/mean is the mean of `expected[id % len(expected)]` over the prompts it
-    trained on (file order, no shuffle), and no response failed."""
+    trained on (file order, no shuffle), no response failed, and every response ended at the
+    generation_config.json eos <|im_end|> (length 1)."""
     steps = [r for r in records if "step" in r]
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1)), steps
     for r in steps:
         want = sum(expected[i % len(expected)] for i in r["prompt_ids"]) / len(r["prompt_ids"])
         assert r["reward/mean"] == pytest.approx(want, abs=1e-9), (r["prompt_ids"], r["reward/mean"], want)
         assert r["samples/failed"] == 0
+        assert r["response_length/mean"] == 1.0, r
 
 
 def reward_records(records: list[dict]) -> list[dict]:
@@ -112,12 +123,21 @@ def verl_rows() -> list[dict]:
 
 
 def test_a_verl_users_compute_score_runs_unchanged(tmp_path, model_dir):
-    """verl's layout and compute_score(data_source, solution_str, ground_truth, extra_info, **kwargs)
-    with no reward.function setting; reward.kwargs as verl's reward_kwargs; the dict's "score" is
-    the reward and its other numeric key is logged."""
+    """verl's layout in verl's parquet file and compute_score(data_source, solution_str,
+    ground_truth, extra_info, **kwargs) with no reward.function setting; reward.kwargs as verl's
+    reward_kwargs; the dict's "score" is the reward and its other numeric key is logged. The chat
+    rows render with the model dir's template (no pad token: no pad crash anywhere), and every
+    response ends at the eos only generation_config.json names (check_learner_received)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(model_dir)   # the premise: <|im_end|> is an eos only by generation_config
+    im_end = tok.convert_tokens_to_ids(IM_END)
+    assert tok.pad_token is None and tok.eos_token_id != im_end
+    assert im_end in GenerationConfig.from_pretrained(model_dir).eos_token_id
     reward = tmp_path / "verl_reward.py"
     reward.write_text(VERL_FILE)
-    records = run_grpo(tmp_path, model_dir, verl_rows(), f"reward.path={reward}", 'reward.kwargs={"format_score": 0.5}')
+    records = run_grpo(tmp_path, model_dir, verl_rows(), f"reward.path={reward}", 'reward.kwargs={"format_score": 0.5}',
+                       parquet=True)
     check_learner_received(records, [0.8, 0.9, 1.0, 1.1])
     logged = reward_records(records)
     assert logged and all(0.0 <= r["reward/acc"] <= 1.0 and 0.8 <= r["reward/compute_score"] <= 1.1 for r in logged)
