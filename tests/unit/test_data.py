@@ -1,6 +1,7 @@
 """rl/data/prompts.py and the prompt source: JSONL / JSON / parquet files, verl's layout, bad rows, chat
 templates, truncation, token files, shuffled epochs, with a model dir built here (tests/chat_model.py:
-chat template, no pad token, two eos ids). A GRPO run on such a file: tests/integration/test_chat_dataset_run.py."""
+chat template, no pad token, two eos ids). A GRPO run on such a file:
+tests/integration/test_peer_rewards.py::test_a_verl_users_compute_score_runs_unchanged."""
 
 from __future__ import annotations
 
