@@ -11,8 +11,8 @@ Llama / Qwen2 policies decode with rl/generation/decoding.py (static KV cache, C
 continuous batching: prompts_per_call x group_size slots are refilled from the `prompts` channel as
 prompts arrive and sequences finish, and each prompt's item goes downstream as soon as its whole
 group finished, not after a batch (rl/generation/groups.py). A prompt's group is admitted at once,
-and only while no newer weight version is announced: then admission stops, the slots drain, the weights switch (between
-serving() blocks), and admission resumes, so no response or group mixes versions. Prompts already
+and only while no newer weight version is announced: then admission stops, the slots drain, the
+weights switch (between serving() blocks), and admission resumes, so no response or group mixes versions. Prompts already
 taken are generated, never lost. generator.backend=vllm runs a vLLM engine in the same loop
 (rl/generation/vllm_engine.VllmDecoder has the decoder's interface; the weight sync writes into this replica's
 HF copy, which is loaded into vLLM at each switch). The HF loop (rl/generation/hf_loop.py) runs in
