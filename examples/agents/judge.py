@@ -157,11 +157,14 @@ def read_rows(path: str, limit: int = 0) -> list[dict]:
     return rows[:limit] if limit else rows
 
 
-def load_model(path: str, device: str):
+def load_model(path: str, device: str, dtype_name: str = ""):
+    """bf16 on a GPU, fp32 on CPU unless dtype_name says ("bf16" on CPU shows what a GPU run sees:
+    a weight change below bf16's resolution vanishes there)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
+        dtype_name, torch.bfloat16 if device.startswith("cuda") else torch.float32)
     return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval(), tokenizer
 
 
@@ -179,11 +182,12 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="")
+    p.add_argument("--dtype", choices=["", "bf16", "fp32"], default="", help="default: bf16 on a GPU, fp32 on CPU")
     p.add_argument("--out", default="", help="write the result (with example episodes) as JSON here")
     args = p.parse_args()
     import torch
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_model(args.model, device)
+    model, tokenizer = load_model(args.model, device, args.dtype)
     result = judge(model, tokenizer, read_rows(args.data, args.limit), args.task, single=args.single_turn,
                    samples=args.samples, temperature=args.temperature, batch=args.batch, seed=args.seed,
                    max_turns=args.max_turns, max_turn_tokens=args.max_turn_tokens)

@@ -86,9 +86,26 @@ def masked_loss(model, batch: list[tuple[list[int], list[int]]], pad_id: int):
     return (loss * weights).sum() / weights.sum()
 
 
+def bf16_visible_change(before: dict, model) -> float:
+    """The fraction of the model's weights whose bf16 value differs from `before`'s (a state dict).
+
+    The engine decodes in bf16 on a GPU: a change smaller than bf16's resolution (about 0.4% of a
+    weight) rounds back to the old value there. Two Adam steps at lr 1e-5 move a weight by about
+    2e-5, far below that for most weights, so a warm start that works in fp32 can vanish in bf16."""
+    import torch
+    changed = total = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            old = before[name].to(p.device)
+            changed += int((p.to(torch.bfloat16) != old.to(torch.bfloat16)).sum())
+            total += p.numel()
+    return changed / max(total, 1)
+
+
 def warm_start(model_dir: str, rows: list[dict], out_dir: str, *, epochs: int = 1, lr: float = 1e-5, batch: int = 8,
-               device: str = "cpu", seed: int = 0, log=print) -> list[float]:
-    """Train model_dir on the rows' demonstrations; write out_dir (model, tokenizer files); the losses."""
+               device: str = "cpu", seed: int = 0, log=print) -> tuple[list[float], float]:
+    """Train model_dir on the rows' demonstrations; write out_dir (model, tokenizer files); the losses
+    and the fraction of weights whose change survives a bf16 cast (bf16_visible_change)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -96,6 +113,7 @@ def warm_start(model_dir: str, rows: list[dict], out_dir: str, *, epochs: int = 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).to(device)
     model.train()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
     data = asyncio.run(demonstrations(tokenizer, rows))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -112,11 +130,13 @@ def warm_start(model_dir: str, rows: list[dict], out_dir: str, *, epochs: int = 
             optimizer.step()
             losses.append(loss.item())
         log(f"warm start: epoch {epoch + 1}, {len(data)} demonstrations, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    visible = bf16_visible_change(before, model)
+    log(f"warm start: {visible:.1%} of the weights differ from the base's in bf16 (what a GPU run decodes with)")
     model.save_pretrained(out_dir)
     for name in os.listdir(model_dir):   # tokenizer, chat template, generation config, licence
         if not name.endswith(".safetensors") and name != "config.json" and os.path.isfile(os.path.join(model_dir, name)):
             shutil.copy(os.path.join(model_dir, name), os.path.join(out_dir, name))
-    return losses
+    return losses, visible
 
 
 def main() -> int:
@@ -133,9 +153,10 @@ def main() -> int:
     rows = J.read_rows(args.train)[-args.examples:]
     import torch
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    losses = warm_start(args.model, rows, args.out, epochs=args.epochs, lr=args.lr, batch=args.batch, device=device)
+    losses, visible = warm_start(args.model, rows, args.out, epochs=args.epochs, lr=args.lr, batch=args.batch,
+                                 device=device)
     print(json.dumps({"out": args.out, "examples": len(rows), "steps": len(losses), "loss_first": losses[0],
-                      "loss_last": losses[-1]}))
+                      "loss_last": losses[-1], "bf16_visible_change": visible}))
     return 0
 
 

@@ -58,11 +58,30 @@ def test_a_short_warm_start_lowers_the_loss_on_the_demonstrations(tmp_path):
     LlamaForCausalLM(config).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     rows = _rows()[:2]
-    losses = W.warm_start(str(model_dir), rows, str(out_dir), epochs=10, lr=2e-2, batch=2, log=lambda *_: None)
+    losses, visible = W.warm_start(str(model_dir), rows, str(out_dir), epochs=10, lr=2e-2, batch=2,
+                                   log=lambda *_: None)
     assert len(losses) == 10 and losses[-1] < 0.7 * losses[0], losses
+    assert visible > 0.5, visible   # lr 2e-2 moves nearly every weight by more than bf16's resolution
     # the saved directory is a model and tokenizer the engine can load, with the trained weights
     warm = LlamaForCausalLM.from_pretrained(out_dir)
     demos = asyncio.run(W.demonstrations(tok, rows))
     with torch.no_grad():
         assert W.masked_loss(warm, demos, tok.pad_token_id).item() < 0.7 * losses[0]   # not the initial weights
     assert (out_dir / "tokenizer_config.json").is_file()
+
+
+def test_bf16_visible_change_counts_only_changes_a_bf16_copy_keeps():
+    """A change far below bf16's resolution (what two small Adam steps make) rounds away in the bf16
+    copy a GPU decodes with; a change of a few percent of each weight does not."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    assert W.bf16_visible_change(before, model) == 0.0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 + 1e-5)              # 0.001% of each weight: bf16 keeps 8 bits of mantissa
+    assert W.bf16_visible_change(before, model) < 0.02
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.05)                  # 5% of each weight
+    assert W.bf16_visible_change(before, model) > 0.95
