@@ -26,6 +26,9 @@ Variants (VARIANTS; docs/algorithms.md): grpo (group mean / std), dr_grpo (group
 over a constant: seq-mean-token-sum-norm), dapo (graphs/dapo.py's dynamic sampling + clip-higher
 0.2 / 0.28 + overlong shaping over the last --overlong-buffer tokens + truncated responses masked),
 rloo (leave-one-out baseline), ppo (graphs/ppo.py, the critic from the same checkpoint, GAE).
+LoRA against full fine-tuning (issue 37 item 5; not in the default list): lora32 and lora1 are grpo
+with `learner.lora.rank` 32 / 1 (alpha 32, every linear layer) at --lora-lr, by default 10x --lr:
+LoRA's best learning rate is about ten times full fine-tuning's ("LoRA Without Regret", TRL docs).
 
 --budget-s: when it runs out, every run still going gets SIGTERM (it stops like Ctrl-C: its
 metrics so far are kept) and the table shows the rounds it reported. Writes OUT/<variant>-s<seed>/
@@ -57,7 +60,10 @@ VARIANTS: dict[str, tuple[str, str, list[str]]] = {
     "dapo": ("dapo", "grpo", ["learner.clip_eps_low=0.2", "learner.clip_eps_high=0.28", "learner.mask_truncated=true"]),
     "rloo": ("grpo", "grpo", ["learner.advantage=rloo"]),
     "ppo": ("ppo", "ppo", []),
+    "lora32": ("grpo", "grpo", ["learner.lora.rank=32"]),
+    "lora1": ("grpo", "grpo", ["learner.lora.rank=1"]),
 }
+ALGORITHM_VARIANTS = ["grpo", "dr_grpo", "dapo", "rloo", "ppo"]   # the default --variants
 # A run's share of the GPU, split over its model nodes (the learner holds fp32 weights, AdamW and
 # the activations of a micro-batch; the generator bf16 weights and the KV cache of 256 slots).
 SHARES = {"grpo": {"learner": 0.5, "generator": 0.3, "reference": 0.2},
@@ -97,6 +103,8 @@ def run_settings(args, name: str, seed: int, model: str, train: str, val: str, o
         sets.append(f"learner.overlong_buffer={max(1, min(args.overlong_buffer, args.max_new_tokens // 4))}")
         if args.tiny:   # groups of 2 of 16 tokens from the base model are nearly all wrong: refill until 2 differ
             sets.append("filter.max_num_gen_batches=0")
+    if name.startswith("lora"):
+        extra = extra + [f"learner.lr={args.lora_lr or 10 * args.lr}"]
     sets += extra + args.set
     return str(ROOT / "graphs" / f"{graph}.py"), sets
 
@@ -233,7 +241,8 @@ def launch(args, runs: list[tuple[str, int]], model: str, train: str, val: str, 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default="", help="the converted model dir (as --model)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(ALGORITHM_VARIANTS), help=f"of {', '.join(VARIANTS)}")
+    p.add_argument("--lora-lr", type=float, default=0.0, help="the lora variants' learning rate (0 = 10x --lr)")
     p.add_argument("--seeds", default="0", help="comma-separated; every (variant, seed) runs at once")
     p.add_argument("--val-every", type=int, default=20)
     p.add_argument("--overlong-buffer", type=int, default=32, help="dapo: tokens before the cap where the penalty grows")

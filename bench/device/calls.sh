@@ -7,6 +7,7 @@
 #   rl grpo_async 300 --steps 100 --eval-every 10 --lr 5e-6 --trace --set max_staleness=1
 #   variants var_dr 250 --steps 40 --val-every 20 --budget-s 225 --variants dr_grpo --seeds 1
 #   TORCHINDUCTOR_CACHE_DIR=/tmp/ic_w1 partial w1long 500 --steps 10 --timeout 230 --variants base,packed
+#   variants lora_vs_full 570 --steps 40 --val-every 10 --budget-s 540 --variants grpo,lora32,lora1   # issue 37 item 5
 #
 # Model and data: /tmp/real/smollm2 and /tmp/real/arithmetic (setup.sh). Runs write under /tmp/runs
 # (their checkpoints stay there); $OUT/<name>.tgz comes back.
