@@ -8,6 +8,8 @@ Why: SmolLM2-135M-Instruct never wrote a calculator call in 256 sampled episodes
 question in the chat (README.md), so GRPO had nothing to reinforce; issue 36 allows a short
 supervised warm start on demonstrations. Kept short on purpose (few examples, one epoch): the RL run
 should start from a model that calls the tool sometimes, not one that already solves the task.
+Size it in bf16, the precision a GPU run decodes in (judge.py --dtype bf16): a change below bf16's
+resolution vanishes there (bench/results/agent_warm_start_cpu_2026-12-04b.md).
 
 Each demonstration is an episode of the engine's own tool environment (env.tools=[calculator],
 judge.TASKS) with the model's turns written, not sampled: the right call, then the answer with the
