@@ -45,6 +45,11 @@ BASELINE = {"calculator": ("calculator_no_tool", "calculator_reward"), "guess": 
 TINY = {"steps": 2, "eval_every": 1, "val_n": 4, "prompts_per_step": 2, "group": 2, "max_turn_tokens": 12}
 
 
+def agent_title(task: str) -> str:
+    """The curve plots' title (the y axis says "accuracy": here it is held-out success)."""
+    return f"SmolLM2-135M-Instruct, the {task} task, held-out success (greedy, judge.py)"
+
+
 def prepare(args) -> tuple[str, Path]:
     """(model dir, data dir): SmolLM2 converted and the tasks written under --work when missing."""
     work = Path(args.work)
@@ -190,7 +195,8 @@ def main() -> int:
             lines.append(f"| {r['variant']} | {pt['step']} | {pt['wall_s']:.0f} | {pt['success']:.3f} | {pt['mean_turns']:.2f} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     if any(r["points"] for r in results["runs"]):
-        plot_curves(out / "curve.png", {r["variant"]: r["points"] for r in results["runs"] if r["points"]})
+        plot_curves(out / "curve.png", {r["variant"]: r["points"] for r in results["runs"] if r["points"]},
+                    title=agent_title(args.task))
     print("\n".join(lines))
     return 0 if all(r["rc"] == 0 for r in runs) else 1
 

@@ -189,7 +189,10 @@ def write_curve(out: Path, name: str, points: list[dict], extra: dict) -> None:
     plot_curves(out / "curve.png", {name: points})
 
 
-def plot_curves(path: Path, curves: dict[str, list[dict]]) -> None:
+ARITHMETIC_TITLE = "SmolLM2-135M-Instruct, 2-digit arithmetic, held-out greedy accuracy"
+
+
+def plot_curves(path: Path, curves: dict[str, list[dict]], title: str = ARITHMETIC_TITLE) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -203,7 +206,7 @@ def plot_curves(path: Path, curves: dict[str, list[dict]]) -> None:
         ax.set_ylabel("held-out greedy accuracy")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("SmolLM2-135M-Instruct, 2-digit arithmetic, held-out greedy accuracy")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

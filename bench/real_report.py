@@ -1,6 +1,11 @@
 """Side by side: curves written by bench/real_rl.py and bench/real_trl.py -> one PNG and a table.
 
     python bench/real_report.py runs/real_grpo runs/real_trl runs/real_ppo --out runs/real_report
+    python bench/real_report.py runs/agent_guess runs/trl_agent_guess --out runs/guess_report   # agents
+
+An agent run's directory (bench/real_agent.py, bench/real_trl_agent.py: results.json) gives one
+curve per run it holds (ours: the agent run, then its single-turn baseline), accuracy = held-out
+success.
 
 The first curve is ours (the one compared), the TRL curve is found by its engine ("trl"). The
 table gives each run's start and end accuracy, steps, wall time, tokens/s and peak GPU memory,
@@ -17,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_common import plot_curves  # noqa: E402
+from real_common import ARITHMETIC_TITLE, plot_curves  # noqa: E402
 
 
 def at_step(points: list[dict], step: int) -> dict:
@@ -34,15 +39,30 @@ def time_to(points: list[dict], accuracy: float) -> float | None:
     return min(hit) if hit else None
 
 
+def load_curves(run_dir: str) -> list[dict]:
+    """The curves of one output directory: curve.json (bench/real_rl.py, real_trl.py), or an agent
+    bench's results.json (real_agent.py: one curve per run in it; real_trl_agent.py: one)."""
+    path = Path(run_dir)
+    if (path / "curve.json").is_file():
+        return [json.loads((path / "curve.json").read_text())]
+    results = json.loads((path / "results.json").read_text())
+    if "runs" in results:   # real_agent.py
+        return [{"name": f"{path.name}/{r['variant']}", "engine": "dataflow", "points": r["points"]}
+                for r in results["runs"] if r.get("points")]
+    return [{"name": path.name, "engine": results.get("engine", "trl"), "points": results["points"],
+             "startup_s": results.get("startup_s", float("nan")), "peak_gpu_mem_mib": results.get("peak_gpu_mem_mib")}]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", help="output dirs holding curve.json")
+    p.add_argument("runs", nargs="+", help="output dirs holding curve.json (or an agent bench's results.json)")
     p.add_argument("--out", required=True)
+    p.add_argument("--title", default=ARITHMETIC_TITLE, help="the plot's title")
     args = p.parse_args()
-    curves = [json.loads((Path(r) / "curve.json").read_text()) for r in args.runs]
+    curves = [c for r in args.runs for c in load_curves(r)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    plot_curves(out / "curves.png", {c["name"]: c["points"] for c in curves})
+    plot_curves(out / "curves.png", {c["name"]: c["points"] for c in curves}, title=args.title)
     lines = ["| run | start acc | end acc | steps | wall s | start-up s | tokens/s | peak GPU MiB |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for c in curves:

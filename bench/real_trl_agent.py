@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT / "examples" / "agents"))
 
 import judge as J  # noqa: E402
 from gpu_step import log  # noqa: E402
-from real_agent import prepare  # noqa: E402
+from real_agent import agent_title, prepare  # noqa: E402
 from real_common import GpuMemory, plot_curves  # noqa: E402
 
 TINY = {"steps": 2, "eval_every": 1, "val_n": 4, "prompts_per_step": 2, "group": 2, "max_turn_tokens": 12}
@@ -263,7 +263,7 @@ def main() -> int:
              "| step | wall s | held-out success | mean turns |", "|---:|---:|---:|---:|"]
     lines += [f"| {pt['step']} | {pt['wall_s']:.0f} | {pt['success']:.3f} | {pt['mean_turns']:.2f} |" for pt in points]
     (out / "table.md").write_text("\n".join(lines) + "\n")
-    plot_curves(out / "curve.png", {"TRL": points})
+    plot_curves(out / "curve.png", {"TRL": points}, title=agent_title(args.task))
     print("\n".join(lines))
     return 0
 
