@@ -40,7 +40,9 @@ Reported per variant (the first --warmup steps excluded):
                critic epoch), N = matmul parameters of the policy incl. the (tied) LM head, Nc = the
                critic's (no LM head), T = tokens per step = 256 x (128 + 256); plus causal attention
                4·layers·d·S²/2 per sequence forward (x3 for training). Recomputation (old
-               log-probs of stale samples, padding) is not counted: MFU is of useful work.
+               log-probs of stale samples, padding) is not counted: MFU is of useful work. With
+               --set learner.lora.rank=R > 0 training is 4·N·T_train (+ attention x2): the frozen
+               base gets no weight gradients (the adapter's own FLOP are left out).
 --learner-bench (first, in this process, no Ray): the token log-prob kernel (plain float32 vs
 rl_math.token_logprobs eager and compiled), then ppo_update alone (one optimizer step over 256
 synthetic W1-length samples) and the reference pass, per micro-batch size
@@ -168,9 +170,9 @@ def matmul_params(shape: dict, lm_head: bool = True) -> int:
     return shape["layers"] * per_layer + (shape["vocab"] * d if lm_head else 0)
 
 
-def flop_per_step(shape: dict, algo: str, critic_epochs: int = 1) -> float:
+def flop_per_step(shape: dict, algo: str, critic_epochs: int = 1, lora: bool = False) -> float:
     """Useful model FLOP of one step (module docstring): forward = 2 FLOP per parameter per token
-    plus causal attention; backward = 2 x forward."""
+    plus causal attention; backward = 2 x forward, or 1 x with LoRA (the input gradients only)."""
     samples = shape["prompts_per_step"] * shape["group"]
     seq = shape["prompt_len"] + shape["response_len"]
     tokens = samples * seq
@@ -180,11 +182,16 @@ def flop_per_step(shape: dict, algo: str, critic_epochs: int = 1) -> float:
         return 2 * n * tokens + attn_fwd
 
     n = matmul_params(shape)
-    total = fwd(n) + fwd(n) + 3 * fwd(n)  # generation (prefill + decode), reference, training
+    total = fwd(n) + fwd(n) + (2 if lora else 3) * fwd(n)  # generation (prefill + decode), reference, training
     if algo == "ppo":
         nc = matmul_params(shape, lm_head=False)
         total += fwd(nc) + critic_epochs * 3 * fwd(nc)  # value pass + critic training
     return total
+
+
+def uses_lora(sets: list[str]) -> bool:
+    """Whether --set trains a LoRA adapter (learner.lora.rank > 0)."""
+    return any(x.startswith("learner.lora.rank=") and x.split("=", 1)[1].strip() not in ("0", "") for x in sets)
 
 
 def steady_stats(records: list[dict], warmup: int, samples_per_step: int) -> dict:
@@ -356,7 +363,8 @@ def dataflow_variant(args, shape: dict, paths: dict, algo: str, mode: str, out: 
         row["idle_sources"] = [l.strip() for l in (vdir / "run.log").read_text().splitlines()
                                if "from kernel records" in l]
     if row.get("s_per_step"):
-        row["mfu"] = flop_per_step(shape, algo) / row["s_per_step"] / (H200_BF16_PEAK * args.gpus)
+        flop = flop_per_step(shape, algo, lora=uses_lora(args.set))
+        row["mfu"] = flop / row["s_per_step"] / (H200_BF16_PEAK * args.gpus)
     if row["status"] == "ok" and "s_per_step" not in row:
         row["status"] = f"ok but only {row.get('steps_done', 0)} steps (<= warm-up {args.warmup})"
     if rc != 0:
