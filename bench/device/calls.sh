@@ -153,3 +153,16 @@ agents_plan() {  # agents_plan calc|guess: issue 36's side-by-side runs, one cal
         --prompts-per-step 16 --group 8 --max-wall 230 ;;
   esac
 }
+
+lora_plan() {  # lora_plan anchor|rows|curve: issue 37's missing measurements, one call each
+  # anchor: 1.5B LoRA again with TRL's GRPOTrainer + peft LoRA beside it (TRL=1 in payload.sh);
+  # rows: the 0.5B and 3B LoRA rows and 1.5B full again for its push cost (weights/push_mib);
+  # curve: LoRA rank 32 / 1 against full fine-tuning on the real model (bench/real_variants.py).
+  case $1 in
+    anchor) ladder l15_trl 570 --shape 1.5b --set learner.lora.rank=32 --trl --trl-lora-rank 32 ;;
+    rows)   ladder l05_lora 150 --shape w1 --set learner.lora.rank=32
+            ladder l3_lora 250 --shape 3b --set learner.lora.rank=32
+            ladder l15_full 170 --shape 1.5b --steps 4 --warmup 1 ;;
+    curve)  variants lora_vs_full 570 --steps 40 --val-every 10 --budget-s 540 --variants grpo,lora32,lora1 ;;
+  esac
+}
