@@ -31,6 +31,29 @@ def state_bytes(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> in
                for t in state.values())
 
 
+def unique_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """`state` with each tensor once, and the names dropped -> the name kept for the same tensor.
+    A model's state_dict() lists a tied tensor under every name (an lm_head tied to the embeddings
+    is a quarter of Qwen2.5-0.5B's weights): sent once, re-aliased on arrival (with_aliases)."""
+    kept: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in state.items():
+        key = (t.device, t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride())) if t.numel() else None
+        if key is not None and key in seen:
+            aliases[name] = seen[key]
+        else:
+            kept[name] = t
+            if key is not None:
+                seen[key] = name
+    return kept, aliases
+
+
+def with_aliases(state: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    """unique_state's inverse: every dropped name back, naming the kept tensor (no copy)."""
+    return {**state, **{name: state[kept] for name, kept in aliases.items()}} if aliases else state
+
+
 def encode_state(state: dict[str, torch.Tensor]) -> dict:
     """A state dict as the channel codec's header and flat numpy buffers (views, no copy)."""
     header, buffers = codec.encode(codec.Message(state))

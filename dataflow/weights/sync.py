@@ -80,6 +80,7 @@ from dataflow.weights.lora import AdapterHolder, AdapterMerger, is_adapter
 from dataflow.weights.edges import SYNC_EDGE  # noqa: F401 (the nodes import it from here)
 from dataflow.weights.rendezvous import host_push_group, join_push_group, push_address, push_names, tcp_store
 from dataflow.weights.state import (decode_state, encode_state, state_bytes, state_checksum, travel_copy,
+                                    unique_state, with_aliases,
                                     weights_checksum)
 
 
@@ -207,18 +208,19 @@ class LearnerWeightSync:
                 await self.ctx.publish(self.edge, payload, version=version)
         elif self.pusher is None:
             if self.ranks is None:
-                state = {k: travel_copy(v, self.dtype) for k, v in model.state_dict().items()}
+                state = model.state_dict()
             else:              # the whole weights, gathered on rank 0
                 state, _ = await asyncio.to_thread(self.ranks.full_state, model)
-                state = {k: travel_copy(v, self.dtype) for k, v in state.items()}
+            state, aliases = unique_state(state)   # a tied tensor travels once
+            state = {k: travel_copy(v, self.dtype) for k, v in state.items()}
             if self.lead:
                 sent = state_bytes(state, None)
-                await self.ctx.publish(self.edge, encode_state(state), version=version)
+                await self.ctx.publish(self.edge, {**encode_state(state), "aliases": aliases}, version=version)
         else:
             with self.ctx.span("weight push", version=version):
-                await asyncio.to_thread(self.pusher.push, model, version)
+                stats = await asyncio.to_thread(self.pusher.push, model, version)
             if self.lead:
-                sent = state_bytes(model.state_dict(), self.dtype)
+                sent = stats.bytes
                 await self.ctx.publish(self.edge, None, version=version)
         return sent
 
@@ -305,7 +307,7 @@ class GeneratorWeightSync:
                 if state is None:
                     raise RuntimeError(f"{self.ctx.full_name}: '{self.edge}' v{version} carries no weights: "
                                        "the learner uses weight_transport=collective, this generator object_store")
-                self.load(decode_state(state))
+                self.load(with_aliases(decode_state(state), state.get("aliases", {})))
                 await self._switched(version)
             yield self.version
             return
