@@ -65,7 +65,7 @@ from rl.generation.episodes import Episodes
 from rl.generation.hf_loop import HFLoop
 from rl.generation.reports import Drain, ValidationSpan
 from rl.data import policy
-from rl.agent import EnvConfig, load_environment
+from rl.agent import EnvConfig, environment_problems, load_environment
 from rl.generation.decoder_slots import fitted_prompts_per_call, prompts_per_call
 from rl.generation.decoding import StaticDecoder, unsupported_reason
 from rl.generation.groups import PromptGroups, response_cap, sample_plan
@@ -138,8 +138,11 @@ class GeneratorConfig:
     sets it from its env.* settings). env.path "" = single-turn responses."""
 
     def preflight(self) -> list[str]:
-        """backend=vllm where vllm is not installed: one line, before anything starts."""
-        return [missing_vllm("backend=vllm")] if self.backend == "vllm" and not vllm_installed() else []
+        """backend=vllm where vllm is not installed, and the env file's mistakes (a syntax error, no
+        such class or tool, a signature that cannot be called, a tool without type hints): one line
+        each, before anything starts (rl/agent/loading.environment_problems)."""
+        vllm = [missing_vllm("backend=vllm")] if self.backend == "vllm" and not vllm_installed() else []
+        return vllm + environment_problems(self.env)
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:

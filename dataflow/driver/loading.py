@@ -153,6 +153,9 @@ def _by_source(line: str, config: Any) -> str:
                 value, why = line[len(target) + 1:].split(": ", 1)
                 verb = "shares it with" if rule.kind == "share" else "fills in from it"
                 return f"{rule.source}={value}: {why} (the graph {verb} {', '.join(rule.targets)})"
+            if rule.kind == "share" and line.startswith(f"{target}."):   # inside a shared sub-config
+                shared = f"(the graph shares {rule.source} with {', '.join(rule.targets)})"
+                return f"{rule.source}{line[len(target):]} {shared}"
     return line
 
 

@@ -9,6 +9,7 @@ A pure library (no Ray): the generator node calls it (docs/agents.md).
 
 from rl.agent.config import EnvConfig
 from rl.agent.episode import Episode, EpisodeResult, Turn
-from rl.agent.loading import EnvFactory, EnvLoadError, load_environment
+from rl.agent.loading import EnvFactory, EnvLoadError, environment_problems, load_environment
 
-__all__ = ["EnvConfig", "EnvFactory", "EnvLoadError", "Episode", "EpisodeResult", "Turn", "load_environment"]
+__all__ = ["EnvConfig", "EnvFactory", "EnvLoadError", "Episode", "EpisodeResult", "Turn", "environment_problems",
+           "load_environment"]

@@ -65,10 +65,37 @@ def load_environment(cfg: EnvConfig, tokenizer: Any, stop_ids: tuple[int, ...] |
         if cfg.tools or cfg.name:
             raise EnvLoadError("env.tools / env.name are set but env.path is empty; set env.path=FILE")
         return None
+    in_template = T.template_has_tools(tokenizer)
+    form, session, schemas = _resolve(cfg, in_template)
+    try:
+        renderer = Renderer(tokenizer, schemas if in_template else None, cfg.non_append_template == "keep")
+    except ValueError as e:
+        raise EnvLoadError(f"{cfg.path}: {e}") from None
+    except Exception as e:           # the template raised on a user/assistant chat
+        raise EnvLoadError(f"{cfg.path}: the chat template cannot render a user/assistant chat: "
+                           f"{one_line(e)}") from None
+    return EnvFactory(cfg, tokenizer, renderer, session, form, schemas, tuple(stop_ids))
+
+
+def environment_problems(cfg: EnvConfig) -> list[str]:
+    """load_environment's checks that need no tokenizer (the file's form, signatures, tool schemas,
+    the reward setting), run by the driver before Ray starts (EnvConfig.preflight): [] or one line.
+    A missing file is the setting's own check (ExistingPath), not repeated here."""
+    if not cfg.path or not os.path.isfile(cfg.path):
+        return []
+    try:
+        _resolve(cfg, in_template=False)
+    except EnvLoadError as e:
+        return [str(e)]
+    return []
+
+
+def _resolve(cfg: EnvConfig, in_template: bool) -> tuple[str, Callable, list[dict]]:
+    """(form, the session factory, the tool schemas) of env.path, every mistake an EnvLoadError.
+    Imports the file (as the reward file is imported to check it)."""
     path = cfg.path
     module = import_user_file(path, "environment", EnvLoadError)
     classes = {k: v for k, v in vars(module).items() if inspect.isclass(v) and v.__module__ == module.__name__}
-    in_template = T.template_has_tools(tokenizer)
     if cfg.tools:
         if cfg.name or cfg.kwargs:
             raise EnvLoadError(f"{path}: env.tools names functions; env.name / env.kwargs are for a class: "
@@ -96,13 +123,7 @@ def load_environment(cfg: EnvConfig, tokenizer: Any, stop_ids: tuple[int, ...] |
         raise EnvLoadError(f"{path}: env.isolate=true runs a gym-style class (reset and step) in its own process; "
                            f"this file's form is {form}")
     _check_reward(cfg, form, path, None if cfg.tools else cls)
-    try:
-        renderer = Renderer(tokenizer, schemas if in_template else None, cfg.non_append_template == "keep")
-    except ValueError as e:
-        raise EnvLoadError(f"{path}: {e}") from None
-    except Exception as e:           # the template raised on a user/assistant chat
-        raise EnvLoadError(f"{path}: the chat template cannot render a user/assistant chat: {one_line(e)}") from None
-    return EnvFactory(cfg, tokenizer, renderer, session, form, schemas, tuple(stop_ids))
+    return form, session, schemas
 
 
 def _tool_function(module, name: str, path: str) -> Callable:

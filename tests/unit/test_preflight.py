@@ -195,3 +195,38 @@ def test_a_user_node_kind_brings_its_own_preflight(tmp_path):
         "    g.node('sink', Collect, Collect.Config(), ends_run=True)\n    g.channel('read.numbers', 'sink.squares', capacity=4)\n    return g\n")
     assert check(str(graph_file), "source.path=a.csv") == ["source.path=a.csv: not a .txt"]
     assert check(str(graph_file), "source.path=a.txt") == []
+
+
+@pytest.mark.parametrize("source, settings, message", [
+    (None, [], "env.path='{path}': {path} does not exist"),
+    ("class E:\n    def reset(self:\n", [], "{path}:2: syntax error"),
+    ("def f(): pass\n", [], "{path}: no environment class"),
+    ("class E:\n    def reset(self, **row): ...\n    def step(self): ...\n", [],
+     "{path}: E.step(self) cannot be called as step(self, action)"),
+    ("def calc(x):\n    'Id.'\n    return x\n", ["env.tools=[calc]", "env.reward=function"],
+     "{path}: tool calc: Argument x is missing a type hint"),
+])
+def test_a_bad_environment_file_is_one_line_and_exit_2_before_ray(tmp_path, capsys, monkeypatch, source, settings,
+                                                                  message):
+    """graphs/agent.py: an env file that is missing, does not parse, has no environment class, a step
+    that cannot be called, or a tool without type hints: one line naming the file, exit 2, before
+    Ray starts (before: a node's failed set-up after start-up; a missing file twice, once per copy
+    of the shared env setting). Starting Ray is booby-trapped here."""
+    import ray
+
+    from dataflow.run import main
+
+    def trap(*a, **k):
+        raise AssertionError("a bad env file must be refused before Ray starts")
+
+    monkeypatch.setattr(ray, "init", trap)
+    monkeypatch.setattr("dataflow.driver.runtime.start_ray", trap)
+
+    path = tmp_path / "env.py"
+    if source is not None:
+        path.write_text(source)
+    sets = [x for s in [f"env.path={path}", *settings] for x in ("--set", s)]
+    assert main(["graphs/agent.py", "--max-steps", "1", *sets]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and message.format(path=path) in err, err
+    assert not ray.is_initialized()
