@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 
@@ -77,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_steps is not None and args.max_steps < 1:
         print("error: --max-steps must be >= 1", file=sys.stderr)
         return 2
+    if args.out and (problem := out_dir_problem(args.out)):
+        print(f"error: --out {args.out}: {problem}", file=sys.stderr)
+        return 2
     from dataflow.driver.preflight import input_problems
 
     try:
@@ -97,6 +101,21 @@ def main(argv: list[str] | None = None) -> int:
                          out_dir=args.out, verbose=args.verbose, resume=args.resume,
                          **({} if args.compile_cache is None else {"compile_cache": args.compile_cache}))
     return _run_with_signals(lambda: run_graph(graph, options, config), args.graph)
+
+
+def out_dir_problem(path: str) -> str | None:
+    """Why the run directory cannot be made at `path` (a file there or above it, no write access),
+    or None; checked before Ray starts instead of failing at the first metrics write."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            return "a file is there; give a directory (it is made if missing)"
+        return None if os.access(path, os.W_OK | os.X_OK) else "not writable; give a directory you can write"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is a file, not a directory; give a path under a directory"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"{parent} is not writable; give a directory you can write"
 
 
 def _run_with_signals(make_coro, graph_file: str = "GRAPH.py") -> int:

@@ -25,8 +25,10 @@ answered it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
 
 from dataflow import Node
+from dataflow.checks import ExistingPath
 from dataflow.channel import EndOfChannel
 from dataflow.errors import UserError
 from rl.algorithm.metrics import PromptResult, validation_metrics
@@ -37,7 +39,7 @@ VALIDATED = "validated"
 
 @dataclass(kw_only=True)
 class ValidationConfig:
-    path: str = ""
+    path: Annotated[str, ExistingPath()] = ""
     """Validation file (any format prompts.path takes, read with the same prompt settings: chat
     template, field names, max_prompt_tokens); empty = no validation."""
     every: int = 0

@@ -146,6 +146,12 @@ def _reward_problems(reward, rows: _Rows, data_path: str) -> list[str]:
     from rl.reward.reward_fn import load_rewards
 
     source = f"prompts.path={data_path}" if data_path else "the built-in task"
+    if not reward.path and (reward.function or reward.kwargs):
+        fn = reward.function
+        given = (f"reward.function={fn if isinstance(fn, str) else '[' + ', '.join(fn) + ']'}" if fn
+                 else f"reward.kwargs={reward.kwargs}")
+        return [f"{given}: is for the functions of reward.path, which is empty (the built-in scorer runs and "
+                "would ignore it); set reward.path=FILE too, or drop it"]
     if not reward.path:
         if not data_path:
             return []

@@ -230,3 +230,34 @@ def test_a_bad_environment_file_is_one_line_and_exit_2_before_ray(tmp_path, caps
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and message.format(path=path) in err, err
     assert not ray.is_initialized()
+
+
+def test_out_dir_reward_settings_without_a_file_and_a_missing_val_file_before_ray(tmp_path, capsys, monkeypatch):
+    """Three mistakes that used to get past the checks: --out naming a file (a traceback, exit 1, at
+    the first metrics write), reward.function / reward.kwargs without reward.path (silently ignored:
+    the built-in scorer ran), a missing val.path (the prompt node's failed set-up after start-up).
+    Each is one line, exit 2, before Ray starts (booby-trapped here)."""
+    import ray
+
+    from dataflow.run import main
+
+    def trap(*a, **k):
+        raise AssertionError("refused before Ray starts")
+
+    monkeypatch.setattr(ray, "init", trap)
+    monkeypatch.setattr("dataflow.driver.runtime.start_ray", trap)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    cases = [
+        (["--out", str(a_file)], f"error: --out {a_file}: a file is there; give a directory (it is made if missing)"),
+        (["--out", str(a_file / "run")], f"error: --out {a_file / 'run'}: {a_file} is a file, not a directory"),
+        (["--set", "reward.function=accuracy"], "error: reward.function=[accuracy]: is for the functions of "
+                                                "reward.path, which is empty"),
+        (["--set", 'reward.kwargs={"k": 1}'], "error: reward.kwargs={'k': 1}: is for the functions of reward.path"),
+        (["--set", f"val.path={tmp_path / 'val.jsonl'}"], f"error: val.path='{tmp_path / 'val.jsonl'}': "
+                                                          f"{tmp_path / 'val.jsonl'} does not exist"),
+    ]
+    for argv, start in cases:
+        assert main(["graphs/grpo.py", "--max-steps", "1", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and err.startswith(start), (argv, err)
