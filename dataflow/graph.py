@@ -280,6 +280,8 @@ class Graph:
         """Raise GraphError listing every problem (file:line, node/channel, what to change); the
         rules are in dataflow/validation.py."""
         problems = graph_problems(self, source)
+        if len(problems) == 1:   # one line, as every other mistake is reported
+            raise GraphError(problems[0])
         if problems:
             raise GraphError(f"{source}: invalid graph '{self.name}':\n  " + "\n  ".join(problems))
 

@@ -212,13 +212,7 @@ class Learner(LearnerState, RankCommands, Node):
             prepare_trained(self.model, self.ctx.device, c.precision).eval()
         check_config(c, self.ctx.max_steps)
         self.peft = None            # lora.rank > 0: the PeftModel around self.model (LoRA layers inside it)
-        if c.own_reference and not c.lora.rank:
-            raise UserError("learner.own_reference needs learner.lora.rank > 0 (the reference is the base with the "
-                            "adapter disabled); without LoRA the graph's reference node computes them")
-        if c.lora.rank:
-            if self.ranks is not None:
-                raise UserError("learner.lora.rank > 0 with learner.dp x learner.tp > 1 is not supported yet: "
-                                "use one learner rank (dp=1, tp=1) or lora.rank=0")
+        if c.lora.rank:             # (check_config refused LoRA with dp x tp > 1)
             with self.ctx.span("lora"):
                 self.peft = lora.wrap(self.model, c.lora, self.ctx.device, c.precision)
             trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)

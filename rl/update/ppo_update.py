@@ -82,6 +82,12 @@ def check_config(c, max_steps: int | None) -> None:
     if c.overlong_buffer and not 0 < c.overlong_buffer <= c.max_new_tokens:
         raise UserError(f"learner.overlong_buffer={c.overlong_buffer} must be in (0, learner.max_new_tokens="
                         f"{c.max_new_tokens}]; set learner.max_new_tokens to the generators' max_new_tokens")
+    if c.own_reference and not c.lora.rank:
+        raise UserError("learner.own_reference needs learner.lora.rank > 0 (the reference is the base with the "
+                        "adapter disabled); without LoRA the graph's reference node computes them")
+    if c.lora.rank and c.dp * c.tp > 1:
+        raise UserError("learner.lora.rank > 0 with learner.dp x learner.tp > 1 is not supported yet: "
+                        "use one learner rank (dp=1, tp=1) or lora.rank=0")
     s = c.schedule
     if s.decay != "constant" and not (s.total_steps or max_steps or 0) > s.warmup_steps:
         raise UserError(f"learner.schedule.decay={s.decay} decays over the run's steps: set "

@@ -232,11 +232,12 @@ def test_a_bad_environment_file_is_one_line_and_exit_2_before_ray(tmp_path, caps
     assert not ray.is_initialized()
 
 
-def test_out_dir_reward_settings_without_a_file_and_a_missing_val_file_before_ray(tmp_path, capsys, monkeypatch):
-    """Three mistakes that used to get past the checks: --out naming a file (a traceback, exit 1, at
-    the first metrics write), reward.function / reward.kwargs without reward.path (silently ignored:
-    the built-in scorer ran), a missing val.path (the prompt node's failed set-up after start-up).
-    Each is one line, exit 2, before Ray starts (booby-trapped here)."""
+def test_mistakes_once_found_late_are_one_line_before_ray(tmp_path, capsys, monkeypatch):
+    """Mistakes that used to get past the checks: --out naming a file (a traceback, exit 1, at the
+    first metrics write), reward.function / reward.kwargs without reward.path (silently ignored: the
+    built-in scorer ran), a missing val.path and LoRA with several learner ranks (a node's failed
+    set-up after start-up), a graph's single problem (two lines). Each is one line, exit 2, before
+    Ray starts (booby-trapped here)."""
     import ray
 
     from dataflow.run import main
@@ -256,6 +257,12 @@ def test_out_dir_reward_settings_without_a_file_and_a_missing_val_file_before_ra
         (["--set", 'reward.kwargs={"k": 1}'], "error: reward.kwargs={'k': 1}: is for the functions of reward.path"),
         (["--set", f"val.path={tmp_path / 'val.jsonl'}"], f"error: val.path='{tmp_path / 'val.jsonl'}': "
                                                           f"{tmp_path / 'val.jsonl'} does not exist"),
+        # the learner's own checks, once found only in its set-up after start-up
+        (["--set", "learner.lora.rank=8", "--set", "learner.dp=2"], "error: learner.lora.rank > 0 with "
+                                                                    "learner.dp x learner.tp > 1 is not supported"),
+        (["--set", "learner.own_reference=true"], "error: learner.own_reference needs learner.lora.rank > 0"),
+        # a graph's one problem is one line too (several are listed under a header)
+        (["--set", "loggers=nope"], "error: graphs/grpo.py: loggers: unknown 'nope'; choose from"),
     ]
     for argv, start in cases:
         assert main(["graphs/grpo.py", "--max-steps", "1", *argv]) == 2, argv
