@@ -113,6 +113,8 @@ def plan(graph, cluster: int | list[int] | None = None) -> Plan:
     result, problems = _place(graph)
     if cluster is not None:
         problems += _cluster_problems(graph, result, [cluster] if isinstance(cluster, int) else list(cluster))
+    if len(problems) == 1:
+        raise GraphError(f"invalid placement for graph '{graph.name}': {problems[0]}")
     if problems:
         raise GraphError(f"invalid placement for graph '{graph.name}':\n  " + "\n  ".join(problems))
     return result
