@@ -78,9 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_steps is not None and args.max_steps < 1:
         print("error: --max-steps must be >= 1", file=sys.stderr)
         return 2
-    if args.out and (problem := out_dir_problem(args.out)):
-        print(f"error: --out {args.out}: {problem}", file=sys.stderr)
-        return 2
+    for flag, where in (("--out", args.out), ("--compile-cache", args.compile_cache),
+                        ("--trace", os.path.dirname(os.path.abspath(args.trace)) if args.trace else None)):
+        if where and (problem := out_dir_problem(where)):
+            shown = f"{args.trace}: its directory {where}" if flag == "--trace" else where
+            print(f"error: {flag} {shown}: {problem}", file=sys.stderr)
+            return 2
     from dataflow.driver.preflight import input_problems
 
     try:

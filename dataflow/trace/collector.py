@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 
 from dataflow.trace.chrome import BUCKET_SHIFT, chrome_trace, rows_from_doc
 from dataflow.trace.intervals import (coarsen_samples, idle_fraction, merge_intervals, one_sample_stream,
@@ -233,6 +234,7 @@ class TraceCollector:
                 break
             max_events = int(max_events * 0.95 * self.max_bytes / len(text))
         opener = gzip.open if str(path).endswith(".gz") else open
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)   # --trace runs/new/trace.json
         with opener(path, "wt") as f:
             f.write(text)
 

@@ -234,7 +234,7 @@ def test_a_bad_environment_file_is_one_line_and_exit_2_before_ray(tmp_path, caps
 
 def test_mistakes_once_found_late_are_one_line_before_ray(tmp_path, capsys, monkeypatch):
     """Mistakes that used to get past the checks: --out naming a file (a traceback, exit 1, at the
-    first metrics write), reward.function / reward.kwargs without reward.path (silently ignored: the
+    first metrics write; --trace's directory at the run's end; --compile-cache in a node's set-up), reward.function / reward.kwargs without reward.path (silently ignored: the
     built-in scorer ran), a missing val.path and LoRA with several learner ranks (a node's failed
     set-up after start-up), a graph's single problem (two lines). Each is one line, exit 2, before
     Ray starts (booby-trapped here)."""
@@ -252,6 +252,8 @@ def test_mistakes_once_found_late_are_one_line_before_ray(tmp_path, capsys, monk
     cases = [
         (["--out", str(a_file)], f"error: --out {a_file}: a file is there; give a directory (it is made if missing)"),
         (["--out", str(a_file / "run")], f"error: --out {a_file / 'run'}: {a_file} is a file, not a directory"),
+        (["--compile-cache", str(a_file)], f"error: --compile-cache {a_file}: a file is there"),
+        (["--trace", str(a_file / "t.json")], f"error: --trace {a_file / 't.json'}: its directory {a_file}: a file"),
         (["--set", "reward.function=accuracy"], "error: reward.function=[accuracy]: is for the functions of "
                                                 "reward.path, which is empty"),
         (["--set", 'reward.kwargs={"k": 1}'], "error: reward.kwargs={'k': 1}: is for the functions of reward.path"),
