@@ -79,7 +79,7 @@ def load_environment(cfg: EnvConfig, tokenizer: Any, stop_ids: tuple[int, ...] |
 
 def environment_problems(cfg: EnvConfig) -> list[str]:
     """load_environment's checks that need no tokenizer (the file's form, signatures, tool schemas,
-    the reward setting), run by the driver before Ray starts (EnvConfig.preflight): [] or one line.
+    the reward setting), run by the driver before Ray starts (GeneratorConfig.preflight): [] or one line.
     A missing file is the setting's own check (ExistingPath), not repeated here."""
     if not cfg.path or not os.path.isfile(cfg.path):
         return []
