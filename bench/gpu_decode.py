@@ -39,6 +39,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from rl.generation.decoding import StaticDecoder, decode_responses  # noqa: E402
 from rl.generation.hf_sampling import sample_responses  # noqa: E402
 from rl.model.padded_batch import pad_batch, sequence_logprobs  # noqa: E402
+from rl.model.precision import cast_model  # noqa: E402
 
 W1 = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
           num_key_value_heads=2, intermediate_size=4864, max_position_embeddings=32768,
@@ -83,7 +84,7 @@ def main() -> None:
     eos, pad = 2, 0
     model = Qwen2ForCausalLM(Qwen2Config(**shape, bos_token_id=1, eos_token_id=eos, pad_token_id=pad,
                                          attn_implementation="sdpa"))
-    model.to(device, dtype).eval()
+    cast_model(model, device, dtype).eval()
     tok = types.SimpleNamespace(pad_token_id=pad, eos_token_id=eos)
     g = torch.Generator().manual_seed(1)
     base = [torch.randint(3, shape["vocab_size"], (prompt_len,), generator=g).tolist() for _ in range(n_prompts)]

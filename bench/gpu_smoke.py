@@ -33,13 +33,14 @@ from nodes.learner import LearnerConfig, ppo_update, step_advantages  # noqa: E4
 from rl.model.causal_lm import ModelConfig, build_policy  # noqa: E402
 from rl.generation.hf_sampling import sample_responses  # noqa: E402
 from rl.model.padded_batch import pad_batch, sequence_logprobs  # noqa: E402
+from rl.model.precision import cast_model  # noqa: E402
 from rl.data.tasks import build_tokenizer, make_task, score  # noqa: E402
 
 
 def check_sampling_logprobs(dtype: torch.dtype, tol: float) -> float:
     tok = build_tokenizer()
     model = build_policy(ModelConfig(n_layer=4, n_embd=256, n_head=8, intermediate_size=512), tok)
-    model = model.to("cuda", dtype=dtype)
+    model = cast_model(model, "cuda", dtype)
     task = make_task("copy", 3)
     ids = [tok(p["prompt"])["input_ids"] for p in task.take(64)]
     worst = 0.0

@@ -55,6 +55,7 @@ import torch  # noqa: E402
 from rl.data import policy  # noqa: E402
 from rl.generation.decoding import StaticDecoder, sample_key  # noqa: E402
 from rl.model.padded_batch import pad_batch, sequence_logprobs  # noqa: E402
+from rl.model.precision import cast_model  # noqa: E402
 from rl.generation.vllm_engine import VllmDecoder, sampling_params  # noqa: E402
 
 T0 = time.time()
@@ -160,7 +161,7 @@ def w1_setup():
     shape = gpu_step.SHAPES["w1"]
     paths = gpu_step.build_workload(W1_DIR, shape, num_prompts=1024)
     model, tok = policy.load(policy.PolicySpec(path=paths["model"]))
-    model.to("cuda", dtype=torch.bfloat16).eval()
+    cast_model(model, "cuda", torch.bfloat16).eval()
     rng = random.Random(0)
     prompts = [[rng.randrange(4, shape["vocab"]) for _ in range(shape["prompt_len"])] for _ in range(256)]
     return shape, paths, model, tok, prompts
@@ -460,7 +461,7 @@ def main() -> int:
             torch.cuda.empty_cache()
             if args.model_dir and parts & {"correctness", "speed"} and "SmolLM2" in workloads:
                 model, tok = policy.load(policy.PolicySpec(path=args.model_dir))
-                model.to("cuda", dtype=torch.bfloat16).eval()
+                cast_model(model, "cuda", torch.bfloat16).eval()
                 stop = policy.stop_token_ids(model, tok)
                 prompts = chat_prompts(tok)
                 if "speed" in parts:

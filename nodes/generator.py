@@ -65,6 +65,7 @@ from rl.generation.episodes import Episodes
 from rl.generation.hf_loop import HFLoop
 from rl.generation.reports import Drain, ValidationSpan
 from rl.data import policy
+from rl.model.precision import cast_model
 from rl.agent import EnvConfig, environment_problems, load_environment
 from rl.generation.decoder_slots import fitted_prompts_per_call, prompts_per_call
 from rl.generation.decoding import StaticDecoder, unsupported_reason
@@ -186,7 +187,7 @@ class Generator(HFLoop, Node):
         # Cast before the weight sync's setup: it tells the learner the dtype to push in. With vLLM
         # this copy only receives the pushes (vLLM holds its own): on the CPU where it can be.
         held = "cpu" if backend == "vllm" and c.weight_sync.transport == "object_store" else self.ctx.device
-        self.model.to(held, dtype=resolve_dtype(c.dtype, self.ctx.device)).eval()
+        cast_model(self.model, held, resolve_dtype(c.dtype, self.ctx.device)).eval()
         self.version = 0
         self.weight_sync = GeneratorWeightSync(self.ctx, c.weight_sync)
         with self.ctx.span("weight sync setup"):

@@ -42,6 +42,23 @@ def autocast(dtype: torch.dtype, device, cache_weights: bool = True):
     return torch.autocast(device_type=torch.device(device).type, dtype=dtype, cache_enabled=cache_weights)
 
 
+ROTARY_BUFFERS = ("inv_freq", "original_inv_freq")
+
+
+def cast_model(model: torch.nn.Module, device, dtype: torch.dtype) -> torch.nn.Module:
+    """model.to(device, dtype) keeping the rotary embeddings' inverse frequencies in float32, as
+    HF's from_pretrained(dtype=...) keeps them. A plain .to(bfloat16) casts those buffers too:
+    bf16's 8-bit mantissa then shifts each rotation angle by up to position x 2^-9 radians (about
+    one radian at position 500), so the policy attends to a different sequence than the learner's
+    fp32-rotary model scores, the further into a long (multi-turn, tool-schema) context the worse."""
+    kept = [(module, name, buf) for module in model.modules() for name, buf in module._buffers.items()
+            if name in ROTARY_BUFFERS and buf is not None and buf.dtype == torch.float32]
+    model.to(device=device, dtype=dtype)
+    for module, name, buf in kept:
+        module._buffers[name] = buf.to(device=device)
+    return model
+
+
 def prepare_trained(model: torch.nn.Module, device, precision: str) -> torch.nn.Module:
     """A model the node trains: fp32 master weights on `device` (a checkpoint saved in bf16 would
     otherwise load, and train, in bf16), whatever the compute dtype."""
@@ -50,7 +67,7 @@ def prepare_trained(model: torch.nn.Module, device, precision: str) -> torch.nn.
 
 def prepare_frozen(model: torch.nn.Module, device, precision: str) -> torch.nn.Module:
     """A model that is never trained (reference): weights in the compute dtype, no gradients."""
-    return model.to(device=device, dtype=compute_dtype(precision, device)).eval().requires_grad_(False)
+    return cast_model(model, device, compute_dtype(precision, device)).eval().requires_grad_(False)
 
 
 def micro_slices(n: int, micro_batch_size: int) -> list[slice]:

@@ -176,3 +176,26 @@ def test_sample_responses_per_row_temperature(tok, policy):
     assert same == hf_sampling.sample_responses(policy, tok, prompts, 5, temperature=1.0, seed=1)
     with pytest.raises(ValueError, match="temperatures for 6 prompts"):
         hf_sampling.sample_responses(policy, tok, prompts, 5, temperature=[0.0, 1.0])
+
+
+def test_cast_model_keeps_rotary_in_float32(tok, policy):
+    """rl/model/precision.cast_model (the generator's and the frozen reference's cast): bf16 weights,
+    rotary inverse frequencies still float32, so a long context's logits stay those of the fp32
+    model within bf16's rounding; a plain .to(bfloat16) rounds the frequencies and drifts."""
+    import copy
+    from rl.model.precision import cast_model
+    fp32 = copy.deepcopy(policy).eval()
+    ours = cast_model(copy.deepcopy(policy), "cpu", torch.bfloat16).eval()
+    plain = copy.deepcopy(policy).to(dtype=torch.bfloat16).eval()
+    assert next(ours.parameters()).dtype == torch.bfloat16
+    rotary = ours.model.rotary_emb
+    assert rotary.inv_freq.dtype == torch.float32
+    assert torch.equal(rotary.inv_freq, fp32.model.rotary_emb.inv_freq)
+    assert plain.model.rotary_emb.inv_freq.dtype == torch.bfloat16   # what the helper guards against
+
+    # positions far into a context: cos/sin of the fp32 model, rounded to bf16 once
+    x = torch.zeros(1, 1, policy.config.hidden_size, dtype=torch.bfloat16)
+    pos = torch.tensor([[700, 1500]])
+    want = [t.to(torch.bfloat16) for t in fp32.model.rotary_emb(x.float(), pos)]
+    assert all(torch.equal(a, b) for a, b in zip(rotary(x, pos), want))
+    assert not all(torch.equal(a, b) for a, b in zip(plain.model.rotary_emb(x, pos), want))
