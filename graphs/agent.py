@@ -43,6 +43,12 @@ from rl.agent import EnvConfig
 def _env_problem(cfg) -> str | None:
     if not cfg.env.path:
         return "graphs/agent.py runs episodes of an environment: set env.path=FILE (docs/agents.md)"
+    if cfg.prompts.apply_chat_template:
+        # the environment renders the chat (with the tools) itself; a rendered string would be
+        # rendered again inside it as one user message
+        return ("graphs/agent.py: prompts.apply_chat_template=true renders string prompts before the environment "
+                "renders them again; unset it (a string row is the user's message), or write chat rows "
+                "(a list of messages, a system message first if you want one)")
     return None
 
 
@@ -70,7 +76,9 @@ config = AgentGraphConfig()
 
 
 def build(cfg: AgentGraphConfig) -> Graph:
-    g = Graph("agent", config=cfg, progress=PROGRESS + ["samples/failed", "env/turns"])
+    # tool calls per episode beside the turns: a tool-using run whose model stopped calling shows it
+    tools = ["env/tool_calls", "env/tool_errors"] if cfg.env.tools else []
+    g = Graph("agent", config=cfg, progress=PROGRESS + ["samples/failed", "env/turns"] + tools)
     g.node("prompts", PromptSource, cfg.prompts, cpus=0.1)
     # the environment runs inside the generator (module docstring)
     g.node("generator", Generator, cfg.generator, cpus=1, side="rollout", replicas=cfg.generator_replicas)

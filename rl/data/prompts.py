@@ -15,7 +15,9 @@ prompt added (an optional system prompt goes first unless the chat has one). Eve
 goes to the reward function. The answer (field `answer_key`; default "answer", else verl's
 `reward_model.ground_truth`) is passed as fields["answer"], so verl's parquet layout
 (`data_source`, `prompt` as messages, `reward_model.ground_truth`, `extra_info`) works unchanged.
-A rendered chat's messages are kept as fields["raw_prompt"] (verl's name). Arrow fills a field a
+A chat row's messages, as rendered (with the system prompt), are kept as fields["raw_prompt"]
+(verl's name): TRL's conversational reward functions get them, and an agent's episodes start from
+them (rl/generation/episodes.py; the text would be rendered twice). Arrow fills a field a
 row lacks with null: such keys are dropped from messages (a template testing `message.name is
 defined` must not see them) but kept in the other fields, as HF datasets and verl do.
 
@@ -194,13 +196,14 @@ class EncodedPrompts:
         return msg
 
 
-def _render(prompt, cfg, tokenizer, tokenizer_dir: str, where: str, setting: str) -> tuple[str, bool]:
-    """(text, whether tokenizing adds special tokens): a chat template's text carries its own."""
+def _render(prompt, cfg, tokenizer, tokenizer_dir: str, where: str, setting: str) -> tuple[str, bool, list | None]:
+    """(text, whether tokenizing adds special tokens, the messages rendered or None): a chat
+    template's text carries its own special tokens."""
     if isinstance(prompt, str) and not cfg.apply_chat_template:
         if cfg.system_prompt:
             raise DatasetError(f"{where}: a system prompt is set but this prompt is a string; render strings "
                                f"as chats with {_flag(setting, 'apply_chat_template', 'true')}")
-        return prompt, True
+        return prompt, True, None
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if cfg.system_prompt and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": cfg.system_prompt})
@@ -210,7 +213,7 @@ def _render(prompt, cfg, tokenizer, tokenizer_dir: str, where: str, setting: str
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(f"{where}: a chat prompt, but the tokenizer at {tokenizer_dir or '(built-in)'} has no "
                         "chat template; add \"chat_template\" to its tokenizer_config.json or give string prompts")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False, messages
 
 
 def encode_prompts(prompts: Prompts, tokenizer, tokenizer_dir: str = "", cfg=None, setting: str = "prompts",
@@ -228,7 +231,8 @@ def encode_prompts(prompts: Prompts, tokenizer, tokenizer_dir: str = "", cfg=Non
         batch = []
         for i in range(start, min(start + chunk, len(prompts))):
             try:
-                text, special = _render(prompts.prompts[i], cfg, tokenizer, tokenizer_dir, prompts.where(i), setting)
+                text, special, messages = _render(prompts.prompts[i], cfg, tokenizer, tokenizer_dir,
+                                                  prompts.where(i), setting)
             except UserError:
                 raise
             except Exception as e:   # a template's own check (e.g. roles must alternate)
@@ -237,9 +241,9 @@ def encode_prompts(prompts: Prompts, tokenizer, tokenizer_dir: str = "", cfg=Non
                                        f"{_skip_hint(setting)}") from None
                 skipped += 1
                 continue
-            batch.append((i, text, special))
+            batch.append((i, text, special, messages))
         if tokenizer is None:
-            records += [(text, prompts.fields[i]) for i, text, _ in batch]
+            records += [(text, prompts.fields[i]) for i, text, _, _ in batch]
             continue
         ids = [None] * len(batch)
         for special in (True, False):
@@ -249,10 +253,10 @@ def encode_prompts(prompts: Prompts, tokenizer, tokenizer_dir: str = "", cfg=Non
                                     return_attention_mask=False)["input_ids"]
                 for j, e in zip(group, encoded):
                     ids[j] = e
-        for (i, text, _), row_ids in zip(batch, ids):
+        for (i, text, _, messages), row_ids in zip(batch, ids):
             fields = prompts.fields[i]
-            if not isinstance(prompts.prompts[i], str):
-                fields = {**fields, "raw_prompt": prompts.prompts[i]}
+            if not isinstance(prompts.prompts[i], str):    # a chat row: its messages as rendered
+                fields = {**fields, "raw_prompt": messages}
             if limit and len(row_ids) > limit:
                 if cfg.truncation == "error":
                     if not cfg.skip_bad_lines:

@@ -84,7 +84,11 @@ class Episodes:
     def start(self, msg, plan: list[tuple[int, float | None]], number_of) -> asyncio.Task:
         """ep.start() of each sample of msg's group, as one task; its result: the group's _Runs.
         number_of(): the group number, read when the task is admitted."""
-        row = {**msg.data.get("fields", {}), "prompt": msg.data["prompt"]}
+        # a chat row starts from its messages, not from the prompt source's rendering of them (the
+        # environment renders the chat itself, with the tools: the text would be rendered twice)
+        fields = dict(msg.data.get("fields", {}))
+        prompt = fields.pop("raw_prompt", None) or msg.data["prompt"]
+        row = {**fields, "prompt": prompt}
         runs = [_Run(self.factory.episode(row), (None, j), key, temp) for j, (key, temp) in enumerate(plan)]
 
         async def start_all():
@@ -198,7 +202,8 @@ class Episodes:
 def episode_metrics(samples: list[dict]) -> dict:
     """The learner's env/* metrics of a batch: per episode, means of turns, environment seconds,
     trained (sampled) tokens, and tokens prefilled against what re-prefilling the history at every
-    turn would have cost; env/failed counts. {} when no sample is an episode."""
+    turn would have cost, tool calls and tool errors (malformed, unknown tool, bad arguments, raised,
+    timed out: rl/agent/episode.COUNTERS); env/failed counts. {} when no sample is an episode."""
     episodes = [s for s in samples if "env" in s]
     if not episodes:
         return {}
@@ -206,6 +211,8 @@ def episode_metrics(samples: list[dict]) -> dict:
     return {"env/turns": sum(s["turns"] for s in episodes) / n,
             "env/failed": sum(bool(s["env"]["failed"]) for s in episodes),
             "env/env_s": sum(s["env"]["env_s"] for s in episodes) / n,
+            "env/tool_calls": sum(s["env"]["counters"].get("tool_calls", 0) for s in episodes) / n,
+            "env/tool_errors": sum(s["env"]["counters"].get("tool_errors", 0) for s in episodes) / n,
             "env/trained_tokens": sum(sum(s["loss_mask"]) for s in episodes) / n,
             "env/prefilled_tokens": sum(s["env"].get("prefilled_tokens", 0) for s in episodes) / n,
             "env/history_tokens": sum(s["env"].get("history_tokens", 0) for s in episodes) / n}

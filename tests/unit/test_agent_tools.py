@@ -238,3 +238,30 @@ def test_the_tools_system_message_joins_the_users_own():
     assert json.dumps(schema) in merged[0]["content"] and merged[1] == {"role": "user", "content": "hi"}
     added = system_message([schema], [{"role": "user", "content": "hi"}])
     assert [m["role"] for m in added] == ["system", "user"] and added[0]["content"].startswith("# Tools\n")
+
+
+def test_a_chat_row_from_the_prompt_source_starts_its_episode_rendered_once(tmp_path):
+    """The prompt source renders a chat row to text (rl/data/prompts.py); an episode must start
+    from the row's messages, rendered once by the environment with the tools section, not from
+    that text wrapped as one user message (the calculator's 0-call runs, issue 36). A system
+    prompt set on the data reaches the episode too."""
+    import types
+    from rl.data import prompts as data
+    from rl.generation.episodes import Episodes
+    tok = bpe_tokenizer()
+    factory = load_environment(EnvConfig(path=write(tmp_path, TOOLS), tools=["multiply"], reward="function"), tok)
+    chat = [{"role": "user", "content": "What is 12 times 34?"}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": chat, "answer": "408"}) + "\n")
+
+    async def first_prompt(cfg):
+        enc = data.encode_prompts(data.load_prompts(str(path)), tok, cfg=cfg)
+        msg = types.SimpleNamespace(data={"id": 0, **enc.message(0)})
+        episodes = Episodes(types.SimpleNamespace(tracer=None), factory, None, 16)
+        runs = await episodes.start(msg, [(1, None)], None)
+        return runs[0].prompt_ids
+    schemas = factory.renderer.tools
+    assert asyncio.run(first_prompt(data.DataConfig())) == render_ids(tok, chat, tools=schemas)
+    system = [{"role": "system", "content": "Use the tools."}] + chat
+    assert asyncio.run(first_prompt(data.DataConfig(system_prompt="Use the tools."))) == \
+        render_ids(tok, system, tools=schemas)

@@ -126,6 +126,8 @@ def test_chat_prompts_render_with_the_template_and_system_prompt(tmp_path, model
     enc = token_file.open_prompts(str(path), cfg, tok, model_dir)
     assert enc.message(0)["prompt"].startswith("<|im_start|>system\nyou are terse<|im_end|>\n<|im_start|>user")
     assert enc.message(1)["prompt"].count("system") == 1          # the row's own system message wins
+    # the messages as rendered: an agent's episode starts from them (rl/generation/episodes.py)
+    assert enc.message(0)["fields"]["raw_prompt"] == [{"role": "system", "content": "you are terse"}] + CHAT
     assert enc.message(2)["prompt"] == "<|im_start|>system\nyou are terse<|im_end|>\n<|im_start|>user\ncopy 1 2 :" \
                                        "<|im_end|>\n<|im_start|>assistant\n"
 

@@ -145,3 +145,19 @@ def test_an_environment_step_that_just_ended_is_seen_before_the_event_loop_turns
         await episodes.wait([], 0.05)         # nothing to wait on: sleeps, never spins
         assert loop.time() - t0 >= 0.05
     asyncio.run(main())
+
+
+def test_episode_metrics_average_tool_calls_and_errors_per_episode():
+    """The learner's env/* line (rl/generation/episodes.episode_metrics): per-episode means of the
+    episodes' tool counters, so a tool-using run whose model stopped calling shows 0 calls."""
+    from rl.generation.episodes import episode_metrics
+
+    def episode(turns, calls, errors, failed=None):
+        return {"turns": turns, "loss_mask": [1, 1, 0, 1], "env": {
+            "failed": failed, "env_s": 0.5, "counters": {"tool_calls": calls, "tool_errors": errors},
+            "prefilled_tokens": 10, "history_tokens": 20}}
+    m = episode_metrics([episode(3, 2, 1), episode(1, 0, 0), episode(2, 1, 0, failed="timeout"),
+                         {"turns": 1, "loss_mask": [1]}])          # a single-turn sample: not an episode
+    assert m["env/tool_calls"] == 1.0 and m["env/tool_errors"] == pytest.approx(1 / 3)
+    assert m["env/turns"] == 2.0 and m["env/failed"] == 1 and m["env/trained_tokens"] == 3.0
+    assert episode_metrics([{"turns": 1, "loss_mask": [1]}]) == {}

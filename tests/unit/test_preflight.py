@@ -205,11 +205,14 @@ def test_a_user_node_kind_brings_its_own_preflight(tmp_path):
      "{path}: E.step(self) cannot be called as step(self, action)"),
     ("def calc(x):\n    'Id.'\n    return x\n", ["env.tools=[calc]", "env.reward=function"],
      "{path}: tool calc: Argument x is missing a type hint"),
+    ("class E:\n    def reset(self, **row): ...\n    def step(self, action): ...\n", ["prompts.apply_chat_template=true"],
+     "prompts.apply_chat_template=true renders string prompts before the environment renders them again"),
 ])
 def test_a_bad_environment_file_is_one_line_and_exit_2_before_ray(tmp_path, capsys, monkeypatch, source, settings,
                                                                   message):
     """graphs/agent.py: an env file that is missing, does not parse, has no environment class, a step
-    that cannot be called, or a tool without type hints: one line naming the file, exit 2, before
+    that cannot be called, a tool without type hints, or prompts rendered before the environment renders
+    them: one line naming the file or setting, exit 2, before
     Ray starts (before: a node's failed set-up after start-up; a missing file twice, once per copy
     of the shared env setting). Starting Ray is booby-trapped here."""
     import ray
