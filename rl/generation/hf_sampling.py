@@ -20,7 +20,6 @@ def _cache_kwarg(model: nn.Module, out) -> dict:
     return {"past_key_values": out.past_key_values}
 
 
-@torch.no_grad()
 def _row_temperatures(temperature, num: int, device) -> torch.Tensor | None:
     """[num, 1] per-row temperatures, or None when one temperature serves every row (the old path,
     bit for bit the same random stream)."""
@@ -47,6 +46,7 @@ def _sample_per_row(logits: torch.Tensor, temps: torch.Tensor, top_k: int | None
     return logits, torch.where(greedy[:, 0], logits.argmax(-1), sampled)
 
 
+@torch.no_grad()   # grad mode is per thread and on in asyncio.to_thread's: no graph over every decode step
 def sample_responses(model: nn.Module, tokenizer, prompt_ids_list: list[list[int]],
                      max_new_tokens: int, temperature: float | list[float] = 1.0, top_k: int | None = None,
                      generator: torch.Generator | None = None,

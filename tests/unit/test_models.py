@@ -178,6 +178,22 @@ def test_sample_responses_per_row_temperature(tok, policy):
         hf_sampling.sample_responses(policy, tok, prompts, 5, temperature=[0.0, 1.0])
 
 
+def test_sample_responses_builds_no_autograd_graph_in_a_worker_thread(tok, policy):
+    """The HF loop samples in asyncio.to_thread, where grad mode is on, with a model whose weights
+    require grad: every forward must still run without a graph (one kept over a batch of episodes
+    held every layer's activations of every decode step and ran a GPU out of memory)."""
+    import asyncio
+
+    grad_modes = []
+    hook = policy.register_forward_hook(lambda module, args, out: grad_modes.append(torch.is_grad_enabled()))
+    try:
+        assert any(p.requires_grad for p in policy.parameters())
+        asyncio.run(asyncio.to_thread(hf_sampling.sample_responses, policy, tok, varied_prompts(tok, 3), 4, seed=0))
+    finally:
+        hook.remove()
+    assert grad_modes and not any(grad_modes)
+
+
 def test_cast_model_keeps_rotary_in_float32(tok, policy):
     """rl/model/precision.cast_model (the generator's and the frozen reference's cast): bf16 weights,
     rotary inverse frequencies still float32, so a long context's logits stay those of the fp32
