@@ -31,6 +31,7 @@ from dataflow import Node
 from dataflow.checks import ExistingPath
 from dataflow.channel import EndOfChannel
 from dataflow.errors import UserError
+from rl.agent.episode import rollout_fields
 from rl.algorithm.metrics import PromptResult, validation_metrics
 
 VALIDATED = "validated"
@@ -150,9 +151,8 @@ class Evaluator(Node):
             "val/duplicates_dropped": self.duplicates,
         })
         shown = [{"kind": "val", "step": r, "version": item["version"], "id": item["id"],
-                  "prompt": item["prompt"], "response": item["samples"][0].get("text", ""),
-                  "reward": results[i].greedy,
-                  "samples": [{"response": s.get("text", ""), "reward": score}
+                  **rollout_fields(item["samples"][0], item["prompt"]), "reward": results[i].greedy,
+                  "samples": [{"response": rollout_fields(s, None)["response"], "reward": score}
                               for s, score in zip(item["samples"][1:], results[i].samples)]}
                  for i, item in enumerate(rows[:c.rollouts])]
         self.ctx.metrics({**metrics, **({"rollouts": shown} if shown else {})})

@@ -38,6 +38,7 @@ from typing import Annotated
 
 from dataflow import Node, UserError
 from dataflow.checks import AtLeast, ExistingPath, NonNegative, Positive
+from rl.agent.episode import rollout_fields
 from rl.data import fast_tokenizer, tasks
 from rl.reward.runner import Request, RewardRunner
 from rl.reward.reward_fn import load_rewards
@@ -227,7 +228,7 @@ class Reward(Node):
             if shown < self.config.rollouts_per_step:
                 s = msg.data["samples"][0]
                 rows.append({"kind": "train", "step": step, "version": msg.data.get("version"), "id": msg.data["id"],
-                             "prompt": msg.data["prompt"], "response": s.get("text", ""), "reward": s["score"]})
+                             **rollout_fields(s, msg.data["prompt"]), "reward": s["score"]})
                 self.rollouts_shown[step] = shown + 1
         if rows:
             self.ctx.metrics({"rollouts": rows})

@@ -35,6 +35,24 @@ COUNTERS = ("tool_calls", "tool_errors", "malformed_tool_calls", "unknown_tool_c
 kinds after it; truncated_turns are turns cut by the token limit (finished=False)."""
 
 
+def transcript(messages: list[dict]) -> str:
+    """Messages as one readable text, a `[role] content` line each: what rollouts.jsonl,
+    TensorBoard and wandb show of an episode (the chat the environment rendered, turn by turn)."""
+    return "\n".join(f"[{m.get('role')}] {m.get('content')}" for m in messages)
+
+
+def rollout_fields(sample: dict, prompt) -> dict:
+    """What a shown rollout (rollouts.jsonl, TensorBoard, wandb) says of one sample: its prompt and
+    response text; for an episode the chat's transcript instead, first messages then the turns (the
+    prompt source's text is not what the environment rendered), with its turns and how it ended."""
+    env = sample.get("env")
+    if env is None:
+        return {"prompt": prompt, "response": sample.get("text", "")}
+    first = env.get("first_messages", 0)
+    return {"prompt": transcript(env["messages"][:first]), "response": transcript(env["messages"][first:]),
+            "turns": sample.get("turns"), "ended_by": env.get("ended_by")}
+
+
 @dataclass
 class Turn:
     append_ids: list[int]

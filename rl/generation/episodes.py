@@ -16,10 +16,10 @@ A sample: "prompt_ids" (the episode's first render), "response_ids" (sampled and
 interleaved), "loss_mask" (1 sampled, 0 environment), "logprobs" (0 on environment ids),
 "token_versions" (the version that sampled each token; an environment token carries the one of the
 token before it), "finished" (the last turn ended on a stop token), "turns", and "env": the
-episode's reward, failed reason, ended_by, counters, environment seconds, the chat's messages and
-the reward mode (for the reward node, nodes/reward.py), and the tokens it prefilled against those a
-re-prefill of the whole history at every turn would have (env/prefilled_tokens, env/history_tokens
-on the learner's line).
+episode's reward, failed reason, ended_by, counters, environment seconds, the chat's messages (the
+first `first_messages` of them its prompt) and the reward mode (for the reward node,
+nodes/reward.py), and the tokens it prefilled against those a re-prefill of the whole history at
+every turn would have (env/prefilled_tokens, env/history_tokens on the learner's line).
 
 Noise: a turn's token t uses counter (index of the turn's first token in response_ids) + t, so no
 turn replays another's noise and a re-issued episode with a deterministic environment samples the
@@ -191,7 +191,7 @@ class Episodes:
                 "turns": result.turns,
                 "env": {"prefilled_tokens": run.prefilled, "history_tokens": run.history,"reward": result.reward, "failed": result.failed, "ended_by": result.ended_by,
                         "counters": result.counters, "env_s": result.env_s, "messages": result.messages,
-                        "final_text": result.final_text, "reward_mode": self.factory.reward_mode}}
+                        "first_messages": result.first_messages, "final_text": result.final_text, "reward_mode": self.factory.reward_mode}}
 
     def close(self) -> None:
         for task in self.steps:

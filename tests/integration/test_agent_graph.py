@@ -167,6 +167,13 @@ def test_failed_episodes_counted_a_generator_and_a_learner_killed_mid_episode_an
     assert sorted(i for r in done for i in r["prompt_ids"]) == list(range(24))   # every prompt once
     assert all(r["samples/failed"] == 2 and r["env/failed"] == 2 for r in done), done
     assert all(r["env/turns"] == (2 * 2 + 6 * 3) / 8 for r in done), [r["env/turns"] for r in done]  # failed: in turn 2
+    # the shown rollouts of an episode: its chat turn by turn, not the prompt source's text alone
+    shown = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert shown and all(r["kind"] == "train" for r in shown)
+    for r in shown:
+        assert r["prompt"].startswith("[user] copy ") and r["turns"] in (2, 3), r
+        assert r["response"].count("[assistant] ") == r["turns"] and "[user] copy " in r["response"], r
+        assert r["ended_by"] == ("done" if r["turns"] == 3 else "failed"), r
 
 
 @pytest.mark.usefixtures("ray_instance")
