@@ -137,17 +137,18 @@ ladder() {  # ladder <name> <timeout s> <bench/gpu_step.py args...>: one row of 
 agents_plan() {  # agents_plan calc|guess: issue 36's side-by-side runs, one call each, in one lease
   # calc: the bf16-sized warm start (bench/results/agent_warm_start_cpu_2026-12-04b.md; made on the
   # CPU, fp32), then ours and TRL from it. guess: ours and TRL again in the same lease.
-  # Both need TRL=1 in payload.sh. Each fits a 600 s call on one H200 (2026-12-04's timings). Judged
+  # Both need TRL=1 in payload.sh. On a fresh machine (setup converts SmolLM2) calc does not fit one
+  # 600 s call: 2026-12-05 ran warm + ours, then TRL + ours on guess, then TRL on guess. Judged
   # every 5 steps: at every 15, the time to an accuracy could not tell the two engines apart.
   case $1 in
     calc)
       warm /tmp/real/smollm2_warm 16 --lr 5e-5 --device cpu
-      agent calcw 280 --task calculator --model /tmp/real/smollm2_warm --steps 45 --eval-every 5 --val-n 128 \
+      agent calcw 300 --task calculator --model /tmp/real/smollm2_warm --steps 45 --eval-every 5 --val-n 128 \
         --lr 1e-5 --prompts-per-step 16 --group 8 --timeout 200 --variants agent
-      trlagent trlcalcw 260 --task calculator --model /tmp/real/smollm2_warm --steps 45 --eval-every 5 --val-n 128 \
+      trlagent trlcalcw 250 --task calculator --model /tmp/real/smollm2_warm --steps 45 --eval-every 5 --val-n 128 \
         --lr 1e-5 --prompts-per-step 16 --group 8 --max-wall 190 ;;
     guess)
-      agent guess 290 --task guess --variants agent --steps 30 --eval-every 5 --val-n 128 --lr 2e-5 \
+      agent guess 300 --task guess --variants agent --steps 30 --eval-every 5 --val-n 128 --lr 2e-5 \
         --prompts-per-step 16 --group 8 --timeout 230
       trlagent trlguess 300 --task guess --steps 30 --eval-every 5 --val-n 128 --lr 2e-5 \
         --prompts-per-step 16 --group 8 --max-wall 230 ;;
