@@ -17,7 +17,9 @@ answers still allowed); its baseline trains on one guess
 Each run saves a checkpoint every --eval-every steps; after the run, the base model (step 0) and
 every checkpoint's learner weights are judged greedily on --val-n held-out rows: the agent run by
 its episodes (judge.py), the baseline single-turn on its own rows. wall_s counts from the run's
-start (start-up included) to the checkpoint's commit. Writes OUT/results.json, OUT/table.md,
+start (start-up included) to the end of the step (its record in metrics.jsonl, as TRL's
+on_step_end in real_trl_agent.py); saved_s to its checkpoint's commit, a background write that
+can come many seconds later. Writes OUT/results.json, OUT/table.md,
 OUT/curve.png and OUT/<variant>/ (run log, metrics). Model and data: --model / --work as
 bench/real_rl.py (the data is written by examples/agents/tasks.py into WORK/agent_data).
 """
@@ -114,7 +116,7 @@ def run_variant(args, variant: str, model: str, data: Path, on_gpu: bool, out: P
     clock.stop()
     log(f"{variant}: rc {rc} in {time.time() - t0:.0f} s")
     return {"variant": variant, "rc": rc, "run_s": time.time() - t0, "t0": t0, "saved": dict(clock.saved),
-            "run_dir": str(vdir / "run")}
+            "stepped": dict(clock.stepped), "run_dir": str(vdir / "run")}
 
 
 def judge_run(args, run: dict, model: str, data: Path, device: str) -> list[dict]:
@@ -139,8 +141,10 @@ def judge_run(args, run: dict, model: str, data: Path, device: str) -> list[dict
         if net.config.tie_word_embeddings:
             net.tie_weights()
         result = J.judge(net, tokenizer, rows, args.task, single=single, batch=args.eval_batch)
-        wall = run["saved"][step] - run["t0"] if step else 0.0
-        points.append({"step": step, "wall_s": wall, "accuracy": result["success"], "success": result["success"],
+        # when the step ended (its metrics record), as TRL's on_step_end; not when its checkpoint committed
+        wall = run["stepped"].get(step, run["saved"][step]) - run["t0"] if step else 0.0
+        saved = run["saved"][step] - run["t0"] if step else 0.0
+        points.append({"step": step, "wall_s": wall, "saved_s": saved, "accuracy": result["success"], "success": result["success"],
                        "mean_turns": result["mean_turns"], "counters": result["counters"],
                        "example": result["examples"][0]})
         log(f"{run['variant']} step {step}: held-out success {result['success']:.3f} ({result['wins']}/{result['n']}) "
@@ -186,7 +190,7 @@ def main() -> int:
                "runs": []}
     for run in runs:
         points = judge_run(args, run, model, data, "cuda" if on_gpu else "cpu") if run["saved"] or run["rc"] == 0 else []
-        results["runs"].append({**{k: v for k, v in run.items() if k != "saved"}, "points": points})
+        results["runs"].append({**{k: v for k, v in run.items() if k not in ("saved", "stepped")}, "points": points})
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     lines = [f"# {args.task}: held-out success (examples/agents/judge.py, greedy, {args.val_n} rows)", "",
              "| run | step | wall s | held-out success | mean turns |", "|---|---:|---:|---:|---:|"]

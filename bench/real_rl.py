@@ -71,19 +71,38 @@ def graph_overrides(args, model: str, train: str, on_gpu: bool) -> list[str]:
 
 
 class CheckpointClock:
-    """Watches <run>/checkpoints: how long each save took (step_k.tmp seen -> step_k committed)."""
+    """Watches <run>/checkpoints: how long each save took (step_k.tmp seen -> step_k committed); and
+    <run>/metrics.jsonl: when each learner step's record appeared (`stepped`), the moment that step's
+    weights existed, as a TrainerCallback's on_step_end stamps TRL's (a background save commits
+    later)."""
 
     def __init__(self, run_dir: Path):
-        self.dir, self.began, self.saved = run_dir / "checkpoints", {}, {}
+        self.dir, self.began, self.saved, self.stepped = run_dir / "checkpoints", {}, {}, {}
+        self.metrics, self._read = run_dir / "metrics.jsonl", 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    def _steps(self, now: float) -> None:
+        try:
+            with open(self.metrics, "rb") as f:
+                f.seek(self._read)
+                chunk = f.read()
+        except OSError:
+            return
+        whole = chunk[:chunk.rfind(b"\n") + 1]      # a line being written waits for the next poll
+        self._read += len(whole)
+        for line in whole.splitlines():
+            record = json.loads(line)
+            if "step" in record and "timing/step_s" in record:
+                self.stepped.setdefault(record["step"], now)
+
     def _run(self) -> None:
         while not self._stop.wait(0.05):
+            now = time.time()
+            self._steps(now)
             if not self.dir.is_dir():
                 continue
-            now = time.time()
             for p in self.dir.iterdir():
                 name, _, suffix = p.name.partition(".")
                 if not name.startswith("step_"):
