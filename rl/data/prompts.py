@@ -202,7 +202,8 @@ def _render(prompt, cfg, tokenizer, tokenizer_dir: str, where: str, setting: str
     if isinstance(prompt, str) and not cfg.apply_chat_template:
         if cfg.system_prompt:
             raise DatasetError(f"{where}: a system prompt is set but this prompt is a string; render strings "
-                               f"as chats with {_flag(setting, 'apply_chat_template', 'true')}")
+                               f"as chats with {_flag(setting, 'apply_chat_template', 'true')}, or write chat rows "
+                               "(a list of messages)")
         return prompt, True, None
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if cfg.system_prompt and messages[0]["role"] != "system":
