@@ -187,7 +187,8 @@ class Generator(HFLoop, Node):
         # Cast before the weight sync's setup: it tells the learner the dtype to push in. With vLLM
         # this copy only receives the pushes (vLLM holds its own): on the CPU where it can be.
         held = "cpu" if backend == "vllm" and c.weight_sync.transport == "object_store" else self.ctx.device
-        cast_model(self.model, held, resolve_dtype(c.dtype, self.ctx.device)).eval()
+        # never trained here: no forward in any thread builds a graph (a worker thread runs with grad on)
+        cast_model(self.model, held, resolve_dtype(c.dtype, self.ctx.device)).eval().requires_grad_(False)
         self.version = 0
         self.weight_sync = GeneratorWeightSync(self.ctx, c.weight_sync)
         with self.ctx.span("weight sync setup"):
