@@ -413,3 +413,20 @@ def test_the_files_in_docs_agents_md_load_and_run(tmp_path):
     ep, _ = run(play(counter, {"prompt": "Count to 3."},
                      ['<tool_call>{"name": "increment", "arguments": {"step": 3}}</tool_call>', "Done."], tok))
     assert counter.form == "trl" and ep.result().reward == 1.0
+
+
+def test_a_shown_rollout_of_an_episode_is_its_chat_turn_by_turn():
+    """rl/agent/episode.rollout_fields: a single-turn sample shows its prompt text and response;
+    an episode shows its first messages as the prompt and the rest as the response, one
+    `[role] content` line each, with its turns and how it ended."""
+    from rl.agent.episode import rollout_fields
+
+    assert rollout_fields({"text": "42"}, "What is 6 * 7?") == {"prompt": "What is 6 * 7?", "response": "42"}
+    messages = [{"role": "system", "content": "Use the tool."}, {"role": "user", "content": "6 * 7?"},
+                {"role": "assistant", "content": "<tool_call>...</tool_call>"},
+                {"role": "tool", "content": "42"}, {"role": "assistant", "content": "42"}]
+    episode = {"text": "42", "turns": 2, "env": {"messages": messages, "first_messages": 2, "ended_by": "no_tool_call"}}
+    assert rollout_fields(episode, "<|im_start|>system...") == {
+        "prompt": "[system] Use the tool.\n[user] 6 * 7?",
+        "response": "[assistant] <tool_call>...</tool_call>\n[tool] 42\n[assistant] 42",
+        "turns": 2, "ended_by": "no_tool_call"}
