@@ -42,7 +42,8 @@ event loop and the other slots keep decoding; the environment's tokens are then 
 slot's cache (no re-prefill of the history) and the next turn decodes. A group goes downstream
 once all its episodes ended. The HF loop runs episodes too, simpler: each turn re-prefills the
 whole history, a batch's episodes turn in lockstep (rl/generation/episodes.hf_episodes). vLLM
-is refused with env.path (not built yet). stop_strings do not apply to episodes.
+runs episodes through rl/generation/vllm_episodes.py (each turn a new request, the history served
+by vLLM's prefix cache). stop_strings do not apply to episodes.
 
 Determinism: the static decoder's noise is a function of (seed, prompt id, sample index, token
 index) only, so a prompt samples the same responses on any replica, in any batch or slot, after a
@@ -311,7 +312,8 @@ class Generator(HFLoop, Node):
                                 for (n, j), sample in final:
                                     finish(n, j, sample)
                                 if extend:
-                                    await asyncio.to_thread(dec.extend, extend)
+                                    with self.ctx.span("extend prefill", track="decoder", n=len(extend)):
+                                        await asyncio.to_thread(dec.extend, extend)
                             admit = []
                             newer = self.ctx.latest_version(self.weight_sync.edge) > self.version
                             drain.newer(newer)
@@ -336,11 +338,14 @@ class Generator(HFLoop, Node):
                                     cap = response_cap(msg, c.max_new_tokens_key)
                                     admit += [(ids, (number, j), key, temp, cap) for j, (key, temp) in enumerate(plan)]
                             if admit:
-                                await asyncio.to_thread(dec.add, admit, episodes is not None)
+                                with self.ctx.span("prefill", track="decoder", n=len(admit)):
+                                    await asyncio.to_thread(dec.add, admit, episodes is not None)
                             if not dec.decoding:   # idle, or (episodes) every slot waits on its environment
                                 break
                             drain.stepping(dec.free_slots())
-                            for tag, sample in await asyncio.to_thread(dec.step):
+                            with self.ctx.span("decode steps", track="decoder"):
+                                ended = await asyncio.to_thread(dec.step)
+                            for tag, sample in ended:
                                 if episodes:
                                     episodes.turn_ended(tag, sample)     # tag: the episode
                                 else:

@@ -215,3 +215,17 @@ def _startup_lines(nodes: dict, w: int) -> list[str]:
 
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
+
+
+def format_spans(summary: dict, top: int = 12) -> str:
+    """Per node, its busy spans by total time (count, total s, mean ms): what each node's busy
+    time was made of (`python -m dataflow.trace out.json --spans`). Nested spans each count
+    their whole time (a generator's "decode steps" inside its "generate")."""
+    lines = ["  busy spans per node (count, total s, mean ms), training window and start-up together:"]
+    for name, n in summary["nodes"].items():
+        spans = sorted(n.get("spans", {}).items(), key=lambda kv: -kv[1]["total_s"])[:top]
+        if spans:
+            lines.append(f"  {name}: " + "; ".join(
+                f"{s} {v['count']} x, {v['total_s']:.2f} s, {1000 * v['total_s'] / max(v['count'], 1):.1f} ms"
+                for s, v in spans))
+    return "\n".join(lines)

@@ -420,6 +420,16 @@ def test_summary_and_report_table():
     assert metrics["util/learner/wait_input"] == 0.7 and metrics["util/GPU h:0/idle"] == 0.5
 
 
+def test_spans_listing_orders_each_nodes_spans_by_time():
+    """`python -m dataflow.trace out.json --spans`: per node, count, total seconds and mean ms."""
+    aggs = synthetic_aggregates()
+    aggs["processes"]["generator"]["spans"] = {"generate": [4, 5_000_000], "extend prefill": [100, 2_000_000]}
+    text = trace_report.format_spans(trace_report.summarize(aggs))
+    line = next(x for x in text.splitlines() if x.strip().startswith("generator:"))
+    assert line.index("generate 4 x, 5.00 s, 1250.0 ms") < line.index("extend prefill 100 x, 2.00 s, 20.0 ms")
+    assert "reward: score 5 x, 2.00 s, 400.0 ms" in text
+
+
 def test_collector_plot_without_events(tmp_path):
     clock = FakeClock(0)
     t = fake_tracer("n", clock, enabled=False)
