@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from dataflow import Graph, check, policy_edge, share
+from dataflow import Graph, check, fill, policy_edge, share
 from graphs.grpo import GRPOGraphConfig
 from graphs.rlhf import PROGRESS, RLHFConfig, runs
 from nodes import Generator, Learner, PromptSource
@@ -57,8 +57,12 @@ class AgentGraphConfig(GRPOGraphConfig):
     env: EnvConfig = field(default_factory=EnvConfig)
     """The environment or tools every episode runs (rl/agent/config.py): env.path, env.name,
     env.tools, env.reward, env.max_turns, env.max_episode_tokens, timeouts."""
-    # grpo.py's rules with this file named in the algorithm refusal
-    rules: ClassVar[tuple] = RLHFConfig.rules + (
+    # grpo.py's rules with this file named in the algorithm refusal. An episode's response (sampled
+    # and environment tokens) runs to env.max_episode_tokens, not to one turn's max_new_tokens: that
+    # is the learner's length cap (overlong shaping, seq-mean-token-sum-norm's divisor, the compile
+    # warm-up's sample lengths), so it replaces rlhf.py's fill from generator.max_new_tokens.
+    rules: ClassVar[tuple] = tuple(r for r in RLHFConfig.rules if r.targets != ("learner.max_new_tokens",)) + (
+        fill("learner.max_new_tokens", "env.max_episode_tokens"),
         share("group_size", "generator.group_size", "learner.group_size"),
         runs("grpo", "graphs/agent.py", "episodes train with group advantages"),
         check(_env_problem), share("env", "generator.env"))

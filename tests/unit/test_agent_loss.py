@@ -195,3 +195,18 @@ def test_critic_values_and_advantages_of_an_episode_skip_its_environment_tokens(
         ref, _ = gae_advantages(r, v, torch.ones_like(v), 0.9, 0.8)
         got = torch.tensor([s["advantages"][i] for i in kept], dtype=torch.float64)
         assert torch.allclose(got, ref[0].to(got.dtype), atol=1e-6)
+
+
+def test_agent_graph_gives_the_learner_the_episode_length_cap_not_one_turns():
+    """graphs/agent.py: an episode's response runs to env.max_episode_tokens; the learner's
+    max_new_tokens (overlong shaping's cap, seq-mean-token-sum-norm's divisor, the compile warm-up's
+    lengths) is filled from it, where graphs/grpo.py fills it from max_new_tokens. A user's value stays."""
+    from dataflow.driver.loading import load_graph
+
+    base = ["env.path=examples/agents/guess_env.py", "env.max_episode_tokens=300", "max_new_tokens=16"]
+    _, cfg = load_graph("graphs/agent.py", base)
+    assert (cfg.learner.max_new_tokens, cfg.generator.max_new_tokens) == (300, 16)
+    _, cfg = load_graph("graphs/agent.py", base + ["learner.max_new_tokens=40"])
+    assert cfg.learner.max_new_tokens == 40
+    _, cfg = load_graph("graphs/grpo.py", ["max_new_tokens=16"])
+    assert cfg.learner.max_new_tokens == 16
