@@ -77,7 +77,10 @@ agent_bench() {  # agent_bench <script> <summary grep> <name> <timeout s> <scrip
     local b; b=$(basename "$d")
     [ -f "$d/run/metrics.jsonl" ] && gzip -c "$d/run/metrics.jsonl" > "$dest/${b}_metrics.jsonl.gz"
     [ -f "$d/run.log" ] && tail -c 20000 "$d/run.log" > "$dest/${b}_run_tail.log"
+    [ -f "$d/trace.json.gz" ] && python3 -m dataflow.trace "$d/trace.json.gz" --spans > "$dest/${b}_trace_report.txt" 2>&1
   done
+  # with TORCH_LOGS=recompiles: what made torch.compile recompile, from the nodes' own logs
+  [ -n "$TORCH_LOGS" ] && grep -rh -A3 "ecompiling" /tmp/ray/session_latest/logs/ 2>/dev/null | tail -80 > "$dest/recompiles.txt"
   pack "$name"
 }
 
@@ -134,7 +137,7 @@ ladder() {  # ladder <name> <timeout s> <bench/gpu_step.py args...>: one row of 
   pack "$name"
 }
 
-agents_plan() {  # agents_plan calc|guess: issue 36's side-by-side runs, one call each, in one lease
+agents_plan() {  # agents_plan calc|guess|speed1..3: issue 36's side-by-side runs, one call each, in one lease
   # calc: the bf16-sized warm start (bench/results/agent_warm_start_cpu_2026-12-04b.md; made on the
   # CPU, fp32), then ours and TRL from it. guess: ours and TRL again in the same lease.
   # Both need TRL=1 in payload.sh. On a fresh machine (setup converts SmolLM2) calc does not fit one
@@ -147,6 +150,20 @@ agents_plan() {  # agents_plan calc|guess: issue 36's side-by-side runs, one cal
         --lr 1e-5 --prompts-per-step 16 --group 8 --timeout 200 --variants agent
       trlagent trlcalcw 250 --task calculator --model /tmp/real/smollm2_warm --steps 45 --eval-every 5 --val-n 128 \
         --lr 1e-5 --prompts-per-step 16 --group 8 --max-wall 190 ;;
+    speed1)   # judged at every step over the first 6 (the calculator), with inductor's recompile log
+      warm /tmp/real/smollm2_warm 16 --lr 5e-5 --device cpu
+      TORCH_LOGS=recompiles agent calc1 280 --task calculator --model /tmp/real/smollm2_warm --steps 6 --eval-every 1 \
+        --val-n 64 --lr 1e-5 --prompts-per-step 16 --group 8 --timeout 200 --variants agent --trace ;;
+    speed2)
+      trlagent trlcalc1 330 --task calculator --model /tmp/real/smollm2_warm --steps 6 --eval-every 1 --val-n 64 \
+        --lr 1e-5 --prompts-per-step 16 --group 8 --max-wall 250
+      agent guesst 220 --task guess --variants agent --steps 12 --eval-every 12 --val-n 16 --lr 2e-5 \
+        --prompts-per-step 16 --group 8 --timeout 170 --trace ;;
+    speed3)   # the same guess run with partial rollouts (no drain before a weight switch), and the HF loop
+      agent guessp 220 --task guess --variants agent --steps 12 --eval-every 12 --val-n 16 --lr 2e-5 \
+        --prompts-per-step 16 --group 8 --timeout 170 --trace --set generator.partial_rollout=true
+      agent hfguess 200 --task guess --variants agent --steps 4 --eval-every 4 --val-n 16 --lr 2e-5 \
+        --prompts-per-step 16 --group 8 --timeout 150 --set generator.backend=hf ;;
     guess)
       agent guess 300 --task guess --variants agent --steps 30 --eval-every 5 --val-n 128 --lr 2e-5 \
         --prompts-per-step 16 --group 8 --timeout 230
