@@ -38,10 +38,11 @@ class _NoStep:
         pass
 
 
-def made_up_samples(c, vocab_size: int, prompt_tokens: tuple[int, int] = (16, 64), seed: int = 0) -> list[dict]:
-    """A step's samples as the learner receives them (c: LearnerConfig): prompts_per_step x
-    group_size of them, prompt lengths in `prompt_tokens`, response lengths spread from 1 to the
-    generators' cap (learner.max_new_tokens; 64 when unset), random tokens and scores, with
+def made_up_samples(c, vocab_size: int, prompt_tokens: tuple[int, int] = (16, 64), seed: int = 0,
+                    count: int | None = None, cap: int | None = None) -> list[dict]:
+    """A step's samples as the learner receives them (c: LearnerConfig): `count` of them
+    (prompts_per_step x group_size by default), prompt lengths in `prompt_tokens`, response lengths
+    spread from 1 to `cap` (the generators' cap by default: learner.max_new_tokens; 64 when unset), random tokens and scores, with
     the per-token fields the configured advantage and KL need. Prompts are short (chat-templated
     arithmetic questions for SmolLM2 are ~50 tokens): the warm-up should be no bigger than a real
     step, whose memory its passes reserve: prompts wider than the real ones raised the learner's
@@ -49,10 +50,10 @@ def made_up_samples(c, vocab_size: int, prompt_tokens: tuple[int, int] = (16, 64
     from rl.update.ppo_update import resolved_advantage
 
     rng = random.Random(seed)
-    cap = c.max_new_tokens or 64
+    cap = cap or c.max_new_tokens or 64
     kind = resolved_advantage(c)
     samples = []
-    for i in range(c.prompts_per_step * c.group_size):
+    for i in range(count or c.prompts_per_step * c.group_size):
         prompt = [rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_tokens))]
         n = rng.randint(1, cap)
         sample = {"prompt_ids": prompt, "response_ids": [rng.randrange(vocab_size) for _ in range(n)],
@@ -69,15 +70,24 @@ def made_up_samples(c, vocab_size: int, prompt_tokens: tuple[int, int] = (16, 64
 
 
 def warm_up_update(model: torch.nn.Module, c, pad_id: int) -> float:
-    """One ppo_update on made_up_samples with an optimizer that never steps; returns its seconds.
+    """ppo_update on made_up_samples, with an optimizer that never steps: a step-sized batch, one
+    group of short samples, and a step-sized batch again with other lengths; returns the seconds.
+    Three because one left the first real step two recompiles (TORCH_LOGS=recompiles, SmolLM2 on
+    an H200): a graph compiles for its first shapes; the next lengths recompile it with dynamic
+    shapes (automatic dynamic, flex_attention's layers), guarded by inductor's fusion-size check
+    (hidden x tokens of a micro-batch >= 5242880) on the side its sizes fell; a micro-batch on the
+    other side (a step's short last one) recompiles again. The small group takes the small side
+    and the third batch the large side under dynamic shapes, whatever order the first gave.
     The model is left in eval mode with no gradients, as ppo_update leaves it."""
     from rl.update.ppo_update import ppo_update
 
     t = time.perf_counter()
     vocab = model.get_input_embeddings().weight.shape[0]
-    samples = made_up_samples(c, vocab)
+    batches = [made_up_samples(c, vocab), made_up_samples(c, vocab, seed=1, count=c.group_size, cap=16),
+               made_up_samples(c, vocab, seed=2)]
     try:
-        ppo_update(model, _NoStep(model), samples, c.kl.coef, pad_id, c, random.Random(0), stale=False)
+        for samples in batches:
+            ppo_update(model, _NoStep(model), samples, c.kl.coef, pad_id, c, random.Random(0), stale=False)
     finally:
         model.zero_grad(set_to_none=True)
         model.eval()

@@ -182,6 +182,11 @@ def test_the_compile_warm_up_compiles_what_the_first_update_runs_and_changes_not
     ppo_update(m, optimizer, samples, 0.0, tok.pad_token_id, cfg, random.Random(0), stale=True)
     assert counters["stats"]["unique_graphs"] == graphs_warm
     assert "torch.compile does not work" not in capsys.readouterr().out
+    # a step's short last micro-batch: one group of short samples, as the warm-up's second batch
+    short = made_up_samples(cfg, model.config.vocab_size, seed=5, count=cfg.group_size, cap=3)
+    assert len(short) == cfg.group_size and max(len(s["response_ids"]) for s in short) <= 3
+    ppo_update(m, optimizer, short, 0.0, tok.pad_token_id, cfg, random.Random(0), stale=True)
+    assert counters["stats"]["unique_graphs"] == graphs_warm
     # the fields each advantage and a KL coefficient > 0 need
     cfg.kl.coef, cfg.advantage = 0.1, "gae"
     assert {"ref_logprobs", "advantages"} <= set(made_up_samples(cfg, 50)[0])
