@@ -78,19 +78,32 @@ def compile_layer_halves(dec) -> None:
     so one graph serves every layer; dynamic=True makes it serve every batch bucket too. The dummy
     batch size is one no head count or head size has: dynamo's duck sizing would otherwise tie
     the batch to that dimension (SmolLM2 has 3 KV heads: with 3 rows a second batch size
-    recompiled, seen on an H200)."""
-    dims = {dec.n_head, dec.n_kv, dec.n_head // dec.n_kv, dec.head_dim}
+    recompiled, seen on an H200).
+    Prefill and the episodes' extend prefill ([n, T] tokens) run the same halves: eager, their
+    ~45 launches per layer were most of an extend's ~100 ms on an H200 (a trace's "extend prefill"
+    spans, 7-turn episodes). Their graphs compile here too, beside the decode step's: T > 1 (a
+    size-1 dimension is specialised, so T = 1 is a graph of its own), on both sides of inductor's
+    fusion-size guard (hidden x tokens >= 5242880; a long admission prefill crosses it)."""
+    cfg = dec.model.config
+    dims = {dec.n_head, dec.n_kv, dec.n_head // dec.n_kv, dec.head_dim, cfg.hidden_size,
+            getattr(cfg, "intermediate_size", 0), dec.n_head * dec.head_dim, dec.n_kv * dec.head_dim}
     B, inner = min(next(b for b in (3, 5, 7, 11, 13, 17) if b not in dims), dec.num_slots), dec.model.model
+    long = -(-5242880 // (cfg.hidden_size * B)) + 1
+    while long in dims:
+        long += 1
     first, second = (torch.compile(f, dynamic=True) for f in (attention_input, attention_output))
-    pos = torch.zeros(B, dtype=torch.long, device=dec._device)
     try:
         with torch.no_grad():
-            h = inner.embed_tokens(pos[:, None])
-            cos, sin = inner.rotary_emb(h, pos[:, None])
-            q, _, _ = first(inner.layers[0], h, cos, sin)
-            # o as the decode step makes it: a view of sdpa's [B, kv, g, d] output
-            o = q.view(B, dec.n_kv, -1, dec.head_dim).clone().reshape(B, 1, -1)
-            second(inner.layers[0], h, o)
+            for T in (1, 2, long):      # decode, prefill / extend, a long prefill
+                pos = torch.arange(T, device=dec._device)[None].expand(B, T)
+                h = inner.embed_tokens(torch.zeros_like(pos))
+                cos, sin = inner.rotary_emb(h, pos)
+                q, _, _ = first(inner.layers[0], h, cos, sin)
+                # o as the decode step makes it (a view of sdpa's [B, kv, g, d] output), or
+                # prefill's (sdpa's output transposed back)
+                o = (q.view(B, dec.n_kv, -1, dec.head_dim).clone().reshape(B, 1, -1) if T == 1 else
+                     q.transpose(1, 2).contiguous().transpose(1, 2).reshape(B, T, -1))
+                second(inner.layers[0], h, o)
     except Exception as e:  # e.g. no C++ compiler / triton: eager is correct, just slower
         print(f"StaticDecoder: torch.compile of the decoder layers failed ({type(e).__name__}: "
               f"{str(e)[:200]}); decoding with eager layers", flush=True)
@@ -109,7 +122,7 @@ def prefill(dec, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> 
     g = dec.n_head // dec.n_kv
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
-        q, k, v = attention_input(layer, h, cos, sin)
+        q, k, v = dec._attention_input(layer, h, cos, sin)
         if dec._flash:
             dec.k_cache[i][slots, :P], dec.v_cache[i][slots, :P] = k, v
         else:
@@ -118,7 +131,7 @@ def prefill(dec, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> 
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(g, 1),
             v.transpose(1, 2).repeat_interleave(g, 1), is_causal=True, scale=attn.scaling)
-        h = attention_output(layer, h, o.transpose(1, 2).reshape(n, P, -1))
+        h = dec._attention_output(layer, h, o.transpose(1, 2).reshape(n, P, -1))
     last = h[torch.arange(n, device=h.device), lens - 1]
     return dec.model.lm_head(inner.norm(last)).float()
 
@@ -145,7 +158,7 @@ def extend_prefill(dec, ids: torch.Tensor, lens: torch.Tensor, starts: torch.Ten
     g = dec.n_head // dec.n_kv
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
-        q, k, v = attention_input(layer, h, cos, sin)                          # k, v [n, A, kv, d]
+        q, k, v = dec._attention_input(layer, h, cos, sin)                     # k, v [n, A, kv, d]
         if dec._flash:
             dec.k_cache[i][slot_of, at], dec.v_cache[i][slot_of, at] = k[rows, cols], v[rows, cols]
             kc, vc = dec.k_cache[i][slots, :L].transpose(1, 2), dec.v_cache[i][slots, :L].transpose(1, 2)
@@ -156,7 +169,7 @@ def extend_prefill(dec, ids: torch.Tensor, lens: torch.Tensor, starts: torch.Ten
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), kc.repeat_interleave(g, 1), vc.repeat_interleave(g, 1),
             attn_mask=mask[:, None], scale=attn.scaling)
-        h = attention_output(layer, h, o.transpose(1, 2).reshape(n, A, -1))
+        h = dec._attention_output(layer, h, o.transpose(1, 2).reshape(n, A, -1))
     last = h[torch.arange(n, device=h.device), lens - 1]
     return dec.model.lm_head(inner.norm(last)).float()
 

@@ -220,8 +220,9 @@ def test_the_warm_up_task_holds_the_state_lock_and_logs_a_failure(setup):
 
 def test_compiled_decoder_layers_equal_eager_with_one_graph_for_all_shapes(tok, policy, capsys):
     """compile_layers (the CUDA default) on CPU: teacher-forced logits still equal the HF forward,
-    sampled responses equal the eager decoder's, and every layer, batch bucket (6 and 16 rows) and
-    attention length (64 and 96) runs the two graphs compiled at setup: no recompiles."""
+    sampled responses equal the eager decoder's, and every layer, batch bucket (6 and 16 rows),
+    attention length (64 and 96), prefill and an episode's extend prefill run the graphs compiled
+    at setup (the two halves of a layer, for one token and for several): no recompiles."""
     import torch._dynamo
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
@@ -229,6 +230,7 @@ def test_compiled_decoder_layers_equal_eager_with_one_graph_for_all_shapes(tok, 
     dec = decoding.StaticDecoder(policy, 16, 96, eos_id=tok.eos_token_id, max_new_tokens=10,
                                  seed=2, compile_layers=True)
     assert dec.layers_compiled and "failed" not in capsys.readouterr().out
+    at_setup = counters["stats"]["unique_graphs"]
     ps = prompts(tok, 6)
     conts = [[(7 * i + j) % len(tok) for j in range(3 + i)] for i in range(len(ps))]
     got = dec.teacher_forced_logits(ps, conts)                   # B = 6, L = 96
@@ -242,4 +244,20 @@ def test_compiled_decoder_layers_equal_eager_with_one_graph_for_all_shapes(tok, 
     assert [s["response_ids"] for s in compiled] == [s["response_ids"] for s in eager]
     for a, b in zip(compiled, eager):
         assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
-    assert counters["stats"]["unique_graphs"] == 2      # one per half of a layer, nothing recompiled
+    # an episode's turns: parked slots extended with environment tokens, compiled as eager
+    ps = prompts(tok, 3)
+    turns = {}
+    for d in (dec, decoding.StaticDecoder(policy, 16, 96, eos_id=tok.eos_token_id, max_new_tokens=10, seed=2,
+                                          compile_layers=False)):
+        d.add([(p, i, i) for i, p in enumerate(ps)], keep=True)
+        ended = []
+        while len(ended) < len(ps):
+            ended += d.step()
+        d.extend([(s["slot"], [5 + i, 6, 7], 20, None) for i, (_, s) in enumerate(sorted(ended, key=lambda e: e[0]))])
+        second = []
+        while len(second) < len(ps):
+            second += d.step()
+        turns[d is dec] = sorted(second, key=lambda e: e[0])
+    for (_, a), (_, b) in zip(turns[True], turns[False]):
+        assert a["response_ids"] == b["response_ids"] and a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
+    assert counters["stats"]["unique_graphs"] == at_setup >= 4   # one per half and length kind, no recompile
