@@ -137,7 +137,7 @@ ladder() {  # ladder <name> <timeout s> <bench/gpu_step.py args...>: one row of 
   pack "$name"
 }
 
-agents_plan() {  # agents_plan calc|guess|speed1..5: issue 36's side-by-side runs, one call each, in one lease
+agents_plan() {  # agents_plan calc|guess|speed1..6: issue 36's side-by-side runs, one call each, in one lease
   # calc: the bf16-sized warm start (bench/results/agent_warm_start_cpu_2026-12-04b.md; made on the
   # CPU, fp32), then ours and TRL from it. guess: ours and TRL again in the same lease.
   # Both need TRL=1 in payload.sh. On a fresh machine (setup converts SmolLM2) calc does not fit one
@@ -168,6 +168,10 @@ agents_plan() {  # agents_plan calc|guess|speed1..5: issue 36's side-by-side run
       warm /tmp/real/smollm2_warm 16 --lr 5e-5 --device cpu
       TORCH_LOGS=recompiles agent calc2 280 --task calculator --model /tmp/real/smollm2_warm --steps 6 --eval-every 1 \
         --val-n 64 --lr 1e-5 --prompts-per-step 16 --group 8 --timeout 200 --variants agent --trace ;;
+    speed6)   # the calculator with the learner's layers eager (no compile on the critical path)
+      agent calc2e 200 --task calculator --model /tmp/real/smollm2_warm --steps 6 --eval-every 1 \
+        --val-n 64 --lr 1e-5 --prompts-per-step 16 --group 8 --timeout 150 --variants agent --trace \
+        --set learner.compile=false ;;
     speed5)   # guess traced again; the calculator again on the compile cache the first run left
       agent guess2 220 --task guess --variants agent --steps 12 --eval-every 12 --val-n 16 --lr 2e-5 \
         --prompts-per-step 16 --group 8 --timeout 170 --trace
