@@ -42,8 +42,9 @@ def made_up_samples(c, vocab_size: int, prompt_tokens: tuple[int, int] = (16, 64
                     count: int | None = None, cap: int | None = None) -> list[dict]:
     """A step's samples as the learner receives them (c: LearnerConfig): `count` of them
     (prompts_per_step x group_size by default), prompt lengths in `prompt_tokens`, response lengths
-    spread from 1 to `cap` (the generators' cap by default: learner.max_new_tokens; 64 when unset), random tokens and scores, with
-    the per-token fields the configured advantage and KL need. Prompts are short (chat-templated
+    spread from 1 to `cap` (the generators' cap by default: learner.max_new_tokens; 64 when unset),
+    the first sample the longest (both maxima: a batch's padded length is fixed by its arguments),
+    random tokens and scores, with the per-token fields the configured advantage and KL need. Prompts are short (chat-templated
     arithmetic questions for SmolLM2 are ~50 tokens): the warm-up should be no bigger than a real
     step, whose memory its passes reserve: prompts wider than the real ones raised the learner's
     peak GPU memory for the whole run (bench/results/trl_smollm2_h200_2026-12-03a.md)."""
@@ -54,8 +55,8 @@ def made_up_samples(c, vocab_size: int, prompt_tokens: tuple[int, int] = (16, 64
     kind = resolved_advantage(c)
     samples = []
     for i in range(count or c.prompts_per_step * c.group_size):
-        prompt = [rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_tokens))]
-        n = rng.randint(1, cap)
+        prompt = [rng.randrange(vocab_size) for _ in range(prompt_tokens[1] if i == 0 else rng.randint(*prompt_tokens))]
+        n = cap if i == 0 else rng.randint(1, cap)
         sample = {"prompt_ids": prompt, "response_ids": [rng.randrange(vocab_size) for _ in range(n)],
                   "logprobs": [-rng.random() for _ in range(n)], "score": float(rng.random() < 0.5),
                   "failed": False, "finished": n < cap}
@@ -73,18 +74,20 @@ def warm_up_update(model: torch.nn.Module, c, pad_id: int) -> float:
     """ppo_update on made_up_samples, with an optimizer that never steps: a step-sized batch, one
     group of short samples, and a step-sized batch again with other lengths; returns the seconds.
     Three because one left the first real step two recompiles (TORCH_LOGS=recompiles, SmolLM2 on
-    an H200): a graph compiles for its first shapes; the next lengths recompile it with dynamic
-    shapes (automatic dynamic, flex_attention's layers), guarded by inductor's fusion-size check
-    (hidden x tokens of a micro-batch >= 5242880) on the side its sizes fell; a micro-batch on the
-    other side (a step's short last one) recompiles again. The small group takes the small side
-    and the third batch the large side under dynamic shapes, whatever order the first gave.
+    an H200, bench/results/agents_speed_h200_2026-12-05.md): the warm-up's padded length, 64 + 512
+    tokens, equalled the hidden size, so dynamo tied it to it and the graph was static at 576; the
+    step's lengths recompiled it with dynamic lengths, guarded by inductor's fusion-size check
+    (hidden x tokens of a micro-batch >= 5242880) on the side its sizes fell; the step's short last
+    micro-batch, on the other side, recompiled again. Here the short group takes the small side and
+    the third batch (prompts 16 tokens shorter: another padded length than the first's, whatever
+    made the first static) the large side under dynamic lengths.
     The model is left in eval mode with no gradients, as ppo_update leaves it."""
     from rl.update.ppo_update import ppo_update
 
     t = time.perf_counter()
     vocab = model.get_input_embeddings().weight.shape[0]
     batches = [made_up_samples(c, vocab), made_up_samples(c, vocab, seed=1, count=c.group_size, cap=16),
-               made_up_samples(c, vocab, seed=2)]
+               made_up_samples(c, vocab, prompt_tokens=(16, 48), seed=2)]
     try:
         for samples in batches:
             ppo_update(model, _NoStep(model), samples, c.kl.coef, pad_id, c, random.Random(0), stale=False)
