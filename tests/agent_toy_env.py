@@ -6,6 +6,7 @@ with that digit earns 1/3. A random tiny model starts near 1/10 per turn and can
 to copy is the last token before the generation prompt.
 """
 
+import os
 import time
 
 
@@ -37,17 +38,20 @@ class SlowCopyDigits(CopyDigits):
 
 class FailsOnSecondTurn(CopyDigits):
     """Raises in its second step when the row says so (fail=1): that episode fails. Each step
-    takes delay_s (env.kwargs), so a generator killed mid-run holds episodes mid-way."""
+    takes delay_s (env.kwargs), so a generator killed mid-run holds episodes mid-way. A row's
+    `hold` names a file: while it exists, that episode's steps wait (a test holds a batch back)."""
 
     def __init__(self, delay_s=0.0):
         self.delay_s = delay_s
 
-    def reset(self, prompt, target="123", fail=0, **row):
-        self.fail = fail
+    def reset(self, prompt, target="123", fail=0, hold=None, **row):
+        self.fail, self.hold = fail, hold
         return super().reset(prompt, target)
 
     def step(self, action):
         time.sleep(self.delay_s)
+        while self.hold and os.path.exists(self.hold):
+            time.sleep(0.05)
         if self.fail and self.turn == 1:
             raise RuntimeError("the toy environment broke")
         return super().step(action)

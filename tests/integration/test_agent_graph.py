@@ -39,8 +39,11 @@ def _data(path: Path, n: int, **extra) -> Path:
 
 
 def _records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's complete lines: the driver may be writing the last one as a test polls it (a
+    line cut short there failed json.loads in the kill test's waits now and then)."""
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
 
 
 def _run(graph_file: str, overrides: list[str], run_dir: Path, max_steps: int, trace: Path | None = None):
@@ -126,7 +129,9 @@ def test_failed_episodes_counted_a_generator_and_a_learner_killed_mid_episode_an
     turn (both its episodes), checkpointed every 2 steps; environment steps sleep 0.1 s and later
     batches are admitted (max_staleness=2), so the generator holds episodes mid-way whenever a kill
     comes. The generator is killed after step 1: restarted, its prompts re-issued. The learner is
-    killed after step 3: the run stops naming it and its last checkpoint; `--resume` through the CLI,
+    killed after step 3, while the last batch's episodes wait on a file (their rows' `hold`), so the
+    first run cannot have trained step 6 and saved step_6 by then, however late the kill comes on a
+    loaded machine: the run stops naming it and its last checkpoint; `--resume` through the CLI,
     with no --set (the environment comes from the recorded settings), trains the rest. Over both
     runs every prompt is trained exactly once, and every step counts its 2 failed episodes
     (samples/failed, env/failed) and still trains. (One scenario for both kills: a graph run less.)"""
@@ -134,9 +139,11 @@ def test_failed_episodes_counted_a_generator_and_a_learner_killed_mid_episode_an
     from dataflow.driver.runtime import RunOptions, load_graph
     from dataflow.errors import NodeFailed
 
-    run_dir = tmp_path / "run"
+    run_dir, hold = tmp_path / "run", tmp_path / "hold"
+    hold.touch()   # batch 6 (prompts 20-23) waits until the learner is killed
+    data = _data(tmp_path / "d.jsonl", 24, fail=lambda i: int(i % 4 == 0), hold=lambda i: str(hold) if i >= 20 else "")
     graph, config = load_graph(str(ROOT / "graphs/agent.py"), AGENT + [
-        f"policy.path={model_dir}", f"prompts.path={_data(tmp_path / 'd.jsonl', 24, fail=lambda i: int(i % 4 == 0))}",
+        f"policy.path={model_dir}", f"prompts.path={data}",
         "prompts.epochs=1", f"env.path={ENV}", "env.name=FailsOnSecondTurn", 'env.kwargs={"delay_s": 0.1}',
         "max_staleness=2", "learner.record_prompt_ids=true", "save_interval=2"])
     thread, outcome = run_in_thread(graph, config, RunOptions(out_dir=str(run_dir), quiet=True))
@@ -157,6 +164,8 @@ def test_failed_episodes_counted_a_generator_and_a_learner_killed_mid_episode_an
     assert isinstance(error, NodeFailed) and error.node == "learner", repr(error)
     assert error.last_checkpoint is not None and Path(error.last_checkpoint).name in ("step_2", "step_4")
     assert restarted() == ["generator"]
+    assert len(steps()) < 6
+    hold.unlink()
 
     rc = cli.main(["graphs/agent.py", "--resume", str(run_dir)])
     out, err = capsys.readouterr()
