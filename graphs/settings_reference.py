@@ -168,9 +168,12 @@ def _row(key: str, per_graph: dict, names: dict) -> str:
     if len(found) < len(per_graph):
         default += " (only " + ", ".join(names[p] for p in found) + ")"
     doc = row["doc"]
-    if ruled:
-        note = "; ".join(sorted(ruled))
+    if len(ruled) == 1:
+        note = next(iter(ruled))
         doc = (doc + " " if doc else "") + note[0].upper() + note[1:] + "."
+    elif ruled:    # the graphs fill it from different settings: name each ("agent: ...; ppo, grpo: ...")
+        doc = (doc + " " if doc else "") + _per_graph(
+            {p: per_graph[p][1].get(key) or "set by hand" for p in found}, names) + "."
     allowed = {p: r["allowed"] for p, r in found.items()}
     if len(set(allowed.values())) == 1:
         allowed_text = next(iter(allowed.values()))

@@ -132,8 +132,9 @@ class LearnerConfig:
     """advantage=gae: whiten the critic's advantages over the batch's tokens (verl's GAE). The
     learner-side estimators are normalised already and are never whitened again."""
     max_new_tokens: Annotated[int, NonNegative] = 0
-    """The generators' max_new_tokens (the graph should share it): overlong shaping's cap and
-    seq-mean-token-sum-norm's default divisor."""
+    """The longest response the learner sees, the graph fills it: the generators' max_new_tokens,
+    or an agent graph's env.max_episode_tokens (sampled and environment tokens). Overlong shaping's
+    cap, seq-mean-token-sum-norm's default divisor, the compile warm-up's longest sample."""
     overlong_buffer: Annotated[int, NonNegative] = 0
     """DAPO's overlong shaping: over the last this many tokens before max_new_tokens the score
     falls linearly by up to overlong_penalty (rl/algorithm/shaping.overlong_penalty; 0 = off)."""
