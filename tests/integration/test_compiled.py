@@ -244,16 +244,20 @@ def test_compiled_decoder_layers_equal_eager_with_one_graph_for_all_shapes(tok, 
     assert [s["response_ids"] for s in compiled] == [s["response_ids"] for s in eager]
     for a, b in zip(compiled, eager):
         assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
-    # an episode's turns: parked slots extended with environment tokens, compiled as eager
+    # an episode's turns: parked slots extended with environment tokens, compiled as eager; one
+    # prompt and one episode's turn alone (a one-row batch runs as two: no graph of its own)
     ps = prompts(tok, 3)
     turns = {}
     for d in (dec, decoding.StaticDecoder(policy, 16, 96, eos_id=tok.eos_token_id, max_new_tokens=10, seed=2,
                                           compile_layers=False)):
-        d.add([(p, i, i) for i, p in enumerate(ps)], keep=True)
+        d.add([(p, i, i) for i, p in enumerate(ps[:2])], keep=True)
+        d.add([(ps[2], 2, 2)], keep=True)
         ended = []
         while len(ended) < len(ps):
             ended += d.step()
-        d.extend([(s["slot"], [5 + i, 6, 7], 20, None) for i, (_, s) in enumerate(sorted(ended, key=lambda e: e[0]))])
+        requests = [(s["slot"], [5 + i, 6, 7], 20, None) for i, (_, s) in enumerate(sorted(ended, key=lambda e: e[0]))]
+        d.extend(requests[:2])
+        d.extend(requests[2:])
         second = []
         while len(second) < len(ps):
             second += d.step()
@@ -261,3 +265,28 @@ def test_compiled_decoder_layers_equal_eager_with_one_graph_for_all_shapes(tok, 
     for (_, a), (_, b) in zip(turns[True], turns[False]):
         assert a["response_ids"] == b["response_ids"] and a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
     assert counters["stats"]["unique_graphs"] == at_setup >= 4   # one per half and length kind, no recompile
+
+
+def test_a_padded_width_equal_to_the_hidden_size_makes_the_compiled_layers_static_in_length(tok):
+    # Why the compile warm-up's batches avoid the model's sizes (rl/update/compile_warm_up.model_sizes):
+    # under dynamic=True a first length equal to the hidden size is tied to it (duck sizing), the
+    # graph is static in the length and the next length compiles again; another first length
+    # gives a graph every later length runs.
+    from torch._dynamo.utils import counters
+
+    from rl.model.causal_lm import ModelConfig, build_policy
+    from rl.model.precision import compile_layers
+
+    def graphs_after(lengths):
+        model = build_policy(ModelConfig(n_layer=1, n_embd=72, n_head=2, intermediate_size=64), tok).eval()
+        torch._dynamo.reset()
+        assert compile_layers(model, True, "cpu")
+        counts = []
+        for T in lengths:
+            with torch.no_grad():
+                model(input_ids=torch.ones(3, T, dtype=torch.long), attention_mask=torch.ones(3, T, dtype=torch.long))
+            counts.append(counters["stats"]["unique_graphs"])
+        return [c - counts[0] for c in counts]
+
+    assert graphs_after([72, 56]) == [0, 1]
+    assert graphs_after([56, 48, 72]) == [0, 0, 0]
