@@ -83,7 +83,8 @@ def compile_layer_halves(dec) -> None:
     ~45 launches per layer were most of an extend's ~100 ms on an H200 (a trace's "extend prefill"
     spans, 7-turn episodes). Their graphs compile here too, beside the decode step's: T > 1 (a
     size-1 dimension is specialised, so T = 1 is a graph of its own), on both sides of inductor's
-    fusion-size guard (hidden x tokens >= 5242880; a long admission prefill crosses it)."""
+    fusion-size guard (hidden x tokens >= 5242880; a long admission prefill crosses it). A batch
+    of one row runs as two (two_rows_at_least), so it needs no graph of its own."""
     cfg = dec.model.config
     dims = {dec.n_head, dec.n_kv, dec.n_head // dec.n_kv, dec.head_dim, cfg.hidden_size,
             getattr(cfg, "intermediate_size", 0), dec.n_head * dec.head_dim, dec.n_kv * dec.head_dim}
@@ -91,7 +92,7 @@ def compile_layer_halves(dec) -> None:
     long = -(-5242880 // (cfg.hidden_size * B)) + 1
     while long in dims:
         long += 1
-    first, second = (torch.compile(f, dynamic=True) for f in (attention_input, attention_output))
+    first, second = (two_rows_at_least(torch.compile(f, dynamic=True)) for f in (attention_input, attention_output))
     try:
         with torch.no_grad():
             for T in (1, 2, long):      # decode, prefill / extend, a long prefill
@@ -110,6 +111,19 @@ def compile_layer_halves(dec) -> None:
         return
     dec._attention_input, dec._attention_output = first, second
     dec.layers_compiled = True
+
+
+def two_rows_at_least(compiled):
+    """`compiled` (a layer half) with a one-row batch run as two copies of the row. Dynamo
+    specializes a size-1 dimension, so one prompt's prefill or one episode's extend (turns end one
+    at a time) would compile both halves again in the middle of a run, with every slot waiting.
+    Only the first copy's outputs are returned."""
+    def call(layer, *tensors):
+        if tensors[0].shape[0] != 1:
+            return compiled(layer, *tensors)
+        out = compiled(layer, *(torch.cat([t, t]) for t in tensors))
+        return tuple(o[:1] for o in out) if isinstance(out, tuple) else out[:1]
+    return call
 
 
 def prefill(dec, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

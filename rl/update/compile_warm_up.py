@@ -39,7 +39,7 @@ class _NoStep:
 
 
 def made_up_samples(c, vocab_size: int, prompt_tokens: tuple[int, int] = (16, 64), seed: int = 0,
-                    count: int | None = None, cap: int | None = None) -> list[dict]:
+                    count: int | None = None, cap: int | None = None, avoid: frozenset = frozenset()) -> list[dict]:
     """A step's samples as the learner receives them (c: LearnerConfig): `count` of them
     (prompts_per_step x group_size by default), prompt lengths in `prompt_tokens`, response lengths
     spread from 1 to `cap` (the generators' cap by default: learner.max_new_tokens; 64 when unset),
@@ -47,15 +47,22 @@ def made_up_samples(c, vocab_size: int, prompt_tokens: tuple[int, int] = (16, 64
     random tokens and scores, with the per-token fields the configured advantage and KL need. Prompts are short (chat-templated
     arithmetic questions for SmolLM2 are ~50 tokens): the warm-up should be no bigger than a real
     step, whose memory its passes reserve: prompts wider than the real ones raised the learner's
-    peak GPU memory for the whole run (bench/results/trl_smollm2_h200_2026-12-03a.md)."""
+    peak GPU memory for the whole run (bench/results/trl_smollm2_h200_2026-12-03a.md).
+    `avoid`: widths the longest padded batch (the longest prompt and response, to COLUMN_MULTIPLE)
+    must not have; the prompts' upper bound is lowered until it has none (model_sizes says why)."""
+    from rl.model.padded_batch import COLUMN_MULTIPLE, aligned
     from rl.update.ppo_update import resolved_advantage
 
     rng = random.Random(seed)
     cap = cap or c.max_new_tokens or 64
+    low, longest = prompt_tokens
+    while aligned(longest + cap, COLUMN_MULTIPLE) in avoid and longest > 1:
+        longest -= 1
+    low = min(low, longest)
     kind = resolved_advantage(c)
     samples = []
     for i in range(count or c.prompts_per_step * c.group_size):
-        prompt = [rng.randrange(vocab_size) for _ in range(prompt_tokens[1] if i == 0 else rng.randint(*prompt_tokens))]
+        prompt = [rng.randrange(vocab_size) for _ in range(longest if i == 0 else rng.randint(low, longest))]
         n = cap if i == 0 else rng.randint(1, cap)
         sample = {"prompt_ids": prompt, "response_ids": [rng.randrange(vocab_size) for _ in range(n)],
                   "logprobs": [-rng.random() for _ in range(n)], "score": float(rng.random() < 0.5),
@@ -70,6 +77,18 @@ def made_up_samples(c, vocab_size: int, prompt_tokens: tuple[int, int] = (16, 64
     return samples
 
 
+def model_sizes(model: torch.nn.Module) -> frozenset:
+    """The sizes a layer's inputs carry besides batch and length (hidden, head and MLP widths, head
+    counts, the vocabulary). Under dynamic=True dynamo gives equal sizes one symbol (duck sizing): a
+    padded length equal to one of them is tied to the weights' static size, so its first graph is
+    static in the length and the next length compiles again."""
+    cfg = getattr(getattr(model, "backbone", model), "config", None)
+    heads, kv = getattr(cfg, "num_attention_heads", 0), getattr(cfg, "num_key_value_heads", 0)
+    head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else 0)
+    return frozenset({getattr(cfg, "hidden_size", 0), getattr(cfg, "intermediate_size", 0), heads, kv,
+                      head_dim, heads * head_dim, kv * head_dim, getattr(cfg, "vocab_size", 0)}) - {0}
+
+
 def warm_up_update(model: torch.nn.Module, c, pad_id: int) -> float:
     """ppo_update on made_up_samples, with an optimizer that never steps: a step-sized batch, one
     group of short samples, and a step-sized batch again with other lengths; returns the seconds.
@@ -78,16 +97,19 @@ def warm_up_update(model: torch.nn.Module, c, pad_id: int) -> float:
     tokens, equalled the hidden size, so dynamo tied it to it and the graph was static at 576; the
     step's lengths recompiled it with dynamic lengths, guarded by inductor's fusion-size check
     (hidden x tokens of a micro-batch >= 5242880) on the side its sizes fell; the step's short last
-    micro-batch, on the other side, recompiled again. Here the short group takes the small side and
-    the third batch (prompts 16 tokens shorter: another padded length than the first's, whatever
-    made the first static) the large side under dynamic lengths.
-    The model is left in eval mode with no gradients, as ppo_update leaves it."""
+    micro-batch, on the other side, recompiled again. Now the longest sample avoids the model's
+    sizes (model_sizes), so the first batch compiles with dynamic lengths on the large side, the
+    short group the small side, and the third batch (another padded length) finds both and compiles
+    nothing unless something else made the first graph static. The model is left in eval mode
+    with no gradients, as ppo_update leaves it."""
     from rl.update.ppo_update import ppo_update
 
     t = time.perf_counter()
     vocab = model.get_input_embeddings().weight.shape[0]
-    batches = [made_up_samples(c, vocab), made_up_samples(c, vocab, seed=1, count=c.group_size, cap=16),
-               made_up_samples(c, vocab, prompt_tokens=(16, 48), seed=2)]
+    avoid = model_sizes(model)
+    batches = [made_up_samples(c, vocab, avoid=avoid),
+               made_up_samples(c, vocab, seed=1, count=c.group_size, cap=16, avoid=avoid),
+               made_up_samples(c, vocab, prompt_tokens=(16, 48), seed=2, avoid=avoid)]
     try:
         for samples in batches:
             ppo_update(model, _NoStep(model), samples, c.kl.coef, pad_id, c, random.Random(0), stale=False)

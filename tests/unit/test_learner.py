@@ -482,3 +482,23 @@ def test_without_reference_logprobs_the_update_is_the_one_at_kl_coefficient_zero
     with pytest.raises(ValueError, match=r"KL coefficient is 0.1 .*set learner.kl.coef=0"):
         ppo_update(fresh(model), torch.optim.SGD(model.parameters(), lr=0.0), batch, 0.1, tok.pad_token_id, cfg,
                    random.Random(0), stale=False)
+
+
+def test_the_warm_ups_longest_sample_has_none_of_the_models_sizes():
+    # rl/update/compile_warm_up: a padded width equal to a size the layer's inputs carry (here the
+    # hidden size, 64 + 8) would make the first compiled graph static in the length.
+    from rl.model.padded_batch import COLUMN_MULTIPLE, aligned
+    from rl.update.compile_warm_up import made_up_samples, model_sizes
+
+    model = build_policy(ModelConfig(n_layer=1, n_embd=72, n_head=2, intermediate_size=64), build_tokenizer())
+    sizes = model_sizes(model)
+    assert {72, 64, 36, 2, 22} <= sizes and 0 not in sizes   # hidden, MLP, head dim, heads, vocabulary
+    cfg = LearnerConfig(algorithm="grpo", group_size=2, prompts_per_step=4, minibatch_size=8, max_new_tokens=8)
+    def widths(samples):   # the first's, and the widest a micro-batch of them can have
+        return (aligned(len(samples[0]["prompt_ids"]) + len(samples[0]["response_ids"]), COLUMN_MULTIPLE),
+                aligned(max(len(s["prompt_ids"]) for s in samples) + max(len(s["response_ids"]) for s in samples),
+                        COLUMN_MULTIPLE))
+
+    assert widths(made_up_samples(cfg, 22)) == (72, 72)     # without `avoid`: the tie
+    # 72 (hidden) and 64 (MLP) avoided: prompts of at most 48 tokens, widths 56
+    assert widths(made_up_samples(cfg, 22, avoid=sizes)) == (56, 56)
