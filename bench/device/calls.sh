@@ -137,7 +137,7 @@ ladder() {  # ladder <name> <timeout s> <bench/gpu_step.py args...>: one row of 
   pack "$name"
 }
 
-agents_plan() {  # agents_plan calc|guess|speed1..6: issue 36's side-by-side runs, one call each, in one lease
+agents_plan() {  # agents_plan calc|guess|speed1..9: issue 36's side-by-side runs, one call each, in one lease
   # calc: the bf16-sized warm start (bench/results/agent_warm_start_cpu_2026-12-04b.md; made on the
   # CPU, fp32), then ours and TRL from it. guess: ours and TRL again in the same lease.
   # Both need TRL=1 in payload.sh. On a fresh machine (setup converts SmolLM2) calc does not fit one
@@ -176,6 +176,22 @@ agents_plan() {  # agents_plan calc|guess|speed1..6: issue 36's side-by-side run
       agent guess2 220 --task guess --variants agent --steps 12 --eval-every 12 --val-n 16 --lr 2e-5 \
         --prompts-per-step 16 --group 8 --timeout 170 --trace
       TORCH_LOGS=recompiles agent calc2w 250 --task calculator --model /tmp/real/smollm2_warm --steps 6 --eval-every 1 \
+        --val-n 64 --lr 1e-5 --prompts-per-step 16 --group 8 --timeout 200 --variants agent --trace ;;
+    speed7)   # after the one-row and warm-up-width fixes: the calculator judged every step, own cold caches
+      warm /tmp/real/smollm2_warm 16 --lr 5e-5 --device cpu
+      TORCHINDUCTOR_CACHE_DIR=/tmp/ind_calc3 TRITON_CACHE_DIR=/tmp/tri_calc3 TORCH_LOGS=recompiles \
+        agent calc3 280 --task calculator --model /tmp/real/smollm2_warm --steps 6 --eval-every 1 \
+        --val-n 64 --lr 1e-5 --prompts-per-step 16 --group 8 --timeout 200 --variants agent --trace ;;
+    speed8)   # the same with the learner's layers eager (own cold caches), then TRL in the same lease
+      TORCHINDUCTOR_CACHE_DIR=/tmp/ind_calc3e TRITON_CACHE_DIR=/tmp/tri_calc3e \
+        agent calc3e 200 --task calculator --model /tmp/real/smollm2_warm --steps 6 --eval-every 1 \
+        --val-n 64 --lr 1e-5 --prompts-per-step 16 --group 8 --timeout 150 --variants agent --trace \
+        --set learner.compile=false
+      trlagent trlcalc1 330 --task calculator --model /tmp/real/smollm2_warm --steps 6 --eval-every 1 --val-n 64 \
+        --lr 1e-5 --prompts-per-step 16 --group 8 --max-wall 250 ;;
+    speed9)   # speed7's run again on the compile caches it left (warm)
+      TORCHINDUCTOR_CACHE_DIR=/tmp/ind_calc3 TRITON_CACHE_DIR=/tmp/tri_calc3 TORCH_LOGS=recompiles \
+        agent calc3w 250 --task calculator --model /tmp/real/smollm2_warm --steps 6 --eval-every 1 \
         --val-n 64 --lr 1e-5 --prompts-per-step 16 --group 8 --timeout 200 --variants agent --trace ;;
     guess)
       agent guess 300 --task guess --variants agent --steps 30 --eval-every 5 --val-n 128 --lr 2e-5 \
