@@ -19,8 +19,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before Ray starts: no toke
 
 # The slowest test files, slowest first (by the seconds their tests took on the 2-core machine in a
 # `pytest --durations` run; bench/results/suite_cpu.md). The two workers take files in collection
-# order as they free up: starting on these, the run's tail is short files on both workers. (Within
-# two groups: the files that share ray_instance's Ray, then the rest; pytest_collection_modifyitems.)
+# order as they free up: starting on these, the run's tail is short files on both workers.
 SLOWEST_FIRST = ("test_multirank", "test_runtime", "test_ppo_graph", "test_weight_sync", "test_checkpoint",
                  "test_real_model", "test_dapo", "test_lora", "test_validation", "test_reliability",
                  "test_multinode", "test_agent_graph", "test_algorithms", "test_resume_settings", "test_compiled",
@@ -29,13 +28,9 @@ SLOWEST_FIRST = ("test_multirank", "test_runtime", "test_ppo_graph", "test_weigh
 
 
 def pytest_collection_modifyitems(config, items):
-    # The files whose tests share this conftest's ray_instance go first (a module with a fixture of that
-    # name of its own, test_placement_on_ray's, starts its own Ray): a worker moving from one such file
-    # to the next keeps its Ray, where a file between them that starts its own or none cost a restart.
-    _ray_modules.update(item.path for item in items
-                        if "ray_instance" in item.fixturenames and not hasattr(item.module, "ray_instance"))
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: (item.path not in _ray_modules, rank.get(item.path.stem, len(rank))))   # stable
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))   # stable: a file keeps its order
+    _ray_modules.update(item.path for item in items if "ray_instance" in item.fixturenames)
 
 
 # The Ray that ray_instance started in this pytest process and keeps between modules: (node id,
