@@ -1,7 +1,10 @@
-"""Shared fixtures. `ray_instance`: one local Ray per test module (the house rule), started clean.
+"""Shared fixtures. `ray_instance`: one local Ray per test module (the house rule), started clean or
+kept from the previous module of this pytest process if that module left it clean (every actor and
+placement group gone).
 
-A module sets RAY_NUM_CPUS to ask for more logical CPUs than the default 4 (Ray schedules on
-logical CPUs, so a graph with many actors fits on this 2-core machine)."""
+A module may set RAY_NUM_CPUS to ask for other than the default 8 logical CPUs (Ray schedules on
+logical CPUs, so a graph with many actors fits on this 2-core machine); one default for all lets
+consecutive modules share one Ray."""
 
 from __future__ import annotations
 
@@ -27,23 +30,84 @@ SLOWEST_FIRST = ("test_multirank", "test_runtime", "test_ppo_graph", "test_weigh
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))   # stable: a file keeps its order
+    _ray_modules.update(item.path for item in items if "ray_instance" in item.fixturenames)
+
+
+# The Ray that ray_instance started in this pytest process and keeps between modules: (node id,
+# logical CPUs), or None. Starting and stopping a local Ray costs ~3.5 s of CPU on this 2-core machine;
+# 23 modules each starting their own was ~80 s of the suite's CPU time.
+_kept: tuple[str, int] | None = None
+_idle = False  # the kept Ray is between modules: no module is using it
+_ray_modules: set = set()  # the test files with a test that asks for ray_instance
+
+
+def _stop_kept_ray() -> None:
+    global _kept, _idle
+    import ray
+
+    if _kept is not None and ray.is_initialized() and ray.get_runtime_context().get_node_id() == _kept[0]:
+        ray.shutdown()
+    _kept, _idle = None, False
+
+
+def _all_resources_free(timeout_s: float = 10.0) -> bool:
+    """Every logical CPU (and everything else) of the local Ray free again: no actor and no
+    placement group of a finished module left behind. Ray frees them a moment after the kill."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        total, free = ray.cluster_resources(), ray.available_resources()
+        if all(free.get(k, 0.0) >= v - 1e-6 for k, v in total.items() if not k.startswith(("memory", "object_store"))):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A test file none of whose tests asks for ray_instance (tests/unit's pure tests, modules that
+    start their own Ray or cluster) never finds the Ray kept from an earlier module. (The Ray-free
+    tests of a file that does ask for it may: as before, they may run while its module's Ray is up.)"""
+    if _idle and item.path not in _ray_modules:
+        _stop_kept_ray()
 
 
 @pytest.fixture(scope="module")
 def ray_instance(request):
+    """One local Ray for the module's tests, with RAY_NUM_CPUS logical CPUs (default 8). The same Ray
+    serves the next module that asks for it with the same CPUs, if this module left every resource free
+    (all its graphs' actors and placement groups gone); anything else gets a fresh one."""
+    global _kept, _idle
     import ray
 
-    if ray.is_initialized():  # another module left one running
-        ray.shutdown()
-    # Workers inherit PYTHONPATH (and RAY_AUTH_MODE, above) from this process, as in
-    # dataflow/driver/launch.start_ray: a runtime_env would cost every actor a start through Ray's agent.
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)
-    # address="local": never join a cluster another test module started meanwhile (test_multinode's
-    # ray.cluster_utils.Cluster publishes its address, which ray.init() with no address would join).
-    ray.init(address="local", num_cpus=getattr(request.module, "RAY_NUM_CPUS", 4), include_dashboard=False,
-             log_to_driver=False, configure_logging=False)
+    cpus = getattr(request.module, "RAY_NUM_CPUS", 8)
+    reuse = (_kept is not None and _kept[1] == cpus and ray.is_initialized()
+             and ray.get_runtime_context().get_node_id() == _kept[0])
+    _idle = False
+    if not reuse:
+        _stop_kept_ray()
+        if ray.is_initialized():  # another module left one running
+            ray.shutdown()
+        # Workers inherit PYTHONPATH (and RAY_AUTH_MODE, above) from this process, as in
+        # dataflow/driver/launch.start_ray: a runtime_env would cost every actor a start through Ray's agent.
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)
+        # address="local": never join a cluster another test module started meanwhile (test_multinode's
+        # ray.cluster_utils.Cluster publishes its address, which ray.init() with no address would join).
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+        _kept = (ray.get_runtime_context().get_node_id(), cpus)
     yield
-    ray.shutdown()
+    if (_kept is not None and ray.is_initialized() and ray.get_runtime_context().get_node_id() == _kept[0]
+            and _all_resources_free()):
+        _idle = True       # kept for the next module
+    else:
+        _stop_kept_ray()
+        if ray.is_initialized():
+            ray.shutdown()
 
 
 def run_then_interrupt(graph_file: str, overrides: list[str], run_dir: Path, after_steps: int,
