@@ -58,16 +58,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from dataflow.driver.options import DriverClock
     from dataflow.driver.resume import load_for_resume
     from dataflow.driver.runtime import RunOptions, describe, load_graph, run_graph
 
+    # The command's own wait before Ray starts, by part, for the running line (argv None: this
+    # process is the command; a caller's process started long before its call).
+    clock = DriverClock(since_process_start=argv is None)
     try:
-        if args.resume:  # the run's own settings, and a checkpoint that is intact
-            graph, config, checkpoint = load_for_resume(args.graph, args.overrides, args.resume,
-                                                        args.allow_changed_settings)
-            args.resume = str(checkpoint)
-        else:
-            graph, config = load_graph(args.graph, args.overrides)
+        with clock.part("graph"):   # the graph file, its node modules (torch), the settings
+            if args.resume:  # the run's own settings, and a checkpoint that is intact
+                graph, config, checkpoint = load_for_resume(args.graph, args.overrides, args.resume,
+                                                            args.allow_changed_settings)
+                args.resume = str(checkpoint)
+            else:
+                graph, config = load_graph(args.graph, args.overrides)
     except UserError as e:
         for line in getattr(e, "lines", None) or [str(e)]:   # SettingProblems: one line per setting
             print(f"error: {line}", file=sys.stderr)
@@ -88,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         # model dirs, data, rewards, the nodes' cross-setting checks: in seconds, before Ray starts
-        found = input_problems(graph, config, args.max_steps)
+        with clock.part("checks"):
+            found = input_problems(graph, config, args.max_steps)
     except KeyboardInterrupt:
         print("\n[dataflow] interrupted while checking the inputs; nothing was started.", file=sys.stderr)
         return 130
@@ -101,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[dataflow] {plan.summary()}")
     options = RunOptions(address=args.address, max_steps=args.max_steps, trace_path=args.trace,
                          trace_kernels=args.trace_kernels,
-                         out_dir=args.out, verbose=args.verbose, resume=args.resume,
+                         out_dir=args.out, verbose=args.verbose, resume=args.resume, driver_parts=clock.parts,
                          **({} if args.compile_cache is None else {"compile_cache": args.compile_cache}))
     return _run_with_signals(lambda: run_graph(graph, options, config), args.graph)
 

@@ -41,7 +41,9 @@ class RunSummary:
     """Lines the user must read about how the run ended (e.g. the data ran out before max steps)."""
     startup: dict = field(default_factory=dict)
     """Where the start-up went, s: "total" (Ray up -> every node set up), "ray" (before that),
-    "actors" (every actor process answering), "setup" (then every node's setup), "setup/<replica>"."""
+    "actors" (every actor process answering), "setup" (then every node's setup), "setup/<replica>";
+    from the CLI also "driver" (its own seconds before Ray: process start, the graph, the checks) and
+    "driver/<part>"."""
 
 
 POLL_TIMEOUT_S = 5.0  # a host that does not answer a poll within this is skipped until it does
@@ -129,10 +131,15 @@ class Monitor:
         slowest = max(self.setup_s, key=self.setup_s.get) if self.setup_s else None
         parts = f"actor processes {actors:.1f} s, node setup {setup:.1f} s" + (
             f" (slowest {slowest}: {self.setup_s[slowest]:.1f} s)" if slowest else "")
+        driver = self.options.driver_parts
+        before = f"Ray started {self.ray_s:.1f} s before" + (
+            f", after the command's own {sum(driver.values()):.1f} s ("
+            + ", ".join(f"{name} {s:.1f}" for name, s in driver.items()) + ")" if driver else "")
         self.say(f"[dataflow] graph '{self.graph.name}' running: {len(self.graph.nodes)} nodes, "
-                 f"start-up {total:.1f} s ({parts}; Ray started {self.ray_s:.1f} s before); "
-                 f"metrics -> {self.metrics_path}")
-        self.startup = {"total": round(total, 3), "ray": round(self.ray_s, 3), "actors": round(actors, 3),
+                 f"start-up {total:.1f} s ({parts}; {before}); metrics -> {self.metrics_path}")
+        self.startup = {**({"driver": round(sum(driver.values()), 3)} if driver else {}),
+                        **{f"driver/{name}": round(s, 3) for name, s in driver.items()},
+                        "total": round(total, 3), "ray": round(self.ray_s, 3), "actors": round(actors, 3),
                         "setup": round(setup, 3), **{f"setup/{n}": s for n, s in self.setup_s.items()},
                         **{f"setup/{n}/{part}": s for n, parts in self.setup_parts.items() for part, s in parts.items()}}
 
