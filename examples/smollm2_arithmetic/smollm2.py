@@ -29,7 +29,9 @@ Nothing touches a hub (HF_HUB_OFFLINE=1 is set before transformers is imported).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -75,14 +77,32 @@ def load_gguf():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     folder, name = os.path.split(gguf_path())
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    try:  # transformers >= 5.2x keeps GGUF weights packed unless told to de-quantise; older ones always do
-        from transformers import GgufConfig
-        extra = {"quantization_config": GgufConfig(gguf_file=name, dequantize=True)}
-    except ImportError:
-        extra = {}
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, **extra)
+    with _gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        try:  # transformers >= 5.2x keeps GGUF weights packed unless told to de-quantise; older ones always do
+            from transformers import GgufConfig
+            extra = {"quantization_config": GgufConfig(gguf_file=name, dequantize=True)}
+        except ImportError:
+            extra = {}
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, **extra)
     return model.eval(), tokenizer
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers parses the GGUF file's metadata three times (tokenizer, config, weights: a
+    pure-Python walk of its 49k-token vocabulary each time) and rebuilds gguf's tensor-name map
+    for each of the model's ~400 modules: most of a conversion's time. Both are read-only, so
+    within a load each is built once (transformers imports both from `gguf` when it calls them)."""
+    import gguf
+
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=4)(saved[0])
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=16)(saved[1])
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved
 
 
 def _fix_tokens(tokenizer, model_config) -> None:
