@@ -175,11 +175,17 @@ def _model_dir_problems(path: str, mtime: float, tokenizer: bool) -> tuple[str, 
     if not os.path.isfile(config_file):
         return ("no config.json there: not a saved HF model directory (save it with save_pretrained)",)
     try:
-        from transformers import AutoConfig
-
-        AutoConfig.from_pretrained(path, local_files_only=True)
-    except Exception as e:   # unreadable JSON, an unknown model_type: whatever transformers says
+        with open(config_file) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:   # unreadable, not JSON, not an object
         return (f"config.json cannot be read: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",)
+    # The model type against transformers' own table, not AutoConfig: building the config class
+    # imports the model family's code (seconds in the driver, where nothing else needs it).
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        return (f"config.json cannot be read: its model_type {model_type!r} is not one this transformers knows "
+                "(a newer model family: upgrade transformers)",)
     found = _weights_problems(path)
     if tokenizer:
         try:

@@ -74,6 +74,12 @@ def test_incomplete_model_dirs(model_dir, tmp_path):
     bad_config = copy_of(model_dir, tmp_path, "b")
     (bad_config / "config.json").write_text("{not json")
     assert model_dir_problems(str(bad_config))[0].startswith("config.json cannot be read")
+    unknown = copy_of(model_dir, tmp_path, "u")   # checked against transformers' table, not by building it
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "llama9"}))
+    assert model_dir_problems(str(unknown)) == [
+        "config.json cannot be read: its model_type 'llama9' is not one this transformers knows "
+        "(a newer model family: upgrade transformers)"]
     no_weights = copy_of(model_dir, tmp_path, "c")
     os.remove(no_weights / "model.safetensors")
     assert model_dir_problems(str(no_weights))[0].startswith("missing weights")
