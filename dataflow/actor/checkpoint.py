@@ -78,6 +78,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import shutil
 from pathlib import Path
 from typing import Any
@@ -104,15 +105,19 @@ def pack(obj: Any, copy: bool = False, staging: dict | None = None) -> tuple[Any
     memory for a GPU state costs far more than copying into blocks already pinned, and torch's
     host allocator does not reliably hand the last capture's blocks back
     (bench/results/checkpoint_blocking_h200_2026-12-03.md). The previous pack's tensors are overwritten: the caller must be done
-    with them (NodeHost waits for the last background write before the next capture)."""
-    import numpy as np
-    import torch
+    with them (NodeHost waits for the last background write before the next capture).
 
-    tensors: dict[str, torch.Tensor] = {}
+    A process that never imported torch (a prompt source, a reward file's node) holds no tensor:
+    its state packs without importing torch (seconds, on its first checkpoint, that every node of
+    the graph would wait for); numpy likewise."""
+    torch = sys.modules.get("torch")
+    np = sys.modules.get("numpy")
+
+    tensors: dict[str, Any] = {}
     seen: dict[tuple, str] = {}
     from_gpu: set = set()
 
-    def tensor_ref(t: torch.Tensor) -> str:
+    def tensor_ref(t) -> str:
         t = t.detach()
         key = (t.device.type, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
                tuple(t.stride()), t.dtype)
@@ -132,7 +137,7 @@ def pack(obj: Any, copy: bool = False, staging: dict | None = None) -> tuple[Any
                 tensors[name] = t.to("cpu", copy=copy).contiguous()
         return seen[key]
 
-    def cpu_buffer(name: str, t: torch.Tensor, pinned: bool) -> torch.Tensor:
+    def cpu_buffer(name: str, t, pinned: bool):
         kept = staging.get(name) if staging is not None else None
         if kept is None or kept.shape != t.shape or kept.dtype != t.dtype or kept.is_pinned() != pinned:
             kept = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
@@ -141,11 +146,14 @@ def pack(obj: Any, copy: bool = False, staging: dict | None = None) -> tuple[Any
         return kept
 
     def walk(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
+        nonlocal torch
+        if torch is not None and isinstance(x, torch.Tensor):
             return {"__tensor__": tensor_ref(x)}
-        if isinstance(x, np.ndarray):
+        if np is not None and isinstance(x, np.ndarray):
+            import torch   # an array is stored as a tensor (safetensors' torch API)
+
             return {"__ndarray__": tensor_ref(torch.from_numpy(np.ascontiguousarray(x)))}
-        if isinstance(x, np.generic):
+        if np is not None and isinstance(x, np.generic):
             return x.item()
         if isinstance(x, tuple):
             return {"__tuple__": [walk(v) for v in x]}
@@ -196,7 +204,10 @@ def write_state(directory: str | Path, state: dict, durable: bool = True) -> Non
 
 def write_packed(directory: str | Path, tree: Any, tensors: dict, durable: bool = True) -> None:
     """write_state() of what pack() returned (a background write: dataflow/actor/host.py)."""
-    from safetensors.torch import save_file
+    if tensors:
+        from safetensors.torch import save_file
+    else:   # the same empty file, without importing torch (pack's docstring)
+        from safetensors.numpy import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -214,11 +225,18 @@ def write_packed(directory: str | Path, tree: Any, tensors: dict, durable: bool 
 
 
 def read_state(directory: str | Path) -> dict:
-    """What write_state() wrote; reads JSON and safetensors only (no code runs)."""
+    """What write_state() wrote; reads JSON and safetensors only (no code runs). A state without
+    tensors loads without importing torch (its tensors file is read for its header alone)."""
+    directory = Path(directory)
+    text = (directory / STATE_JSON).read_text()
+    tree = json.loads(text)
+    if '"__tensor__"' not in text and '"__ndarray__"' not in text:
+        from safetensors import safe_open
+
+        with safe_open(str(directory / TENSORS), framework="numpy"):   # raises on a damaged file, as load_file
+            return unpack(tree, {})
     from safetensors.torch import load_file
 
-    directory = Path(directory)
-    tree = json.loads((directory / STATE_JSON).read_text())
     return unpack(tree, load_file(str(directory / TENSORS)))
 
 
@@ -238,22 +256,25 @@ def _fsync(path: Path) -> None:
 
 
 def rng_state() -> dict:
-    """The process's RNG states: torch CPU (and CUDA when in use) and Python's `random`."""
-    import torch
-
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    """The process's RNG states: torch CPU (and CUDA when in use) and Python's `random`. A process
+    that never imported torch has drawn nothing from torch's generators: only Python's is saved."""
+    state = {"python": random.getstate()}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        state["torch"] = torch.get_rng_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    import torch
-
-    torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "torch" in state:
+        import torch
+
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # ---- directories --------------------------------------------------------------------------------

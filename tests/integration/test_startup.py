@@ -168,3 +168,23 @@ def test_reward_node_with_a_reward_file_imports_no_transformers(tmp_path, tokeni
     assert summary.status == "done", summary.status
     scored = json.loads((tmp_path / "run" / "scored.json").read_text())
     assert scored and all(not s["failed"] and s["score"] == 1.0 for group in scored for s in group), scored
+
+
+def test_a_process_without_torch_checkpoints_and_restores_without_importing_it(tmp_path):
+    """A prompt source or a reward file's node never imports torch; its checkpoint must not either
+    (the first checkpoint of every run waited for that import in those nodes: seconds on a GPU
+    machine). Its state and Python's RNG round-trip; torch's RNG is saved where torch is loaded."""
+    script = textwrap.dedent(f'''
+        import random, sys
+        from dataflow.actor import checkpoint
+        random.seed(5)
+        checkpoint.write_state({str(tmp_path / "a")!r}, {{"node": {{"position": 96, "pair": (1, 2)}},
+                                                           "rng": checkpoint.rng_state(), "steps": 3}})
+        first = random.random()
+        state = checkpoint.read_state({str(tmp_path / "a")!r})
+        checkpoint.set_rng_state(state["rng"])
+        print(state["node"], state["steps"], sorted(state["rng"]), random.random() == first, "torch" in sys.modules)
+    ''')
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == "{'position': 96, 'pair': (1, 2)} 3 ['python'] True False", out.stdout
