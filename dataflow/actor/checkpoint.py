@@ -8,8 +8,8 @@ directory. With the graph's async_checkpoint (the default) training waits only u
 has copied its state to CPU memory; the files are written and committed in the background, one
 checkpoint at a time.
 
-What. Every replica saves `node.state_dict()` plus the RNG states of its process (torch CPU and
-CUDA, Python `random`); the host adds its step counter. In the built-in nodes:
+What. Every replica saves `node.state_dict()` plus the RNG states of its process (Python `random`,
+and torch CPU and CUDA where torch is loaded); the host adds its step counter. In the built-in nodes:
   learner    policy weights, AdamW state, KL controller, minibatch RNG, step (= policy version)
   critic     value model weights, AdamW state, minibatch RNG, samples not yet trained on
   prompts    data position: the first prompt of batch `step` (the first batch not yet trained)
