@@ -56,6 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+SLOW_CHECKS_S = 2.0
+"""Input checks that take longer than this print where their time went (before Ray starts)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from dataflow.driver.options import DriverClock
@@ -93,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         # model dirs, data, rewards, the nodes' cross-setting checks: in seconds, before Ray starts
+        checks: dict[str, float] = {}
         with clock.part("checks"):
-            found = input_problems(graph, config, args.max_steps)
+            found = input_problems(graph, config, args.max_steps, seconds=checks)
     except KeyboardInterrupt:
         print("\n[dataflow] interrupted while checking the inputs; nothing was started.", file=sys.stderr)
         return 130
@@ -102,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         for line in found:
             print(f"error: {line}", file=sys.stderr)
         return 2
+    if clock.parts["checks"] >= SLOW_CHECKS_S:   # say which input took the time (a large prompt file: a token file helps)
+        slowest = sorted(checks.items(), key=lambda kv: -kv[1])[:3]
+        print(f"[dataflow] input checks took {clock.parts['checks']:.1f} s: "
+              + ", ".join(f"{name} {s:.1f} s" for name, s in slowest))
     plan = getattr(graph, "memory_plan", None)    # what the graph config's memory plan set (graphs/rlhf.py)
     if plan is not None and getattr(plan, "settings", None):
         print(f"[dataflow] {plan.summary()}")

@@ -27,14 +27,19 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from typing import Any
 
 from dataflow.errors import UserError
 
 
-def input_problems(graph, config: Any = None, max_steps: int | None = None) -> list[str]:
+def input_problems(graph, config: Any = None, max_steps: int | None = None,
+                   seconds: dict[str, float] | None = None) -> list[str]:
+    """The problems, one line each ([] = none); `seconds`, when given, gets each check's time by
+    the setting it checks (the graph config's own check: `<its class>.preflight`) and the memory plan's."""
     lines: list[str] = _node_setting_problems(graph, max_steps)
     for key, part in _parts(graph, config):
+        t0 = time.perf_counter()
         try:
             found = part.preflight()
         except UserError as e:   # a check that raises instead of returning lines
@@ -43,18 +48,25 @@ def input_problems(graph, config: Any = None, max_steps: int | None = None) -> l
             print(f"[dataflow] warning: the input check of {key or type(part).__name__} raised "
                   f"{type(e).__name__}: {e}; going on without it", file=sys.stderr)
             continue
+        finally:
+            if seconds is not None:
+                name = key or f"{type(part).__name__}.preflight"
+                seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
         for line in found or ():
             text = f"{key}.{line}" if key and _names_a_field(line, part) else line
             if text not in lines:
                 lines.append(text)
     memory = getattr(config, "memory_plan", None)    # a node that does not fit its GPU share
     if callable(memory) and not lines:                # (it reads the model dir checked above)
+        t0 = time.perf_counter()
         try:
             plan = memory(graph)
         except Exception as e:   # as a broken check above: say so, go on
             print(f"[dataflow] warning: the memory plan raised {type(e).__name__}: {e}; going on without it",
                   file=sys.stderr)
             plan = None
+        if seconds is not None:
+            seconds["memory plan"] = time.perf_counter() - t0
         if plan is not None and plan.problem and plan.enforced:
             lines.append(f"memory plan: {plan.problem}")
     return lines

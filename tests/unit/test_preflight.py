@@ -95,6 +95,21 @@ def test_incomplete_model_dirs(model_dir, tmp_path):
         "no tokenizer.json; save one with tokenizer.save_pretrained(path)"]
 
 
+def test_each_check_is_timed_by_the_setting_it_checks(model_dir, tmp_path):
+    """What `dataflow.run` prints when the checks are slow: seconds per checked setting (the graph
+    config's own check under its class name), none missing, adding up to about the whole."""
+    import time
+
+    data = jsonl(tmp_path / "d.jsonl", *({"prompt": f"copy {i} 2 :", "answer": f"{i} 2"} for i in range(50)))
+    graph, config = load_graph("graphs/grpo.py", [f"policy.path={model_dir}", f"prompts.path={data}", "max_new_tokens=4"])
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    assert input_problems(graph, config, seconds=seconds) == []
+    whole = time.perf_counter() - t0
+    assert {"policy", "GRPOGraphConfig.preflight"} <= seconds.keys(), seconds
+    assert all(s >= 0 for s in seconds.values()) and sum(seconds.values()) <= whole, (seconds, whole)
+
+
 def test_cli_gives_one_line_and_exit_2_without_starting_ray(model_dir, tmp_path, capsys):
     """A missing or broken policy dir: the same one line every time, whichever node would have
     loaded it first (before: a traceback from some node, exit 1, after Ray's start-up)."""
