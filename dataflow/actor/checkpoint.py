@@ -78,8 +78,8 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
