@@ -231,11 +231,12 @@ def test_cli_runs_squares_end_to_end(tmp_path):
     assert "[dataflow] graph 'squares' running: 3 nodes" in r.stdout
     assert re.search(r"start-up [\d.]+ s \(actor processes [\d.]+ s, node setup [\d.]+ s \(slowest", r.stdout), r.stdout
     # and the command's own seconds before Ray, from its process start: parts that add up to it
+    # (each of the four printed to 0.1 s)
     own = re.search(r"Ray started [\d.]+ s before, after the command's own ([\d.]+) s \(python, imports ([\d.]+), "
                     r"graph ([\d.]+), checks ([\d.]+)\)", r.stdout)
     assert own, r.stdout
     total, *parts = map(float, own.groups())
-    assert 0 < parts[0] and abs(sum(parts) - total) <= 0.15 and total < wall, (own.group(0), wall)
+    assert 0 < parts[0] and abs(sum(parts) - total) <= 0.2 + 1e-9 and total < wall, (own.group(0), wall)
     assert "step    4 | items 20" in r.stdout
     assert "where time went" in r.stdout and "square[1]" in r.stdout  # the idle table
     assert "[dataflow] done: 4 steps in" in r.stdout
