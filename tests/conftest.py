@@ -30,7 +30,10 @@ SLOWEST_FIRST = ("test_multirank", "test_runtime", "test_ppo_graph", "test_weigh
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))   # stable: a file keeps its order
-    _ray_modules.update(item.path for item in items if "ray_instance" in item.fixturenames)
+    # A module with a ray_instance fixture of its own (test_placement_on_ray's: logical GPUs) starts
+    # its own Ray: the kept one is stopped before it, not left behind for it to shut down.
+    _ray_modules.update(item.path for item in items
+                        if "ray_instance" in item.fixturenames and not hasattr(item.module, "ray_instance"))
 
 
 # The Ray that ray_instance started in this pytest process and keeps between modules: (node id,
