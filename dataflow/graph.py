@@ -62,6 +62,13 @@ class NodeSpec:
     pool: str | None = None
     side: str | None = None
     """A GPU preset's side ("rollout" / "train") that places this node (dataflow/presets.py)."""
+    memory_cap: float = 0.0
+    """The fraction of its GPU this node's allocator may use, where it is more than its share
+    `gpus` (0 = its share): a memory plan whose phases take turns on one GPU lends a node the room
+    another frees between phases (rl/model/applied_plan.py, phase switch). Ray still counts `gpus`."""
+    gpu_turn: str = ""
+    """The lock file through which the nodes of a memory plan's phase switch take turns on their
+    GPU (rl/model/gpu_turns.py; the plan sets it on the generator and the learner; "" = none)."""
     memory_note: str = ""
     """What a memory plan says this node holds and the setting that lowers it (graphs/rlhf.py sets
     it): an out-of-memory error in the node says it (dataflow/actor/host.py)."""

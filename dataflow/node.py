@@ -81,6 +81,8 @@ class NodeContext:
     max_steps: int | None
     gpu_share: float = 0.0
     """This replica's share of its GPU (0 = none; its CUDA memory is capped at it below 1)."""
+    gpu_turn: str = ""
+    """NodeSpec.gpu_turn: the lock file of a memory plan's phase switch ("" = none)."""
     run_dir: str = "."
     inputs: dict = field(default_factory=dict)   # port -> channel.ReceiveEnd
     outputs: dict = field(default_factory=dict)  # port -> channel.SendEnd

@@ -132,6 +132,14 @@ class RLHFConfig:
     what they need and the generator the rest (without a known GPU size: equal parts of what is
     left); on several colocated GPUs they keep their equal shares and the plan checks that
     everything fits. A share caps the node's GPU memory too."""
+    phase_switch: Literal["auto", "on", "off"] = "auto"
+    """Where the generator and the learner share one GPU (placement=colocated, num_gpus=1) and the
+    static decoder generates: the decoder frees its KV cache whenever its slots run empty and the
+    learner its activations and gradients after each step, and the two take turns on the GPU
+    (rl/model/gpu_turns.py), so the memory plan lends the learner's step room to the KV cache:
+    more decoder slots and a larger token budget on the same GPU (docs/gpus.md). auto: on with
+    max_staleness=0, where generation waits for each step anyway; on: also with max_staleness > 0
+    (generation then waits for every learner step); off: fixed shares. vLLM: generator.vllm.sleep_level."""
     gpu_memory_gib: Annotated[float, NonNegative] = 0.0
     """GPU size for the memory plan (rl/model/applied_plan.py; --describe prints it on a GPU placement):
     it sets the shares, token budgets and checkpointing left at their defaults, and refuses before

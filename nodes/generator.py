@@ -54,6 +54,7 @@ torch.Generator per call from (seed, id of the call's first prompt).
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -66,6 +67,7 @@ from rl.generation.episodes import Episodes
 from rl.generation.hf_loop import HFLoop
 from rl.generation.reports import Drain, ValidationSpan
 from rl.data import policy
+from rl.model.gpu_turns import GpuTurn
 from rl.model.precision import cast_model
 from rl.agent import EnvConfig, environment_problems, load_environment
 from rl.generation.decoder_slots import fitted_prompts_per_call, prompts_per_call
@@ -194,7 +196,7 @@ class Generator(HFLoop, Node):
         self.weight_sync = GeneratorWeightSync(self.ctx, c.weight_sync)
         with self.ctx.span("weight sync setup"):
             await self.weight_sync.setup(self.model)
-        self.decoder = None
+        self.decoder, self.turn = None, None
         if backend == "hf":
             return
         max_pos = self.model.config.max_position_embeddings
@@ -216,12 +218,31 @@ class Generator(HFLoop, Node):
             slot_len = self.max_prompt + self.max_response
             self.prompts_per_call = fitted_prompts_per_call(c, self.ctx.device, self.model, slot_len,
                                                             self.ctx.gpu_share, self.ctx.log)
+        self.turn = GpuTurn(self.ctx.gpu_turn) if self.ctx.gpu_turn else None
         with self.ctx.span("build decoder"):
+            if self.turn is not None:   # the learner's compile warm-up may hold the GPU meanwhile
+                await asyncio.to_thread(self.turn.take)
             self.decoder = StaticDecoder(
                 self.model, self.prompts_per_call * c.group_size, self.max_prompt + self.max_response,
                 eos_id=self.stop_ids, max_new_tokens=turn_tokens,
                 min_new_tokens=c.min_new_tokens, temperature=c.temperature, top_k=c.top_k,
                 seed=c.seed, cuda_graphs=c.cuda_graphs, compile_layers=c.compile)
+        if self.turn is not None:   # generation starts in the next turn
+            self.decoder.free_cache()
+            self.turn.give()
+
+    def _give_turn(self) -> None:
+        """Phase switch: the KV cache and graphs back to the GPU, the turn to the learner."""
+        t = time.perf_counter()
+        freed = self.decoder.free_cache()
+        self.turn.give()
+        self.ctx.metrics({"generator/kv_free_s": time.perf_counter() - t, "generator/kv_freed_gib": freed / 2**30})
+
+    async def _take_turn(self) -> None:
+        """Phase switch: wait for the learner's step to end; the cache is allocated in refresh()."""
+        with self.ctx.span("wait for the GPU"):
+            waited = await asyncio.to_thread(self.turn.take)
+        self.ctx.metrics({"generator/gpu_turn_wait_s": waited})
 
     async def run(self):
         if self.decoder is None:
@@ -294,8 +315,14 @@ class Generator(HFLoop, Node):
                         await episodes.wait([waiting[0][1]] if waiting else [], 0.05 if dec.free_slots() else 1.0)
                         if not episodes.stepped and not admissible():
                             continue
+                if self.turn is not None and dec.cache_freed:
+                    await self._take_turn()
                 async with self.weight_sync.serving() as self.version:
+                    t = time.perf_counter()
+                    freed = dec.cache_freed
                     await asyncio.to_thread(dec.refresh)   # re-captures graphs if weights moved
+                    if freed:
+                        self.ctx.metrics({"generator/kv_alloc_s": time.perf_counter() - t})
                     if partial or episodes:
                         dec.set_version(self.version)      # live slots' next tokens are this version's
                     with self.ctx.span("generate", version=self.version):
@@ -350,6 +377,10 @@ class Generator(HFLoop, Node):
                                     episodes.turn_ended(tag, sample)     # tag: the episode
                                 else:
                                     finish(*tag, sample)
+                            if self.turn is not None and not dec.active and not waiting and not groups.take_one():
+                                with self.ctx.span("free KV cache", track="decoder"):
+                                    self._give_turn()   # milliseconds: the tensors and the pool freed
+                                break
                         drain.ended()     # the slots are empty, or (partial rollout) newer weights are due
         finally:
             val_span.close()

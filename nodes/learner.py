@@ -36,7 +36,8 @@ from dataflow.weights.sync import SYNC_EDGE, LearnerWeightSync, WeightSyncConfig
 from nodes.reference import add_logprobs
 from rl.model import lora
 from rl.data import policy
-from rl.update.compile_warm_up import start_warm_up
+from rl.update.compile_warm_up import free_step_memory, start_warm_up
+from rl.model.gpu_turns import GpuTurn
 from rl.algorithm.kl import AdaptiveKLController, FixedKLController, KLConfig
 from rl.model.lora import LoraConfig
 from rl.algorithm.losses import PolicyLoss
@@ -197,6 +198,7 @@ class Learner(LearnerState, RankCommands, Node):
         c = self.config
         self.ranks = None           # dataflow.weights.multirank.TrainRanks when dp x tp > 1
         self._warm_up = None        # rl/update/compile_warm_up.start_warm_up's task (held: a task needs a reference)
+        self.turn = GpuTurn(self.ctx.gpu_turn) if self.ctx.gpu_turn else None   # the phase switch's (rl/model/gpu_turns.py)
         if c.num_ranks > 1:
             from dataflow.weights.layout import ParallelLayout
             from dataflow.weights.multirank import join
@@ -233,7 +235,7 @@ class Learner(LearnerState, RankCommands, Node):
             compiled = compile_layers(self.model, compile_setting(c.compile, c.packing, c.gradient_checkpointing),
                                       self.ctx.device)
             if compiled and c.compile_warm_up:   # the layers compile while the other nodes start
-                self._warm_up = start_warm_up(self.ctx, self.model, c, self.tokenizer.pad_token_id)
+                self._warm_up = start_warm_up(self.ctx, self.model, c, self.tokenizer.pad_token_id, self.turn)
         trained = [p for p in self.model.parameters() if p.requires_grad]   # LoRA: the adapter only
         self.optimizer = torch.optim.AdamW(trained, lr=c.lr, betas=tuple(c.betas),
                                            weight_decay=c.weight_decay)
@@ -257,12 +259,24 @@ class Learner(LearnerState, RankCommands, Node):
             # and a resumed run (the version is in the checkpoint) set the same learning rate.
             for group in self.optimizer.param_groups:
                 group["lr"] = self.lr_at(args["version"] - 1)
-            if c.own_reference:
-                with self.ctx.span("reference forward", samples=len(args["samples"])):
-                    await asyncio.to_thread(self._reference_logprobs, args["samples"])
-            stats = await asyncio.to_thread(ppo_update, self.model, self.optimizer, args["samples"],
-                                            args["kl_coef"], self.tokenizer.pad_token_id, c, self.rng,
-                                            args["stale"], self.ranks, args["version"] - 1)
+            waited = 0.0
+            if self.turn is not None:           # the generator's KV cache is freed before this returns
+                with self.ctx.span("wait for the GPU"):
+                    waited = await asyncio.to_thread(self.turn.take)
+            try:
+                if c.own_reference:
+                    with self.ctx.span("reference forward", samples=len(args["samples"])):
+                        await asyncio.to_thread(self._reference_logprobs, args["samples"])
+                stats = await asyncio.to_thread(ppo_update, self.model, self.optimizer, args["samples"],
+                                                args["kl_coef"], self.tokenizer.pad_token_id, c, self.rng,
+                                                args["stale"], self.ranks, args["version"] - 1)
+            finally:
+                if self.turn is not None:
+                    with self.ctx.span("free activations"):
+                        freed_s = await asyncio.to_thread(free_step_memory, self.model)
+                    self.turn.give()
+            if self.turn is not None:
+                stats.update({"learner/gpu_turn_wait_s": waited, "learner/free_s": freed_s})
             if self.ranks is not None and not self.ranks.lead:   # rank 0 counts its steps in _lead
                 self.version = args["version"]
             return stats

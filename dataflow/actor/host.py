@@ -61,6 +61,15 @@ class HostSpec:
     restarts it), so a failed channel pull is retried and a publish skips it meanwhile."""
     memory_note: str = ""
     """NodeSpec.memory_note: what the memory plan gave this node, said by an out-of-memory error."""
+    memory_cap: float = 0.0
+    """NodeSpec.memory_cap: the fraction its allocator may use when more than `gpus` (0 = gpus)."""
+    gpu_turn: str = ""
+    """NodeSpec.gpu_turn (NodeContext.gpu_turn)."""
+
+    @property
+    def gpu_fraction(self) -> float:
+        """The fraction of its GPU this replica's allocator may use."""
+        return min(max(self.memory_cap, self.gpus), 1.0)
 
 
 # Where torch.compile (inductor's FX graph and AOTAutograd caches), triton's kernels and vLLM's
@@ -90,8 +99,8 @@ class NodeHost(CheckpointCalls, StatusCalls):
 
             torch.set_num_threads(threads)
             self.device = "cuda" if spec.gpus > 0 and torch.cuda.is_available() else "cpu"
-            if self.device == "cuda" and spec.gpus < 1:  # a share of a GPU: stay within it (dataflow/placement.py)
-                torch.cuda.set_per_process_memory_fraction(spec.gpus)
+            if self.device == "cuda" and spec.gpu_fraction < 1:  # a share of a GPU: stay within it (dataflow/placement.py)
+                torch.cuda.set_per_process_memory_fraction(spec.gpu_fraction)
         else:
             # A node without torch (plain Python: a toy graph's, a reward's) starts without its
             # ~2 s import; if it imports torch later, its OpenMP pool reads this when torch loads.
@@ -155,7 +164,7 @@ class NodeHost(CheckpointCalls, StatusCalls):
         self.ctx = NodeContext(
             name=self.spec.node, replica=self.spec.replica, num_replicas=self.spec.num_replicas,
             device=self.device, max_steps=self.spec.max_steps, inputs=inputs, outputs=outputs,
-            gpu_share=min(self.spec.gpus, 1.0) if self.device == "cuda" else 0.0,
+            gpu_share=self.spec.gpu_fraction if self.device == "cuda" else 0.0, gpu_turn=self.spec.gpu_turn,
             tracer=self.tracer, run_dir=self.spec.run_dir, _host=self,
             save_interval=self.spec.save_interval, state_lock=self.state_lock)
         self.node = self.spec.kind(self.spec.config, self.ctx)

@@ -83,7 +83,8 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
                                  trace=options.trace_path is not None, run_dir=str(run_dir.resolve()),
                                  trace_kernels=options.trace_kernels, save_interval=graph.save_interval,
                                  drop_bad_items=graph.drop_bad_items, max_restarts=graph.max_restarts,
-                                 memory_note=spec.memory_note,
+                                 memory_note=spec.memory_note, memory_cap=spec.memory_cap,
+                                 gpu_turn=spec.gpu_turn,
                                  compile_cache=os.path.abspath(options.compile_cache) if options.compile_cache else "")
             # Ray restarts a dead actor in place (same handle, same bundle); never the run-ending node
             # or a rank of a multi-rank job (NodeSpec.restartable).

@@ -105,6 +105,8 @@ class StaticDecoder:
         p = next(self.model.parameters())
         if (p.device, p.dtype) != (self._device, self._dtype):
             self._allocate(p.device, p.dtype)
+        elif self.k_cache is None:                  # released (free_cache()): allocate it again
+            self._allocate_cache()
         ptrs = tuple(t.data_ptr() for t in self.model.parameters())
         if ptrs != getattr(self, "_ptrs", None):
             self._graphs = {}
@@ -123,12 +125,7 @@ class StaticDecoder:
             raise ValueError("StaticDecoder(attention='flash'): flash_attn is not importable here "
                              "(or the device/dtype is not CUDA fp16/bf16)")
         self._flash = flash if self._attention in ("auto", "flash") else None
-        # sdpa reads [S, kv, L, d] (each head's keys contiguous; a transposed view is much slower
-        # on CPU); flash_attn_with_kvcache wants [S, L, kv, d].
-        shape = (S, L, self.n_kv, self.head_dim) if self._flash else (S, self.n_kv, L, self.head_dim)
-        n_layer = len(self.model.model.layers)
-        self.k_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
-        self.v_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self._allocate_cache()
         z = dict(device=device, dtype=torch.long)
         self.lengths = torch.zeros(S, **z)          # tokens in the cache (= next write position)
         self.last = torch.zeros(S, **z)             # token to feed at the next step
@@ -174,6 +171,39 @@ class StaticDecoder:
         self.layers_compiled = False
         if cuda if self._compile_layers is None else self._compile_layers:
             compile_layer_halves(self)
+
+    def _allocate_cache(self) -> None:
+        S, L, n_layer = self.num_slots, self.max_len, len(self.model.model.layers)
+        # sdpa reads [S, kv, L, d] (each head's keys contiguous; a transposed view is much slower
+        # on CPU); flash_attn_with_kvcache wants [S, L, kv, d].
+        shape = (S, L, self.n_kv, self.head_dim) if self._flash else (S, self.n_kv, L, self.head_dim)
+        kw = dict(device=self._device, dtype=self._dtype)
+        self.k_cache = [torch.zeros(shape, **kw) for _ in range(n_layer)]
+        self.v_cache = [torch.zeros(shape, **kw) for _ in range(n_layer)]
+
+    def free_cache(self) -> int:
+        """Free the KV cache and the captured graphs (their private pool) while no slot is busy,
+        so that another process on this GPU may use the memory meanwhile (the phase switch of a
+        synchronous colocated run: docs/gpus.md). The next refresh() allocates the cache again and
+        the decode steps capture their graphs again. Returns the bytes given back to the GPU."""
+        if self.active:
+            raise RuntimeError(f"StaticDecoder.free_cache: {self.active} slots are busy")
+        if self.k_cache is None:
+            return 0
+        cuda = self._device is not None and self._device.type == "cuda"
+        held = torch.cuda.memory_reserved(self._device) if cuda else 0
+        self.k_cache = self.v_cache = None
+        self._graphs = {}
+        if self.cuda_graphs:
+            self._pool = torch.cuda.graph_pool_handle()
+        if not cuda:
+            return 0
+        torch.cuda.empty_cache()
+        return held - torch.cuda.memory_reserved(self._device)
+
+    @property
+    def cache_freed(self) -> bool:
+        return self.k_cache is None
 
     @property
     def active(self) -> int:

@@ -30,6 +30,8 @@ import dataclasses
 import json
 import math
 import os
+import tempfile
+import uuid
 
 from rl.model.memory_plan import (DTYPE_BYTES, RESERVE, GiB, ModelShape, NodeNeed, Plan, _refusal, generator_need,
                                   learner_need, reference_need)
@@ -91,6 +93,8 @@ class _Inputs:
     floor: int
     cap: int
     may_checkpoint: list[str]            # the trainers whose checkpointing the plan may turn on
+    switching: bool = False              # the phase switch: the learner's step lends its room to the KV cache
+    lent: int = 0                        # _decide's: the bytes the learner lends the generator between steps
 
 
 def _need(ctx: _Inputs, cfg, node: str, tokens: int, ckpt: bool, slots: int = 0, step: bool = True) -> NodeNeed:
@@ -165,7 +169,10 @@ def _decide(ctx: _Inputs, cfg, graph, ckpt: bool) -> tuple[dict, dict, dict, str
         per = sum(ctx.per_gpu[n] * per_token[n] for n in members if n in planned)
         if per:
             # The generator's auto slots grow into the slack; with a fixed prompts_per_call it would sit idle.
-            half = room / 2 if "generator" in members and not cfg.generator.prompts_per_call else room
+            # (Phase switch: the KV cache takes the trainers' room while they wait, so the budget
+            # may take all of it.)
+            half = room / 2 if "generator" in members and not cfg.generator.prompts_per_call \
+                and not ctx.switching else room
             fits.append(half // per if half // per >= ctx.floor else room // per)
             rooms.update({n: room - (per - per_token[n]) * ctx.floor + static[n] for n in members if n in planned})
     for n in planned:                     # a trainer whose share is kept: the budget its share holds
@@ -193,17 +200,50 @@ def _decide(ctx: _Inputs, cfg, graph, ckpt: bool) -> tuple[dict, dict, dict, str
                 shares[n] = needs[n].total / ctx.gpu * (1 + left * ctx.gpu / total)
             else:                         # the generator: the rest, its KV cache the slack
                 shares[n] = left / ctx.per_gpu[n]
+    ctx.lent = lent_bytes(needs["learner"]) if ctx.switching and "learner" in needs else 0
     if "generator" in ctx.nodes:
-        room = shares["generator"] * ctx.gpu - _need(ctx, cfg, "generator", 0, False, 0).total
+        room = shares["generator"] * ctx.gpu + ctx.lent - _need(ctx, cfg, "generator", 0, False, 0).total
         fewest, most = _slots(ctx, cfg, room)
         needs["generator"] = _need(ctx, cfg, "generator", 0, False, most)
         smallest = _need(ctx, cfg, "generator", 0, False, fewest)
-        if smallest.total > shares["generator"] * ctx.gpu * (1 + 1e-9):
-            return tokens, shares, needs, _refusal(smallest, shares["generator"] * ctx.gpu)
+        if smallest.total > shares["generator"] * ctx.gpu + ctx.lent + 1:
+            return tokens, shares, needs, _refusal(smallest, shares["generator"] * ctx.gpu + ctx.lent)
     for n in tokens:                      # a trainer whose share is kept: its need must fit it
         if needs[n].total > shares[n] * ctx.gpu * (1 + 1e-9):
             return tokens, shares, needs, _refusal(needs[n], shares[n] * ctx.gpu)
     return tokens, shares, needs, None
+
+
+LENT_PARTS = ("grads", "autocast cache", "activations", "logits gradient", "optimizer step")
+
+
+def lent_bytes(need: NodeNeed) -> int:
+    """What the learner holds only during its step (gradients, activations, the step's temporaries,
+    and their allocator slack), freed after it (rl/update/compile_warm_up.free_step_memory): the
+    room the phase switch lends the generator's KV cache between steps."""
+    step = sum(need.parts.get(k, 0) for k in LENT_PARTS)
+    return int(step * (1 + ALLOCATOR_SLACK))
+
+
+def phase_switch(cfg, graph, nodes: list[str], pool_gpus: dict, pool_of: dict, user_shares: dict) -> tuple[bool, str]:
+    """(on, why) for cfg.phase_switch: the generator and the learner share one GPU the plan divides,
+    and the static decoder generates; auto also asks for max_staleness=0 (module docstring)."""
+    mode = getattr(cfg, "phase_switch", "off")
+    if mode == "off":
+        return False, "phase_switch=off"
+    shared = ("generator" in nodes and "learner" in nodes and pool_of["generator"] == pool_of["learner"]
+              and pool_gpus[pool_of["generator"]] == 1 and graph.nodes["generator"].replicas == 1
+              and not {"generator", "learner"} & set(user_shares) and cfg.learner.num_ranks == 1)
+    if not shared:
+        why = ("needs the generator and the learner on one GPU whose shares the plan sets (placement=colocated, "
+               "num_gpus=1, one generator, no gpu_shares for either, learner.dp x tp = 1)")
+    elif cfg.generator.backend not in ("auto", "static"):
+        why = f"needs the static decoder (generator.backend={cfg.generator.backend}; vLLM: generator.vllm.sleep_level)"
+    elif mode == "auto" and cfg.max_staleness:
+        why = f"auto: off with max_staleness={cfg.max_staleness} (generation overlaps the learner's step)"
+    else:
+        return True, ""
+    return False, why
 
 
 def _plannable(ctx: _Inputs, n: str) -> bool:
@@ -236,6 +276,7 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
                   {n: s.pool for n, s in graph.nodes.items() if s.pool}, {p: s.gpus for p, s in graph.pools.items()},
                   {n: v for n, v in (getattr(cfg, "gpu_shares", None) or {}).items() if n in nodes}, user_budget,
                   floor, max(floor, min(TARGET_TOKENS, minibatch)), may_checkpoint)
+    ctx.switching, why_not = phase_switch(cfg, graph, nodes, ctx.pool_gpus, ctx.pool_of, ctx.user_shares)
     ckpt = False
     tokens, shares, needs, problem = _decide(ctx, cfg, graph, False)
     if problem and may_checkpoint:
@@ -257,17 +298,33 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
                              "you" if configs[n].gradient_checkpointing else "plan"))
     if problem:   # refused: nothing is applied, so only what the user set is listed
         settings = [s for s in settings if s[2] == "you"]
+    notes = []
+    if ctx.switching and not problem:
+        settings.append(("phase_switch", "on", "plan"))
+        notes.append(f"phase switch: the generator's KV cache and the learner's step take turns on the GPU "
+                     f"(rl/model/gpu_turns.py); between steps the generator may use {ctx.lent / GiB:.2f} GiB "
+                     f"of the learner's (gradients, activations), up to {generator_cap(ctx, shares):.2f} of the GPU")
+    elif getattr(cfg, "phase_switch", "off") == "on" and not problem:
+        problem = f"phase_switch=on {why_not}; or set phase_switch=auto"
     ordered = [needs[n] for n in nodes if n in needs]
-    return Plan(gpu_bytes, ordered, shares, problem, enforced=enforced, settings=settings)
+    plan = Plan(gpu_bytes, ordered, shares, problem, enforced=enforced, settings=settings, notes=notes)
+    plan.caps = {"generator": generator_cap(ctx, shares)} if ctx.switching and not problem else {}
+    return plan
+
+
+def generator_cap(ctx: _Inputs, shares: dict) -> float:
+    """The fraction of the GPU the generator's allocator may use: its share, plus what the learner
+    lends it between steps under the phase switch."""
+    return min(1.0, shares["generator"] + ctx.lent / ctx.gpu)
 
 
 def apply(plan: Plan, cfg, graph) -> None:
     """Set what the plan chose ("plan" settings) on the graph's nodes and their configs, and give
     each model node its line for an out-of-memory error (NodeSpec.memory_note)."""
     for key, value, who in plan.settings:
-        node, name = key.split(".", 1)
-        if who != "plan":
+        if who != "plan" or "." not in key:
             continue
+        node, name = key.split(".", 1)
         if node == "gpu_shares":
             graph.nodes[name].gpus = value
         else:
@@ -281,3 +338,7 @@ def apply(plan: Plan, cfg, graph) -> None:
                 "" if getattr(c, "gradient_checkpointing", True) else f" or set {need.node}.gradient_checkpointing=true")
         graph.nodes[need.node].memory_note = (f"the memory plan gave it {plan.shares[need.node]:.2f} of a "
                                               f"{plan.gpu_bytes / GiB:.0f} GiB GPU for {need.text()}; {advice}")
+    if plan.caps:   # the phase switch: a lock file per run that the generator and the learner share
+        turn = os.path.join(tempfile.gettempdir(), f"dataflow-gpu-turn-{os.getpid()}-{uuid.uuid4().hex[:8]}.lock")
+        graph.nodes["generator"].gpu_turn = graph.nodes["learner"].gpu_turn = turn
+        graph.nodes["generator"].memory_cap = plan.caps["generator"]

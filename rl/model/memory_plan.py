@@ -171,6 +171,9 @@ class Plan:
     enforced: bool = True
     """False when the GPU's size was assumed: the problem is printed, not refused."""
     notes: list[str] = field(default_factory=list)
+    caps: dict[str, float] = field(default_factory=dict)
+    """Node -> the fraction of the GPU its allocator may use, above its share (NodeSpec.memory_cap):
+    the phase switch's generator (rl/model/applied_plan.py)."""
     settings: list[tuple[str, object, str]] = field(default_factory=list)
     """What the plan set or kept, (key, value, who): who is "plan" (the user left it at its
     default; rl/model/applied_plan.py chose it) or "you" (the user's own value, kept)."""

@@ -121,18 +121,35 @@ def warm_up_update(model: torch.nn.Module, c, pad_id: int) -> float:
     return time.perf_counter() - t
 
 
-def start_warm_up(ctx, model: torch.nn.Module, c, pad_id: int) -> asyncio.Task:
+def free_step_memory(model: torch.nn.Module) -> float:
+    """The gradients a step leaves (ppo_update sets them to None before each minibatch, not after
+    the last) and the allocator's free blocks back to the GPU, for the phase switch's other side;
+    returns the seconds it took."""
+    t = time.perf_counter()
+    model.zero_grad(set_to_none=True)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return time.perf_counter() - t
+
+
+def start_warm_up(ctx, model: torch.nn.Module, c, pad_id: int, turn=None) -> asyncio.Task:
     """warm_up_update on a thread, as a task of the learner's event loop (call it in setup), under
     the node's state lock: a resumed run's weights load after it, and the first training step,
     which takes the lock too, waits for it. A failure is logged, not raised: the first step then
-    compiles the layers, or fails with its own error."""
+    compiles the layers, or fails with its own error. With the phase switch's `turn`
+    (rl/model/gpu_turns.GpuTurn) it holds the GPU's turn meanwhile, as a step does."""
     async def run():
         async with ctx.state_lock:
             with ctx.span("compile warm-up"):
                 try:
+                    if turn is not None:
+                        await asyncio.to_thread(turn.take)
                     seconds = await asyncio.to_thread(warm_up_update, model, c, pad_id)
                     ctx.log(f"compile warm-up: {seconds:.1f} s (rl/update/compile_warm_up.py)")
                 except Exception as e:
                     ctx.log(f"compile warm-up failed ({type(e).__name__}: {str(e)[:200]}); "
                             "the layers compile in the first step")
+                finally:
+                    if turn is not None:
+                        turn.give()
     return asyncio.create_task(run())

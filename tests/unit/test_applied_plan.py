@@ -18,7 +18,7 @@ from dataflow.driver.failures import raise_if_failed
 from dataflow.driver.loading import describe, load_graph
 from dataflow.errors import UserError
 from graphs.grpo import GRPOGraphConfig
-from rl.model.applied_plan import ALLOCATOR_SLACK, KV_HEADROOM, MULTIPLE, TARGET_TOKENS, WORKSPACE_BYTES
+from rl.model.applied_plan import ALLOCATOR_SLACK, KV_HEADROOM, MULTIPLE, TARGET_TOKENS, WORKSPACE_BYTES, lent_bytes
 from rl.model.memory_plan import RESERVE, GiB, ModelShape, generator_need, learner_need, reference_need
 
 # Qwen2.5's published config.json values (huggingface.co/Qwen/Qwen2.5-{0.5B,1.5B,3B,7B}).
@@ -214,3 +214,46 @@ def test_an_out_of_memory_error_is_one_line_with_what_the_plan_gave_the_node(tmp
     assert result["user_error"] and result["message"] == (
         "out of GPU memory (Tried to allocate 2.32 GiB; 75.45 GiB allowed); no memory plan for it (share 0.54 of a "
         "GPU): lower its max_tokens_per_micro_batch (or micro_batch_size) or give it a larger gpu_shares entry")
+
+
+@pytest.mark.parametrize("size,lora", [("0.5b", 0), ("1.5b", 0), ("3b", 32)])
+def test_the_phase_switch_lends_the_learners_step_room_to_the_kv_cache_and_each_phase_fits(tmp_path, size, lora):
+    """max_staleness=0 on one 80 GiB GPU: the learner's gradients, activations and step temporaries
+    (lent_bytes) are the generator's between steps. Each phase fits the GPU but its reserve: the
+    generation phase (the generator up to its cap, every other node without what it lends) and the
+    training phase (every node at its share); the budget is at least the fixed shares' and the
+    generator may hold more than its share; the two nodes share one lock file, the others none."""
+    sync = W1[1:] + ["placement=colocated", "gpu_memory_gib=80", "max_staleness=0", "generator.prompts_per_call=0",
+                     f"policy.path={policy_dir(tmp_path, size)}", f"learner.lora.rank={lora}"]
+    fixed, _ = load_graph("graphs/grpo.py", sync + ["phase_switch=off"])
+    graph, config = load_graph("graphs/grpo.py", sync)
+    plan = graph.memory_plan
+    assert plan.problem is None and ("phase_switch", "on", "plan") in plan.settings and not fixed.memory_plan.caps
+    need = {n.node: n for n in plan.needs}
+    lent = lent_bytes(need["learner"])
+    assert 0 < lent < need["learner"].total
+    cap = graph.nodes["generator"].memory_cap
+    assert cap == plan.caps["generator"] == pytest.approx(plan.shares["generator"] + lent / plan.gpu_bytes)
+    usable = plan.gpu_bytes * (1 - RESERVE)
+    training = sum(plan.shares.values()) * plan.gpu_bytes
+    generation = cap * plan.gpu_bytes + sum(s for n, s in plan.shares.items() if n != "generator") * plan.gpu_bytes - lent
+    assert training <= usable * (1 + 1e-9) and generation <= usable * (1 + 1e-9)
+    assert need["generator"].total <= cap * plan.gpu_bytes * (1 + 1e-9)
+    budget, fixed_budget = config.learner.max_tokens_per_micro_batch, fixed.nodes["learner"].config.max_tokens_per_micro_batch
+    assert budget >= fixed_budget and cap > fixed.nodes["generator"].gpus
+    assert graph.nodes["generator"].gpu_turn and graph.nodes["generator"].gpu_turn == graph.nodes["learner"].gpu_turn
+    assert not any(s.gpu_turn for n, s in graph.nodes.items() if n not in ("generator", "learner"))
+    assert "phase switch:" in plan.text() and "phase_switch=on" in plan.summary()
+
+
+def test_the_phase_switch_is_off_where_generation_overlaps_training_and_on_where_asked_says_why_not(tmp_path):
+    base = W1[1:] + ["placement=colocated", "gpu_memory_gib=80", f"policy.path={policy_dir(tmp_path, '0.5b')}"]
+    asynchronous, _ = load_graph("graphs/grpo.py", base + ["max_staleness=1"])
+    assert not asynchronous.memory_plan.caps and not asynchronous.nodes["generator"].gpu_turn
+    forced, _ = load_graph("graphs/grpo.py", base + ["max_staleness=1", "phase_switch=on"])
+    assert forced.memory_plan.caps and forced.nodes["learner"].gpu_turn     # on: generation waits for each step
+    refused = load_graph("graphs/grpo.py", base + ["phase_switch=on", "generator.backend=hf"])[0].memory_plan
+    assert refused.problem.startswith("phase_switch=on needs the static decoder (generator.backend=hf")
+    assert "\n" not in refused.problem
+    theirs = load_graph("graphs/grpo.py", base + ["max_staleness=0", "phase_switch=on", 'gpu_shares={"learner": 0.5}'])[0]
+    assert "needs the generator and the learner on one GPU whose shares the plan sets" in theirs.memory_plan.problem
