@@ -219,17 +219,12 @@ class Generator(HFLoop, Node):
             self.prompts_per_call = fitted_prompts_per_call(c, self.ctx.device, self.model, slot_len,
                                                             self.ctx.gpu_share, self.ctx.log)
         self.turn = GpuTurn(self.ctx.gpu_turn) if self.ctx.gpu_turn else None
-        with self.ctx.span("build decoder"):
-            if self.turn is not None:   # the learner's compile warm-up may hold the GPU meanwhile
-                await asyncio.to_thread(self.turn.take)
+        with self.ctx.span("build decoder"):   # phase switch: no cache until its first turn
             self.decoder = StaticDecoder(
                 self.model, self.prompts_per_call * c.group_size, self.max_prompt + self.max_response,
                 eos_id=self.stop_ids, max_new_tokens=turn_tokens,
                 min_new_tokens=c.min_new_tokens, temperature=c.temperature, top_k=c.top_k,
-                seed=c.seed, cuda_graphs=c.cuda_graphs, compile_layers=c.compile)
-        if self.turn is not None:   # generation starts in the next turn
-            self.decoder.free_cache()
-            self.turn.give()
+                seed=c.seed, cuda_graphs=c.cuda_graphs, compile_layers=c.compile, cache=self.turn is None)
 
     def _give_turn(self) -> None:
         """Phase switch: the KV cache and graphs back to the GPU, the turn to the learner."""

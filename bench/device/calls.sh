@@ -201,6 +201,16 @@ agents_plan() {  # agents_plan calc|guess|speed1..9: issue 36's side-by-side run
   esac
 }
 
+phase_plan() {  # phase_plan w1|1.5b: issue 37's phase switch, synchronous GRPO with the plan's auto slots,
+  # phase_switch=off (fixed shares) against auto (on: max_staleness=0), one call per shape
+  local shape=$1 steps=(--steps 6 --warmup 2) limit=150
+  [ "$shape" = 1.5b ] && steps=(--steps 4 --warmup 1) && limit=200
+  for ps in off auto; do
+    ladder "ps_${shape}_${ps}" "$limit" --shape "$shape" --modes sync "${steps[@]}" \
+      --set generator.prompts_per_call=0 --set phase_switch=$ps
+  done
+}
+
 lora_plan() {  # lora_plan anchor|rows|curve: issue 37's missing measurements, one call each
   # anchor: 1.5B LoRA again with TRL's GRPOTrainer + peft LoRA beside it (TRL=1 in payload.sh);
   # rows: the 0.5B and 3B LoRA rows and 1.5B full again for its push cost (weights/push_mib);

@@ -80,7 +80,7 @@ class StaticDecoder:
                  top_k: int = 0, seed: int = 0, cuda_graphs: bool | None = None,
                  attention: str = "auto", compile_sampler: bool | None = None,
                  compile_layers: bool | None = None, sync_every: int | None = None,
-                 token_versions: bool = False):
+                 token_versions: bool = False, cache: bool = True):
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"StaticDecoder: unsupported model: {reason}")
@@ -96,7 +96,10 @@ class StaticDecoder:
         self._attention, self._compile_layers = attention, compile_layers
         self._device = self._dtype = None
         self.token_versions, self.version = token_versions, 0
+        self.k_cache = self.v_cache = None
+        self._cache_later = not cache     # the phase switch: the first refresh() in a turn allocates it
         self.refresh()
+        self._cache_later = False
 
     # ----- buffers, weights -------------------------------------------------------------------
     def refresh(self) -> None:
@@ -125,7 +128,8 @@ class StaticDecoder:
             raise ValueError("StaticDecoder(attention='flash'): flash_attn is not importable here "
                              "(or the device/dtype is not CUDA fp16/bf16)")
         self._flash = flash if self._attention in ("auto", "flash") else None
-        self._allocate_cache()
+        if not self._cache_later:
+            self._allocate_cache()
         z = dict(device=device, dtype=torch.long)
         self.lengths = torch.zeros(S, **z)          # tokens in the cache (= next write position)
         self.last = torch.zeros(S, **z)             # token to feed at the next step

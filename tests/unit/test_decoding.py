@@ -331,14 +331,15 @@ def test_expand_versions():
 
 
 def test_a_released_cache_is_allocated_again_and_the_responses_do_not_change(tok, policy):
-    """The phase switch (nodes/generator.py): free_cache() frees the KV cache of an idle decoder, the
-    next refresh() allocates it again, and the same keys sample the same responses as a decoder
+    """The phase switch (nodes/generator.py): a decoder built with cache=False has none until its
+    first refresh(), free_cache() frees the KV cache of an idle decoder, the next refresh() allocates it again, and the same keys sample the same responses as a decoder
     that never let go of it; a decoder with busy slots refuses to release."""
     ps = prompts(tok, 6)
     keys = [(200 + i, 0) for i in range(len(ps))]
     kept = decoding.decode_responses(policy, tok, ps, 6, seed=5, keys=keys, top_k=10, num_slots=4)
     dec = decoding.StaticDecoder(policy, 4, max(map(len, ps)) + 6, eos_id=tok.eos_token_id, max_new_tokens=6,
-                                 seed=5, top_k=10)
+                                 seed=5, top_k=10, cache=False)     # built without one: the first turn allocates it
+    assert dec.cache_freed
     first = decoding.decode_responses(policy, tok, ps[:3], 6, keys=keys[:3], decoder=dec)
     assert dec.free_cache() == 0 and dec.cache_freed and dec.k_cache is None   # on CPU: freed, no GPU bytes to count
     again = decoding.decode_responses(policy, tok, ps[3:], 6, keys=keys[3:], decoder=dec)
