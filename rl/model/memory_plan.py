@@ -190,6 +190,7 @@ class Plan:
         lines = [f"memory plan (one GPU of {size}, {RESERVE:.0%} kept free; rl/model/applied_plan.py):"]
         for n in self.needs:
             tip = f" (the needs suggest {self.suggested[n.node]:.2f})" if self.suggested and n.node in self.suggested else ""
+            tip += f" (up to {self.caps[n.node]:.2f} between learner steps)" if n.node in self.caps else ""
             lines.append(f"  {n.node:<10} share {self.shares.get(n.node, 0):.2f}{tip}  needs {n.text()}")
         if self.settings:
             lines.append("  settings (plan: chosen by the plan, you: your value, kept):" if self.enforced else
