@@ -315,15 +315,13 @@ def run(graph_file: str, tmp_path: Path, *overrides: str, max_steps: int) -> lis
     return [json.loads(line) for line in Path(summary.metrics_path).read_text().splitlines()]
 
 
-@pytest.mark.parametrize("transport", ["object_store", "collective"])
-def test_generators_serve_the_learners_weights(ray_instance, tmp_path, transport):
-    """Synchronous GRPO (batch k is generated at version k), 2 generators, 3 steps: steps and
-    versions progress alike on both transports, and every version a generator switched to has the
-    checksum the learner logged for it, up to the last version pushed (2: step 3 ends the run)."""
-    # GRPO with learner.kl.coef=0: no critic and no reference node (processes less to start); neither takes weights.
-    records = run("graphs/grpo.py", tmp_path, "prompts_per_step=8", "group_size=4", "channel_capacity=16",
-                  "learner.minibatch_size=32", "generator_replicas=2", "max_staleness=0", "learner.kl.coef=0",
-                  "weight_checksums=true", f"weight_transport={transport}", max_steps=3)
+def check_generators_serve_the_learners_weights(records: list[dict], transport: str, state: dict) -> None:
+    """Synchronous GRPO (batch k is generated at version k), 2 generators, 3 steps: steps and versions
+    progress alike, and every version a generator switched to has the checksum the learner logged for
+    it, up to the last version pushed (2: step 3 ends the run). Each push carried the whole `state`
+    (the model's state dict) in float32 (CPU's travel dtype), each tensor once: a tied lm_head does not
+    travel a second time (the generators still hold the learner's exact weights, lm_head included, so
+    it was re-tied on arrival)."""
     steps = [r for r in records if "step" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert [r["version"] for r in steps] == [1, 2, 3]
@@ -342,18 +340,27 @@ def test_generators_serve_the_learners_weights(ray_instance, tmp_path, transport
     served = set().union(*sums.values())
     # Object store: version 0 is the shared seed's (no switch); collective: pushed like the others.
     assert served == ({0, 1, 2} if transport == "collective" else {1, 2})
-    # Each push's size: the whole state dict in float32 (CPU's travel dtype), on both transports, each
-    # tensor once: the tied lm_head does not travel a second time (the generators above still hold
-    # the learner's exact weights, lm_head included, so it was re-tied on arrival).
-    from rl.data.tasks import build_tokenizer
-    from rl.model.causal_lm import ModelConfig, build_policy
-    unique = unique_state(build_policy(ModelConfig(), build_tokenizer()).state_dict())[0]
+    unique, aliases = unique_state(state)
+    assert aliases, "the model's lm_head should be tied to its embeddings"
     whole = sum(v.numel() * 4 for v in unique.values())
     pad = 256 * len(unique) if transport == "collective" else 1    # the collective's aligned arena
     pushes = [r for r in records if "weights/push_s" in r]
     assert [r["weights/pushed_version"] for r in pushes] == [0, 1, 2]
     assert all(whole <= r["weights/push_mib"] * 2**20 < whole + pad and not r["weights/push_adapter"]
                for r in pushes), pushes
+
+
+def test_generators_serve_the_learners_weights_by_object_store(ray_instance, tmp_path):
+    """check_generators_serve_the_learners_weights on the object store, with the built-in model. (The
+    collective transport: the Qwen3 run below, which checks the same.)"""
+    # GRPO with learner.kl.coef=0: no critic and no reference node (processes less to start); neither takes weights.
+    records = run("graphs/grpo.py", tmp_path, "prompts_per_step=8", "group_size=4", "channel_capacity=16",
+                  "learner.minibatch_size=32", "generator_replicas=2", "max_staleness=0", "learner.kl.coef=0",
+                  "weight_checksums=true", "weight_transport=object_store", max_steps=3)
+    from rl.data.tasks import build_tokenizer
+    from rl.model.causal_lm import ModelConfig, build_policy
+    check_generators_serve_the_learners_weights(records, "object_store",
+                                                build_policy(ModelConfig(), build_tokenizer()).state_dict())
 
 
 def test_stalled_push_fails_the_learner_naming_both_ends(ray_instance, tmp_path):
@@ -389,10 +396,13 @@ def test_a_dead_generator_under_collective_stops_the_run_naming_it_and_why_it_is
     assert '"restarted"' not in metrics.read_text()
 
 
-def test_a_qwen3_model_dir_trains_and_its_weights_reach_the_generator_by_collective(ray_instance, tmp_path):
+def test_a_qwen3_model_dir_trains_and_its_weights_reach_the_generators_by_collective(ray_instance, tmp_path):
     """A family with no fused adapter and no static decoder (Qwen3: q/k norms), as a user's model
-    dir: GRPO runs on it with the HF generation loop, and every version the collective push
-    delivers has the learner's checksum (the push carries the model's own names)."""
+    dir (its lm_head tied to the embeddings): GRPO runs on it with the HF generation loop (and a
+    reference node), and every version the collective push delivers to either of 2 generators has
+    the learner's checksum (the push carries the model's own names):
+    check_generators_serve_the_learners_weights on the collective transport. (One run for both: a
+    graph start-up less than a run of each.)"""
     import transformers
 
     from tests.chat_model import chat_tokenizer
@@ -400,9 +410,11 @@ def test_a_qwen3_model_dir_trains_and_its_weights_reach_the_generator_by_collect
     tok = chat_tokenizer()
     config = transformers.Qwen3Config(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, head_dim=8, intermediate_size=64,
-                                      max_position_embeddings=128, eos_token_id=tok.eos_token_id)
+                                      max_position_embeddings=128, eos_token_id=tok.eos_token_id,
+                                      tie_word_embeddings=True)
     torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(config).save_pretrained(tmp_path / "qwen3")
+    model = transformers.Qwen3ForCausalLM(config)
+    model.save_pretrained(tmp_path / "qwen3")
     tok.save_pretrained(tmp_path / "qwen3")
     rows = [{"prompt": [{"role": "user", "content": f"add {a} + {b} ="}], "answer": str(a + b)}
             for a in range(4) for b in range(4)]
@@ -410,11 +422,6 @@ def test_a_qwen3_model_dir_trains_and_its_weights_reach_the_generator_by_collect
     records = run("graphs/grpo.py", tmp_path / "run", f"policy.path={tmp_path / 'qwen3'}",
                   f"prompts.path={tmp_path / 'train.jsonl'}", f"reward.path={ROOT / 'examples/smollm2_arithmetic/last_number_reward.py'}",
                   "reward.function=last_number_reward", "max_new_tokens=8", "prompts_per_step=4", "group_size=2",
-                  "learner.minibatch_size=8", "max_staleness=0", "weight_transport=collective",
-                  "weight_checksums=true", max_steps=3)
-    sums: dict[str, dict[int, float]] = {}
-    for r in records:
-        if "weights/checksum" in r:
-            sums.setdefault(r["node"], {})[r["weights/version"]] = r["weights/checksum"]
-    assert sorted(sums["learner"]) == [0, 1, 2] and len(set(sums["learner"].values())) == 3
-    assert sums["generator"] == pytest.approx(sums["learner"], rel=1e-12, abs=0)
+                  "channel_capacity=16", "learner.minibatch_size=8", "generator_replicas=2", "max_staleness=0",
+                  "weight_transport=collective", "weight_checksums=true", max_steps=3)
+    check_generators_serve_the_learners_weights(records, "collective", model.state_dict())
