@@ -18,13 +18,15 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before Ray starts: no toke
 
 
 # The slowest test files, slowest first (by the seconds their tests took on the 2-core machine in a
-# `pytest --durations` run; bench/results/suite_cpu.md). The two workers take files in collection
-# order as they free up: starting on these, the run's tail is short files on both workers.
-SLOWEST_FIRST = ("test_multirank", "test_runtime", "test_ppo_graph", "test_weight_sync", "test_checkpoint",
-                 "test_real_model", "test_dapo", "test_lora", "test_validation", "test_reliability",
-                 "test_multinode", "test_agent_graph", "test_algorithms", "test_resume_settings", "test_compiled",
-                 "test_peer_rewards", "test_varlen_nodes", "test_stall", "test_hybrid_engine", "test_stops",
-                 "test_placement_on_ray", "test_channel", "test_signals", "test_startup", "test_packing")
+# `pytest --durations` run; bench/results/suite_cpu.md; test_compiled by its time in CI, whose inductor
+# cache starts empty). The two workers take files in collection order as they free up: starting on
+# these, the run's tail is short files on both workers.
+SLOWEST_FIRST = ("test_runtime", "test_ppo_graph", "test_agent_graph", "test_checkpoint", "test_real_model",
+                 "test_multirank", "test_weight_sync", "test_compiled", "test_varlen_nodes", "test_reliability",
+                 "test_algorithms", "test_peer_rewards", "test_stall", "test_resume_settings", "test_stops",
+                 "test_dapo", "test_validation", "test_multinode", "test_lora", "test_signals", "test_channel",
+                 "test_reward_node", "test_placement_on_ray", "test_out_of_memory", "test_math_reward",
+                 "test_startup", "test_hybrid_engine", "test_packing")
 
 
 def pytest_collection_modifyitems(config, items):
