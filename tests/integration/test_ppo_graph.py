@@ -1,5 +1,5 @@
 """graphs/ppo.py on a real Ray instance: learning and the staleness bound, the end-of-run table's
-start-up (on the same traced run), reward failures, a user's model, data and reward (and the KL at
+start-up (on the same traced run), reward failures and every model node packed (one run), a user's model, data and reward (and the KL at
 the start). One Ray instance for the module; runs go through
 runtime.run_graph in-process. (graphs/grpo.py's synchronous mode and trace: tests/integration/test_algorithms.py.)"""
 
@@ -102,7 +102,18 @@ def test_the_end_of_run_table_shows_startup_apart(learning_run):
 # on each of tests/integration/test_algorithms.py's GRPO runs, which are synchronous and traced.
 
 
-def test_reward_failures_are_counted_and_the_run_goes_on(tmp_path):
+# Token budgets for every model node, packed passes and the learner's gradient checkpointing (issue 21).
+PACKED = ("learner.max_tokens_per_micro_batch=256", "reference.max_tokens_per_micro_batch=256",
+          "critic.max_tokens_per_micro_batch=256", "learner.packing=true", "reference.packing=true",
+          "critic.packing=true", "learner.gradient_checkpointing=true")
+
+
+@pytest.fixture(scope="module")
+def flaky_packed_run(ray_instance, tmp_path_factory):
+    """One PPO run (3 steps) read by the two tests below: a reward that fails in four ways for some
+    prompts, and every model node packed. (It was two runs, the reward one without a reference node:
+    one graph start-up less.) (summary, records)."""
+    tmp_path = tmp_path_factory.mktemp("ppo_flaky_packed")
     reward_file = tmp_path / "flaky_reward.py"
     reward_file.write_text(textwrap.dedent('''
         import time
@@ -118,14 +129,37 @@ def test_reward_failures_are_counted_and_the_run_goes_on(tmp_path):
                 return "high"
             return 1.0 if response.split()[:1] == answer.split()[:1] else 0.0
     '''))
-    # learner.kl.coef=0: no reference node (a process less to start); the failures are the reward's.
-    records = run("graphs/ppo.py", tmp_path, *SMALL, f"reward.path={reward_file}", "reward.timeout_s=0.3",
-                  "prompts.task=first_digit", "learner.kl.coef=0", max_steps=3)
+    graph, config = load_graph(str(ROOT / "graphs/ppo.py"), [*SMALL, *PACKED, f"reward.path={reward_file}",
+                                                              "reward.timeout_s=0.3", "prompts.task=first_digit"])
+    summary = asyncio.run(run_graph(graph, RunOptions(max_steps=3, out_dir=str(tmp_path / "run"), quiet=True), config))
+    assert summary.status in ("done", "max steps reached"), summary.status
+    return summary, [json.loads(line) for line in Path(summary.metrics_path).read_text().splitlines()]
+
+
+def test_reward_failures_are_counted_and_the_run_goes_on(flaky_packed_run):
+    _, records = flaky_packed_run
     step_records = steps(records)
     assert len(step_records) == 3
     assert sum(r["samples/failed"] for r in step_records) > 0
     failed_totals = [r["reward/failed_total"] for r in records if "reward/failed_total" in r]
     assert failed_totals and failed_totals[-1] >= sum(r["samples/failed"] for r in step_records)
+
+
+def test_ppo_graph_packed_everywhere_reports_no_padding(flaky_packed_run):
+    """Every model node packed (a token budget each, the learner with gradient checkpointing): no
+    padding in any pass, per node, and in the end-of-run table. (tests/integration/test_varlen_nodes.py:
+    the packed computations equal the padded ones.)"""
+    summary, records = flaky_packed_run
+    assert [r["step"] for r in steps(records)] == [1, 2, 3]
+    for node in ("learner", "reference", "critic"):
+        reports = [r for r in records if f"{node}/padding_frac" in r]
+        assert reports, node
+        assert all(r[f"{node}/padding_frac"] == 0.0 and r[f"{node}/tokens_processed"] == r[f"{node}/tokens_real"] > 0
+                   for r in reports), node
+    assert all(r["learner/tokens_real"] > 0 for r in steps(records))
+    # the end-of-run table: every node's padding over the run
+    assert "padding (of the tokens processed): " in summary.report
+    assert all(f"{node} 0.0%" in summary.report for node in ("learner", "reference", "critic")), summary.report
 
 
 def test_user_model_dir_jsonl_and_reward_file_and_kl_zero_at_the_start(tmp_path):
