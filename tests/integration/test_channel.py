@@ -1,4 +1,4 @@
-"""dataflow.channel between real Ray actors (one Ray instance for the module), plus a few
+"""dataflow.channel between real Ray actors (the module's Ray instance, tests/conftest.py), plus a few
 process-local tests of cancellation on uvloop, where a fake handle stands in for an actor."""
 
 import asyncio
@@ -123,18 +123,14 @@ def get(refs):
 
 
 @pytest.fixture(scope="module")
-def peers():
-    # Workers import this module (the actor class) and dataflow/ by name.
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join([here, os.path.dirname(os.path.dirname(here))])
-    # ... inherited from this process, as with tests/conftest.py's ray_instance: a runtime_env would
-    # make every actor wait on Ray's runtime-env agent.
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("PYTHONPATH", os.pathsep.join(p for p in [path, os.environ.get("PYTHONPATH", "")] if p))
-        ray.init(address="local", num_cpus=2, include_dashboard=False)
-        actors = {n: Peer.options(name=n).remote(n) for n in ("a", "b", "c")}
-        yield actors
-        ray.shutdown()
+def peers(ray_instance):
+    """Three named peers on the module's Ray (tests/conftest.py: the one Ray kept between modules; its
+    workers import this module by name, tests.integration.test_channel, from the PYTHONPATH it set).
+    Killed at the end, so that Ray is left free for the next module."""
+    actors = {n: Peer.options(name=n).remote(n) for n in ("a", "b", "c")}
+    yield actors
+    for actor in actors.values():
+        ray.kill(actor)
 
 
 def wire(channel, producers, consumers, *, capacity, prefetch):
