@@ -13,6 +13,7 @@ import torch
 
 from dataflow.errors import UserError
 from dataflow.timeouts import wait_within
+from dataflow.weights.state import unique_state, with_aliases
 
 IPC_ALIGN = 128
 """Elements: each tensor of the flat buffer starts at a multiple of this (256 bytes in bf16)."""
@@ -120,7 +121,9 @@ def share_buffers(model: torch.nn.Module | dict[str, torch.Tensor], dtype: torch
     referenced for its lifetime."""
     index = device_index()
     device = ipc_device(index)
-    state = model if isinstance(model, dict) else model.state_dict()
+    # A tied tensor (lm_head = embeddings) takes one place; its other names ride each version's
+    # payload as aliases. keep_vars: a tied DTensor parameter is one object, with no storage to compare.
+    state, aliases = unique_state(model if isinstance(model, dict) else model.state_dict(keep_vars=True))
     shapes, _ = ipc_state_split(state)    # a DTensor's shape is the whole tensor's
     layout, total = flat_layout(shapes)
     with _on(device):
@@ -129,16 +132,16 @@ def share_buffers(model: torch.nn.Module | dict[str, torch.Tensor], dtype: torch
         _sync(device)
         handles = [{"buffer": share(b), "header": share(h)} for b, h in zip(buffers, headers)]
     return {"buffers": buffers, "headers": headers, "handles": handles, "layout": layout,
-            "uuid": gpu_uuid(index), "device": device}
+            "aliases": aliases, "uuid": gpu_uuid(index), "device": device}
 
 
 def write_version(shared: dict[str, Any], state: dict[str, torch.Tensor], version: int, dtype: torch.dtype,
                   learner: str) -> dict:
-    """Seqlock write of `state` into the buffer of `version`'s parity (of `shared`, from share_buffers);
-    returns the edge payload."""
+    """Seqlock write of `state` into the buffer of `version`'s parity (of `shared`, from share_buffers):
+    the layout's tensors, a tied tensor's other names left out; returns the edge payload."""
     slot = version % 2
     buffer, header = shared["buffers"][slot], shared["headers"][slot]
-    _, extra = ipc_state_split(state)
+    _, extra = ipc_state_split({k: v for k, v in state.items() if k not in shared["aliases"]})
     device = shared["device"]
     with _on(device):
         header.fill_(-1)
@@ -148,8 +151,8 @@ def write_version(shared: dict[str, Any], state: dict[str, torch.Tensor], versio
         header.fill_(version)
         _sync(device)
     return {"cuda_ipc": shared["handles"][slot], "slot": slot, "layout": shared["layout"],
-            "gpu_uuid": shared["uuid"], "dtype": str(dtype).removeprefix("torch."), "extra": extra,
-            "learner": learner}
+            "aliases": shared["aliases"], "gpu_uuid": shared["uuid"], "dtype": str(dtype).removeprefix("torch."),
+            "extra": extra, "learner": learner}
 
 
 class IpcReceiver:
@@ -165,6 +168,7 @@ class IpcReceiver:
         self.seen = -1                    # the newest version announced that was looked at
         self.layout: list | None = None
         self.extra: dict = {}
+        self.aliases: dict[str, str] = {}   # a tied tensor's other names -> the name in the buffer
         self.staging: torch.Tensor | None = None
         self.opened: dict[Any, torch.Tensor] = {}   # handle key -> the learner's tensor, opened once
         self.error: BaseException | None = None
@@ -220,7 +224,7 @@ class IpcReceiver:
             self.ctx.log(f"weight sync: CUDA IPC from {payload.get('learner', 'the learner')} on GPU {mine}, "
                          f"{len(payload['layout'])} tensors in {payload['dtype']}" +
                          (f" (cast to this generator's {held})" if held != payload["dtype"] else ""))
-        self.layout = payload["layout"]
+        self.layout, self.aliases = payload["layout"], payload.get("aliases", {})
 
     def uuid(self) -> str:
         return gpu_uuid(self.index)
@@ -277,7 +281,7 @@ class IpcReceiver:
             raise self.error
 
     def _load(self) -> None:
-        state = {**unpack_state(self.staging, self.layout), **self.extra}
+        state = with_aliases({**unpack_state(self.staging, self.layout), **self.extra}, self.aliases)
         with _on(self.staging.device):
             self.owner.load(state)        # full weights, or a LoRA adapter merged (sync.GeneratorWeightSync.load)
             _sync(self.staging.device)    # staging may be rewritten (side stream) once this returns

@@ -62,7 +62,7 @@ def unique_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
     for name, t in state.items():
-        key = (t.device, t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride())) if t.numel() else None
+        key = _identity(t) if t.numel() else None
         if key is not None and key in seen:
             aliases[name] = seen[key]
         else:
@@ -70,6 +70,15 @@ def unique_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
             if key is not None:
                 seen[key] = name
     return kept, aliases
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    """What makes two entries one tensor: the same storage view; a DTensor has no storage of its own,
+    so there the object itself (a tied parameter is one object in state_dict(keep_vars=True))."""
+    try:
+        return t.device, t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride())
+    except RuntimeError:
+        return ("object", id(t))
 
 
 def with_aliases(state: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:

@@ -201,7 +201,7 @@ class LearnerWeightSync:
             else:              # the whole weights, gathered on rank 0 (CPU)
                 state, _ = await asyncio.to_thread(self.ranks.full_state, model)
             if self.lead:
-                sent = state_bytes(state, self.dtype)
+                sent = state_bytes({k: v for k, v in state.items() if k not in self.ipc["aliases"]}, self.dtype)
                 with self.ctx.span("weight push", version=version):
                     payload = await asyncio.to_thread(cuda_ipc.write_version, self.ipc, state, version,
                                                       self.dtype, self.ctx.full_name)

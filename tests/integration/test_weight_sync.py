@@ -23,7 +23,7 @@ from dataflow.driver.runtime import RunOptions, load_graph, run_graph  # noqa: E
 from rl.model.causal_lm import ModelConfig, build_policy  # noqa: E402
 from rl.data.tasks import build_tokenizer  # noqa: E402
 from dataflow.weights import ipc as weight_ipc  # noqa: E402
-from dataflow.weights.state import travel_copy, unique_state  # noqa: E402
+from dataflow.weights.state import state_bytes, travel_copy, unique_state  # noqa: E402
 from dataflow.weights.ipc import (flat_layout, ipc_state_split, pack_state, seqlock_consistent,  # noqa: E402
                                   stage_copy, unpack_state)
 from dataflow.weights.sync import (SYNC_EDGE, GeneratorWeightSync, LearnerWeightSync,  # noqa: E402
@@ -256,6 +256,10 @@ def test_cuda_ipc_both_ends_with_cpu_stand_ins(monkeypatch):
         model = tiny_policy(seed=0)
         await learner.setup(model)
         await gen.setup(tiny_policy(seed=0))     # the shared seed: version 0
+        # The tied lm_head takes no place of its own in the buffers: its name rides as an alias.
+        unique, aliases = unique_state(model.state_dict())
+        assert aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+        assert learner.ipc["aliases"] == aliases and [n for n, _, _ in learner.ipc["layout"]] == list(unique)
 
         async def serve():
             async with gen.serving() as version:
@@ -280,6 +284,7 @@ def test_cuda_ipc_both_ends_with_cpu_stand_ins(monkeypatch):
         assert [e["weights/version"] for e in gctx.logged] == [2]
         assert checksums(lctx.logged[1:]) == [{"weights/version": v, "weights/checksum": c} for v, c in want.items()]
         assert [e["weights/pushed_version"] for e in lctx.logged[1:]] == list(want)
+        assert {e["weights/push_mib"] * 2**20 for e in lctx.logged} == {state_bytes(unique, torch.bfloat16)}
 
         learner.config = WeightSyncConfig(transport="cuda_ipc")   # publish now returns before the receipt
         await learner.publish(model, 3)
