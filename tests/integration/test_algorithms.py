@@ -23,9 +23,13 @@ TINY = ["prompts_per_step=4", "group_size=4", "channel_capacity=16", "learner.mi
         "max_staleness=0", f"learner.max_new_tokens={MAX_TOKENS}"]
 
 
-def run(graph_file: str, tmp_path: Path, overrides: list[str], max_steps: int) -> list[dict]:
+def run(graph_file: str, tmp_path: Path, overrides: list[str], max_steps: int, turns: bool = False) -> list[dict]:
+    """`turns`: the generator and the learner take turns on the device as the memory plan's phase
+    switch makes them (the plan sets it only on GPU placements; here the lock file is given by hand)."""
     trace = tmp_path / "trace.json"
     graph, config = load_graph(str(ROOT / graph_file), overrides)
+    if turns:
+        graph.nodes["generator"].gpu_turn = graph.nodes["learner"].gpu_turn = str(tmp_path / "gpu.lock")
     summary = asyncio.run(run_graph(graph, RunOptions(max_steps=max_steps, out_dir=str(tmp_path), quiet=True,
                                                       trace_path=str(trace)), config))
     assert summary.status in ("done", "max steps reached"), summary.status
@@ -45,7 +49,10 @@ def run(graph_file: str, tmp_path: Path, overrides: list[str], max_steps: int) -
     assert [r["step"] for r in steps] == list(range(1, max_steps + 1))
     assert all(r["staleness/max"] == 0 for r in steps)
     assert [r["version"] for r in steps] == list(range(1, max_steps + 1))
-    check_trace(json.loads(trace.read_text()), reference)
+    doc = json.loads(trace.read_text())
+    check_trace(doc, reference)
+    if turns:
+        check_turns(records, doc, max_steps)
     return steps
 
 
@@ -61,6 +68,30 @@ def check_trace(doc: dict, reference: bool) -> None:
     assert ("reference" in pid_name.values()) == reference
     counters = {e["name"] for e in events if e["ph"] == "C"}
     assert {"queue depth", "staleness", "samples in flight"} <= counters
+
+
+def spans(doc: dict, node: str, name: str) -> list[tuple[float, float]]:
+    events = doc["traceEvents"]
+    pid = next(e["pid"] for e in events if e["ph"] == "M" and e["name"] == "process_name" and e["args"]["name"] == node)
+    return sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["ph"] == "X" and e["pid"] == pid and e["name"] == name)
+
+
+def check_turns(records: list[dict], doc: dict, max_steps: int) -> None:
+    """The phase switch (rl/model/gpu_turns.py): the static decoder frees its KV cache each time its
+    slots run empty, the learner waits for it and frees its step's memory after, and no decode step
+    runs while the learner's update holds the device."""
+    trained = [r for r in records if "step" in r]
+    assert all(r["learner/gpu_turn_wait_s"] >= 0 and r["learner/free_s"] >= 0 for r in trained)
+    frees = [r for r in records if "generator/kv_free_s" in r]
+    allocs = [r for r in records if "generator/kv_alloc_s" in r]
+    assert len(frees) >= max_steps and len(allocs) >= max_steps   # the cache went and came back every step
+    waits, freed = spans(doc, "learner", "wait for the GPU"), spans(doc, "learner", "free activations")
+    assert len(waits) == len(freed) == max_steps
+    updates = [(w[1], f[1]) for w, f in zip(waits, freed)]       # the learner holds its turn in between
+    decoding = spans(doc, "generator", "decode steps") + spans(doc, "generator", "prefill")
+    assert decoding and len(spans(doc, "generator", "free KV cache")) >= max_steps
+    for start, end in updates:
+        assert not [d for d in decoding if d[0] < end and d[1] > start], (start, end)
 
 
 def check_dapo(steps):
@@ -94,16 +125,19 @@ CASES = {
         ["learner.advantage=rloo", "learner.policy_loss=reinforce", "learner.loss_agg_mode=seq-mean-token-sum",
          "learner.kl.placement=reward", "learner.kl.kind=adaptive", "learner.kl.estimator=k2",
          "learner.kl.horizon=10", "learner.weight_decay=0.0", "learner.betas=0.9,0.95"], 2, check_kl_in_reward),
-    "reinforce_pp + gspo (seq-mean-token-mean) + KL in the reward": (
+    "reinforce_pp + gspo (seq-mean-token-mean) + KL in the reward; the static decoder and the learner "
+    "taking turns on the device (the phase switch)": (
         ["learner.advantage=reinforce_pp", "learner.policy_loss=gspo", "learner.kl.placement=reward",
-         "learner.kl.kind=adaptive", "learner.kl.horizon=10", "learner.gamma=0.99"], 2, check_kl_in_reward),
+         "learner.kl.kind=adaptive", "learner.kl.horizon=10", "learner.gamma=0.99", "generator.backend=static"],
+        2, check_kl_in_reward),
 }
+TURNS = {name for name in CASES if "phase switch" in name}
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_grpo_graph_runs_each_algorithm_setting(tmp_path, name):
     overrides, max_steps, check = CASES[name]
-    check(run("graphs/grpo.py", tmp_path, [*TINY, *overrides], max_steps))
+    check(run("graphs/grpo.py", tmp_path, [*TINY, *overrides], max_steps, turns=name in TURNS))
 
 
 # The PPO graph's KL at the start at a sampling temperature (policy = reference, T=0.7): checked on
