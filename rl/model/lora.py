@@ -76,12 +76,24 @@ def wrap(model: nn.Module, cfg: LoraConfig, device, precision: str):
     if odd:
         raise UserError(f"learner.lora.target_modules: {', '.join(odd)} are not linear layers; name linear "
                         "layers only (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj) or all-linear")
+    model.get_input_embeddings().register_forward_hook(_input_requires_grad)
     if compute_dtype(precision, device) == torch.bfloat16:    # the frozen base needs no fp32 master copy
         with torch.no_grad():
             for p in model.parameters():
                 if not p.requires_grad:
                     p.data = p.data.to(torch.bfloat16)
     return wrapped
+
+
+def _input_requires_grad(module: nn.Module, inputs, output: torch.Tensor) -> None:
+    """The frozen embeddings' output requires grad in grad mode, as every later layer's input does:
+    otherwise the first decoder layer sees an input without grad and the compiled layers
+    (precision.compile_layers), one graph for all layers in full fine-tuning, compile a second
+    graph for it (dynamo guards on requires_grad) in every warm-up and step shape. Costs the
+    first layer's input gradient, no parameter's (transformers' enable_input_require_grads, but
+    not under no_grad: the reference pass with the adapter disabled keeps one graph too)."""
+    if torch.is_grad_enabled():
+        output.requires_grad_(True)
 
 
 def adapted_layers(model: nn.Module) -> dict[str, nn.Module]:

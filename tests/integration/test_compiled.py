@@ -152,6 +152,26 @@ def test_compiled_layers_make_the_same_update_as_eager(setup, capsys):
         assert compiled_stats[k] == pytest.approx(eager_stats[k], rel=1e-4, abs=1e-6), k
 
 
+def test_lora_layers_compile_one_graph_for_every_layer():
+    # With LoRA the embeddings are frozen: the first layer's input had no grad and the layers
+    # compiled a second graph for it (a recompile on requires_grad) in every shape a run met.
+    # rl/model/lora.wrap makes that input require grad in grad mode, so no layer recompiles.
+    pytest.importorskip("peft")
+    from rl.model import lora
+    from rl.model.precision import compile_layers
+
+    model = tiny_model("llama").float()
+    lora.wrap(model, lora.LoraConfig(rank=4), "cpu", "fp32")
+    torch._dynamo.reset()
+    assert compile_layers(model, True, "cpu")
+    ids = torch.randint(1, model.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        model(input_ids=ids, use_cache=False).logits.sum().backward()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert trained and all(p.grad is not None for p in trained)
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)   # the base stays frozen
+
+
 def test_the_compile_warm_up_compiles_what_the_first_update_runs_and_changes_nothing(setup, capsys):
     # rl/compile_warm_up: the learner's update on made-up samples, with an optimizer that never
     # steps, compiles the layers' graphs a real update then reuses; weights, optimizer state and
