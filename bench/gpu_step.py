@@ -399,7 +399,7 @@ def trl_variant(args, shape: dict, paths: dict, out: Path, timeout_s: float) -> 
     if result.exists():
         row.update(json.loads(result.read_text()))
     if row.get("s_per_step"):
-        row["mfu"] = flop_per_step(shape, "grpo") / row["s_per_step"] / H200_BF16_PEAK
+        row["mfu"] = flop_per_step(shape, "grpo", lora=bool(args.trl_lora_rank)) / row["s_per_step"] / H200_BF16_PEAK
     if rc != 0:
         row["log_tail"] = (vdir / "run.log").read_text()[-1500:]
     log(f"trl: {row['status']} in {row['wall_s']:.0f} s; s/step {row.get('s_per_step', float('nan')):.2f}")
