@@ -73,12 +73,14 @@ def unique_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
 
 
 def _identity(t: torch.Tensor) -> tuple:
-    """What makes two entries one tensor: the same storage view; a DTensor has no storage of its own,
-    so there the object itself (a tied parameter is one object in state_dict(keep_vars=True))."""
+    """What makes two entries one tensor: the same storage view. A tensor without storage of its
+    own (a DTensor's data_ptr() is 0, as a meta tensor's; some subclasses raise) is only itself:
+    a tied parameter is one object in state_dict(keep_vars=True)."""
     try:
-        return t.device, t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride())
+        ptr = t.data_ptr()
     except RuntimeError:
-        return ("object", id(t))
+        ptr = 0
+    return (t.device, t.dtype, ptr, tuple(t.shape), tuple(t.stride())) if ptr else ("object", id(t))
 
 
 def with_aliases(state: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:

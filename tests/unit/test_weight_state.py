@@ -37,3 +37,12 @@ def test_equal_values_and_views_of_one_storage_are_not_aliases():
     kept, aliases = unique_state(state)
     assert aliases == {} and list(kept) == list(state)
     assert with_aliases(kept, {}) is kept
+
+
+def test_tensors_without_storage_are_aliases_only_of_themselves():
+    """A DTensor's data_ptr() is 0 (a learner on dp x tp ranks), as a meta tensor's: two of one shape
+    are two tensors; the same parameter under two names (state_dict(keep_vars=True)) is one."""
+    q, o = (torch.nn.Parameter(torch.empty(4, 4, device="meta")) for _ in range(2))
+    assert q.data_ptr() == o.data_ptr() == 0
+    kept, aliases = unique_state({"q": q, "o": o, "head": q})
+    assert list(kept) == ["q", "o"] and aliases == {"head": "q"}
