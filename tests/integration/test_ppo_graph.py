@@ -162,12 +162,16 @@ def test_ppo_graph_packed_everywhere_reports_no_padding(flaky_packed_run):
     assert all(f"{node} 0.0%" in summary.report for node in ("learner", "reference", "critic")), summary.report
 
 
-def test_user_model_dir_jsonl_and_reward_file_and_kl_zero_at_the_start(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_user_model_dir_jsonl_and_reward_file_and_kl_zero_at_the_start(tmp_path, lora):
     """The quickstart's "your model, data and reward" path (docs/quickstart.md): a saved HF model directory, a JSONL
     dataset with extra fields, and a reward file; two steps run and the metrics say so.
     The same run, synchronous at a sampling temperature: policy = reference at step 1, and one
     minibatch (learner.minibatch_size = prompts_per_step) of one epoch trains at exactly those
-    weights, so the KL must be 0 at T=0.7 too (the reference's log-probs were at T=1 before: > 0)."""
+    weights, so the KL must be 0 at T=0.7 too (the reference's log-probs were at T=1 before: > 0).
+    With LoRA (PPO: the critic beside it keeps full weights) the reference is the learner's base
+    with its adapter disabled, no reference node: the adapter starts at zero, so the KL is 0 there too,
+    and the learner pushes only the adapter."""
     from rl.model.causal_lm import ModelConfig, build_policy, save_policy
     from rl.data.tasks import build_tokenizer
 
@@ -183,8 +187,10 @@ def test_user_model_dir_jsonl_and_reward_file_and_kl_zero_at_the_start(tmp_path)
     records = run("graphs/ppo.py", tmp_path / "run", *SMALL, f"policy.path={tmp_path / 'model'}",
                   f"prompts.path={tmp_path / 'data.jsonl'}", f"reward.path={tmp_path / 'my_reward.py'}",
                   'reward.weights={"exact": 1.0, "length": 1.0}', "max_new_tokens=4", "max_staleness=0",
-                  "generator.temperature=0.7", max_steps=2)
+                  "generator.temperature=0.7", *["learner.lora.rank=4"] * lora, max_steps=2)
     step_records = steps(records)
+    pushes = [r["weights/push_adapter"] for r in records if "weights/push_adapter" in r]
+    assert pushes and all(p == lora for p in pushes)
     assert [r["step"] for r in step_records] == [1, 2]
     assert all(r["samples/failed"] == 0 for r in step_records)
     assert all(-0.05 <= r["reward/mean"] <= 1.0 for r in step_records)
