@@ -211,6 +211,16 @@ phase_plan() {  # phase_plan w1|1.5b: issue 37's phase switch, synchronous GRPO 
   done
 }
 
+vllm_lora() {  # issue 37 item 3: LoRA merged into vLLM's weights (ours) against vLLM's own LoRA path;
+  # needs the vLLM kit (payload.sh with VLLM=1). Both engines, one process each: ~4-6 min (unmeasured).
+  local dest=$OUT/vllm_lora
+  mkdir -p "$dest"
+  echo "== vllm_lora $(date +%T) (call at ${SECONDS}s)"
+  timeout 560 python3 bench/vllm_lora.py --out "$dest" > "$dest/log.txt" 2>&1
+  echo "   rc=$? $(date +%T)"; tail -5 "$dest/log.txt" | cut -c1-200
+  pack vllm_lora
+}
+
 lora_plan() {  # lora_plan anchor|rows|curve: issue 37's missing measurements, one call each
   # anchor: 1.5B LoRA again with TRL's GRPOTrainer + peft LoRA beside it (TRL=1 in payload.sh);
   # rows: the 0.5B and 3B LoRA rows and 1.5B full again for its push cost (weights/push_mib);
