@@ -137,9 +137,11 @@ class RLHFConfig:
     static decoder generates: the decoder frees its KV cache whenever its slots run empty and the
     learner its activations and gradients after each step, and the two take turns on the GPU
     (rl/model/gpu_turns.py), so the memory plan lends the learner's step room to the KV cache:
-    more decoder slots and a larger token budget on the same GPU (docs/gpus.md). auto: on with
-    max_staleness=0, where generation waits for each step anyway; on: also with max_staleness > 0
-    (generation then waits for every learner step); off: fixed shares. vLLM: generator.vllm.sleep_level."""
+    more decoder slots and a larger token budget on the same GPU (docs/gpus.md). The switch costs
+    time: the decoder's CUDA graphs are captured again at each turn. auto: on with max_staleness=0
+    (generation waits for each step anyway) where the fixed shares would not fit without gradient
+    checkpointing; on: wherever possible, also with max_staleness > 0 (generation then waits for
+    every learner step); off: fixed shares. vLLM: generator.vllm.sleep_level."""
     gpu_memory_gib: Annotated[float, NonNegative] = 0.0
     """GPU size for the memory plan (rl/model/applied_plan.py; --describe prints it on a GPU placement):
     it sets the shares, token budgets and checkpointing left at their defaults, and refuses before

@@ -95,6 +95,7 @@ class _Inputs:
     may_checkpoint: list[str]            # the trainers whose checkpointing the plan may turn on
     switching: bool = False              # the phase switch: the learner's step lends its room to the KV cache
     lent: int = 0                        # _decide's: the bytes the learner lends the generator between steps
+    slots: int = 0                       # _decide's: the generator's decoder slots (the most its share holds)
 
 
 def _need(ctx: _Inputs, cfg, node: str, tokens: int, ckpt: bool, slots: int = 0, step: bool = True) -> NodeNeed:
@@ -137,7 +138,10 @@ def _slots(ctx: _Inputs, cfg, room: float) -> tuple[int, int]:
     g = cfg.generator
     if g.prompts_per_call:
         return (g.prompts_per_call * g.group_size,) * 2
-    per_slot = ctx.shape.kv_bytes_per_token(DTYPE_BYTES.get(g.dtype, 2)) * ctx.max_len * KV_HEADROOM
+    # a slot's bytes as _need counts them: its KV cache with the decoder's room, its sampling row, and
+    # the allocator slack on both, so that the need at `most` slots stays within `room`
+    per_slot = (ctx.shape.kv_bytes_per_token(DTYPE_BYTES.get(g.dtype, 2)) * ctx.max_len * KV_HEADROOM
+                + ctx.shape.vocab * 4) * (1 + ALLOCATOR_SLACK)
     most = max(g.group_size, min(AUTO_SLOTS, int(room // per_slot)) // g.group_size * g.group_size)
     return g.group_size, most
 
@@ -204,6 +208,7 @@ def _decide(ctx: _Inputs, cfg, graph, ckpt: bool) -> tuple[dict, dict, dict, str
     if "generator" in ctx.nodes:
         room = shares["generator"] * ctx.gpu + ctx.lent - _need(ctx, cfg, "generator", 0, False, 0).total
         fewest, most = _slots(ctx, cfg, room)
+        ctx.slots = most
         needs["generator"] = _need(ctx, cfg, "generator", 0, False, most)
         smallest = _need(ctx, cfg, "generator", 0, False, fewest)
         if smallest.total > shares["generator"] * ctx.gpu + ctx.lent + 1:
@@ -226,8 +231,9 @@ def lent_bytes(need: NodeNeed) -> int:
 
 
 def phase_switch(cfg, graph, nodes: list[str], pool_gpus: dict, pool_of: dict, user_shares: dict) -> tuple[bool, str]:
-    """(on, why) for cfg.phase_switch: the generator and the learner share one GPU the plan divides,
-    and the static decoder generates; auto also asks for max_staleness=0 (module docstring)."""
+    """(possible, why not) for cfg.phase_switch: the generator and the learner share one GPU the plan
+    divides, and the static decoder generates; auto also asks for max_staleness=0 (and rlhf_plan
+    then turns it on only where the fixed shares do not fit without checkpointing)."""
     mode = getattr(cfg, "phase_switch", "off")
     if mode == "off":
         return False, "phase_switch=off"
@@ -276,12 +282,18 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
                   {n: s.pool for n, s in graph.nodes.items() if s.pool}, {p: s.gpus for p, s in graph.pools.items()},
                   {n: v for n, v in (getattr(cfg, "gpu_shares", None) or {}).items() if n in nodes}, user_budget,
                   floor, max(floor, min(TARGET_TOKENS, minibatch)), may_checkpoint)
-    ctx.switching, why_not = phase_switch(cfg, graph, nodes, ctx.pool_gpus, ctx.pool_of, ctx.user_shares)
-    ckpt = False
-    tokens, shares, needs, problem = _decide(ctx, cfg, graph, False)
-    if problem and may_checkpoint:
-        ckpt = True
-        tokens, shares, needs, problem = _decide(ctx, cfg, graph, True)
+    possible, why_not = phase_switch(cfg, graph, nodes, ctx.pool_gpus, ctx.pool_of, ctx.user_shares)
+    ctx.switching = possible and getattr(cfg, "phase_switch", "off") == "on"
+    tokens, shares, needs, problem, ckpt = _fit(ctx, cfg, graph, may_checkpoint)
+    if possible and not ctx.switching and (problem or ckpt):
+        # auto: the switch only where fixed shares do not fit without checkpointing; where they do
+        # it costs time (the decoder's CUDA graphs are captured again each turn)
+        fixed = tokens, shares, needs, problem, ckpt
+        ctx.switching = True
+        tokens, shares, needs, problem, ckpt = _fit(ctx, cfg, graph, may_checkpoint)
+        if problem:            # it does not fit either way: say so as the fixed shares see it
+            ctx.switching, ctx.lent = False, 0
+            tokens, shares, needs, problem, ckpt = fixed
     settings = []
     for n in nodes:
         if n in shares:
@@ -296,6 +308,10 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
         if n in nodes and n != "reference" and (configs[n].gradient_checkpointing or (ckpt and n in may_checkpoint)):
             settings.append((f"{n}.gradient_checkpointing", True,
                              "you" if configs[n].gradient_checkpointing else "plan"))
+    if "generator" in needs and not g.prompts_per_call:
+        # auto slots: the count the generator's share holds, set so that the decoder takes exactly
+        # that (its own rule, rl/generation/decoder_slots.py, sees only the KV cache and could take more)
+        settings.append(("generator.prompts_per_call", ctx.slots // g.group_size, "plan"))
     if problem:   # refused: nothing is applied, so only what the user set is listed
         settings = [s for s in settings if s[2] == "you"]
     notes = []
@@ -310,6 +326,15 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
     plan = Plan(gpu_bytes, ordered, shares, problem, enforced=enforced, settings=settings, notes=notes)
     plan.caps = {"generator": generator_cap(ctx, shares)} if ctx.switching and not problem else {}
     return plan
+
+
+def _fit(ctx: _Inputs, cfg, graph, may_checkpoint: list[str]) -> tuple[dict, dict, dict, str | None, bool]:
+    """_decide without gradient checkpointing, then with it where that alone does not fit:
+    (tokens, shares, needs, problem, checkpointing on)."""
+    tokens, shares, needs, problem = _decide(ctx, cfg, graph, False)
+    if problem and may_checkpoint:
+        return (*_decide(ctx, cfg, graph, True), True)
+    return tokens, shares, needs, problem, False
 
 
 def generator_cap(ctx: _Inputs, shares: dict) -> float:

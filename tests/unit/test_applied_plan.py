@@ -226,7 +226,7 @@ def test_the_phase_switch_lends_the_learners_step_room_to_the_kv_cache_and_each_
     sync = W1[1:] + ["placement=colocated", "gpu_memory_gib=80", "max_staleness=0", "generator.prompts_per_call=0",
                      f"policy.path={policy_dir(tmp_path, size)}", f"learner.lora.rank={lora}"]
     fixed, _ = load_graph("graphs/grpo.py", sync + ["phase_switch=off"])
-    graph, config = load_graph("graphs/grpo.py", sync)
+    graph, config = load_graph("graphs/grpo.py", sync + ["phase_switch=on"])
     plan = graph.memory_plan
     assert plan.problem is None and ("phase_switch", "on", "plan") in plan.settings and not fixed.memory_plan.caps
     need = {n.node: n for n in plan.needs}
@@ -246,8 +246,41 @@ def test_the_phase_switch_lends_the_learners_step_room_to_the_kv_cache_and_each_
     assert "phase switch:" in plan.text() and "phase_switch=on" in plan.summary()
 
 
+@pytest.mark.parametrize("staleness", ["max_staleness=1", "max_staleness=0"])
+def test_auto_decoder_slots_are_the_ones_the_generators_share_holds_and_the_plan_sets_them(tmp_path, staleness):
+    """generator.prompts_per_call=0 with the generator's default prompt room (1024 tokens): at 1.5B
+    on 80 GiB the share the plan left the generator held fewer than 256 slots once each slot's
+    allocator slack and sampling row count, and the decoder's own rule (the KV cache within half of
+    its room) took 256 anyway: out of memory in the generator on an H100 (phase_switch=off,
+    bench/results/phase_switch_h100_2026-12-06.md). The plan now sets prompts_per_call to the
+    slots its share holds, and the generator's need at them fits the share."""
+    sets = [s for s in W1 if not s.startswith(("gpu_memory_gib", "generator.prompts_per_call", "prompts.max_prompt"))]
+    graph, config = load_graph("graphs/grpo.py", sets + ["gpu_memory_gib=80", "generator.prompts_per_call=0",
+                                                         f"policy.path={policy_dir(tmp_path, '1.5b')}", staleness,
+                                                         "phase_switch=off"])
+    plan, g = graph.memory_plan, config.generator
+    assert plan.problem is None, plan.problem
+    need = next(n for n in plan.needs if n.node == "generator")
+    per_slot = ModelShape.from_dir(policy_dir(tmp_path, "1.5b")).kv_bytes_per_token(2) * (1024 + 256)
+    assert ("generator.prompts_per_call", need.parts["kv cache"] // per_slot // 8, "plan") in plan.settings
+    assert graph.nodes["generator"].config.prompts_per_call == need.parts["kv cache"] // per_slot // 8 < 32
+    assert need.total <= plan.shares["generator"] * plan.gpu_bytes
+
+
 def test_the_phase_switch_is_off_where_generation_overlaps_training_and_on_where_asked_says_why_not(tmp_path):
+    """auto: only synchronous, and only where the fixed shares would not fit without gradient
+    checkpointing (the switch costs time where they do: bench/results/phase_switch_h100_2026-12-06.md);
+    on: wherever the two share a GPU the plan divides, or a one-line refusal saying why not."""
     base = W1[1:] + ["placement=colocated", "gpu_memory_gib=80", f"policy.path={policy_dir(tmp_path, '0.5b')}"]
+    fits, _ = load_graph("graphs/grpo.py", base + ["max_staleness=0"])
+    off, _ = load_graph("graphs/grpo.py", base + ["max_staleness=0", "phase_switch=off"])
+    assert not fits.memory_plan.caps and fits.memory_plan.settings == off.memory_plan.settings
+    big = W1[1:] + ["placement=colocated", "gpu_memory_gib=80", f"policy.path={policy_dir(tmp_path, '7b')}",
+                    "learner.lora.rank=32", "max_staleness=0"]
+    switched, _ = load_graph("graphs/grpo.py", big)
+    fixed = load_graph("graphs/grpo.py", big + ["phase_switch=off"])[0].memory_plan
+    assert ("learner.gradient_checkpointing", True, "plan") in fixed.settings or fixed.problem
+    assert switched.memory_plan.caps and ("phase_switch", "on", "plan") in switched.memory_plan.settings
     asynchronous, _ = load_graph("graphs/grpo.py", base + ["max_staleness=1"])
     assert not asynchronous.memory_plan.caps and not asynchronous.nodes["generator"].gpu_turn
     forced, _ = load_graph("graphs/grpo.py", base + ["max_staleness=1", "phase_switch=on"])
