@@ -264,8 +264,10 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
         return None
     shape, max_pos = policy_shape(cfg)
     g = cfg.generator
-    # The generator's rule for its longest prompt (nodes/generator.py), then the longest sample.
-    max_len = (g.max_prompt_tokens or min(max(max_pos - g.max_new_tokens, 256), 1024)) + g.max_new_tokens
+    # The generator's rule for a slot (nodes/generator.py): its longest prompt, then the longest
+    # response, or with an environment the whole episode (every turn's sampled and environment tokens).
+    response = g.env.max_episode_tokens if g.env.path else g.max_new_tokens
+    max_len = (g.max_prompt_tokens or min(max(max_pos - response, 256), 1024)) + response
     configs = {"learner": cfg.learner, "critic": getattr(cfg, "critic", None), "reference": cfg.reference,
                "generator": g}
     nodes = [n for n in ("generator", *TRAINERS) if n in graph.nodes and graph.nodes[n].pool]

@@ -290,3 +290,17 @@ def test_the_phase_switch_is_off_where_generation_overlaps_training_and_on_where
     assert "\n" not in refused.problem
     theirs = load_graph("graphs/grpo.py", base + ["max_staleness=0", "phase_switch=on", 'gpu_shares={"learner": 0.5}'])[0]
     assert "needs the generator and the learner on one GPU whose shares the plan sets" in theirs.memory_plan.problem
+
+
+def test_an_agent_graphs_slots_hold_whole_episodes(tmp_path):
+    """graphs/agent.py: a decoder slot holds the prompt and every turn (env.max_episode_tokens), as
+    nodes/generator.py sizes it, so the plan's KV cache and the slots it sets count episodes."""
+    sets = ["placement=colocated", "gpu_memory_gib=80", "max_new_tokens=64", "prompts_per_step=32", "group_size=8",
+            "learner.minibatch_size=256", f"policy.path={policy_dir(tmp_path, '0.5b')}",
+            "env.path=tests/agent_toy_env.py", "env.max_episode_tokens=2048"]
+    graph, config = load_graph("graphs/agent.py", sets)
+    plan = graph.memory_plan
+    assert plan.problem is None, plan.problem
+    generator = next(n for n in plan.needs if n.node == "generator")
+    per_slot = ModelShape.from_dir(policy_dir(tmp_path, "0.5b")).kv_bytes_per_token(2) * (1024 + 2048)
+    assert generator.parts["kv cache"] == config.generator.prompts_per_call * 8 * per_slot
