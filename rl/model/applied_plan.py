@@ -290,11 +290,11 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
     if possible and not ctx.switching and (problem or ckpt):
         # auto: the switch only where fixed shares do not fit without checkpointing; where they do
         # it costs time (the decoder's CUDA graphs are captured again each turn)
-        fixed = tokens, shares, needs, problem, ckpt
+        fixed, fixed_slots = (tokens, shares, needs, problem, ckpt), ctx.slots
         ctx.switching = True
         tokens, shares, needs, problem, ckpt = _fit(ctx, cfg, graph, may_checkpoint)
         if problem:            # it does not fit either way: say so as the fixed shares see it
-            ctx.switching, ctx.lent = False, 0
+            ctx.switching, ctx.lent, ctx.slots = False, 0, fixed_slots
             tokens, shares, needs, problem, ckpt = fixed
     settings = []
     for n in nodes:
@@ -310,9 +310,10 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
         if n in nodes and n != "reference" and (configs[n].gradient_checkpointing or (ckpt and n in may_checkpoint)):
             settings.append((f"{n}.gradient_checkpointing", True,
                              "you" if configs[n].gradient_checkpointing else "plan"))
-    if "generator" in needs and not g.prompts_per_call:
-        # auto slots: the count the generator's share holds, set so that the decoder takes exactly
-        # that (its own rule, rl/generation/decoder_slots.py, sees only the KV cache and could take more)
+    if "generator" in needs and not g.prompts_per_call and g.backend in ("auto", "static"):
+        # auto slots: the count the generator's share holds, set so that the static decoder takes
+        # exactly that (its own rule, rl/generation/decoder_slots.py, sees only the KV cache and could
+        # take more); vLLM sizes its own cache within the share
         settings.append(("generator.prompts_per_call", ctx.slots // g.group_size, "plan"))
     if problem:   # refused: nothing is applied, so only what the user set is listed
         settings = [s for s in settings if s[2] == "you"]
