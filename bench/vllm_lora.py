@@ -76,9 +76,10 @@ def engine_part(kind: str, args, paths: dict) -> dict:
     from vllm import LLM
     from vllm.lora.request import LoRARequest
 
+    import gpu_step
     from rl.generation.vllm_engine import _worker_load, sampling_params
 
-    shape = __import__("gpu_step").SHAPES["w1"]
+    shape = gpu_step.SHAPES["w1"]
     rng = random.Random(0)
     prompts = [[rng.randrange(4, shape["vocab"]) for _ in range(shape["prompt_len"])] for _ in range(args.prompts)]
     lora = kind == "lora"

@@ -138,10 +138,9 @@ def _slots(ctx: _Inputs, cfg, room: float) -> tuple[int, int]:
     g = cfg.generator
     if g.prompts_per_call:
         return (g.prompts_per_call * g.group_size,) * 2
-    # a slot's bytes as _need counts them: its KV cache with the decoder's room, its sampling row, and
-    # the allocator slack on both, so that the need at `most` slots stays within `room`
-    per_slot = (ctx.shape.kv_bytes_per_token(DTYPE_BYTES.get(g.dtype, 2)) * ctx.max_len * KV_HEADROOM
-                + ctx.shape.vocab * 4) * (1 + ALLOCATOR_SLACK)
+    # a slot's bytes as _need counts them (KV cache, decoder room, sampling row, their allocator
+    # slack), so that the need at `most` slots stays within `room`
+    per_slot = _need(ctx, cfg, "generator", 0, False, 1).total - _need(ctx, cfg, "generator", 0, False, 0).total + 1
     most = max(g.group_size, min(AUTO_SLOTS, int(room // per_slot)) // g.group_size * g.group_size)
     return g.group_size, most
 

@@ -156,7 +156,6 @@ def test_lora_layers_compile_one_graph_for_every_layer():
     # With LoRA the embeddings are frozen: the first layer's input had no grad and the layers
     # compiled a second graph for it (a recompile on requires_grad) in every shape a run met.
     # rl/model/lora.wrap makes that input require grad in grad mode, so no layer recompiles.
-    pytest.importorskip("peft")
     from rl.model import lora
     from rl.model.precision import compile_layers
 

@@ -258,7 +258,7 @@ def test_auto_decoder_slots_are_the_ones_the_generators_share_holds_and_the_plan
     graph, config = load_graph("graphs/grpo.py", sets + ["gpu_memory_gib=80", "generator.prompts_per_call=0",
                                                          f"policy.path={policy_dir(tmp_path, '1.5b')}", staleness,
                                                          "phase_switch=off"])
-    plan, g = graph.memory_plan, config.generator
+    plan = graph.memory_plan
     assert plan.problem is None, plan.problem
     need = next(n for n in plan.needs if n.node == "generator")
     per_slot = ModelShape.from_dir(policy_dir(tmp_path, "1.5b")).kv_bytes_per_token(2) * (1024 + 256)
