@@ -96,6 +96,7 @@ class _Inputs:
     switching: bool = False              # the phase switch: the learner's step lends its room to the KV cache
     lent: int = 0                        # _decide's: the bytes the learner lends the generator between steps
     slots: int = 0                       # _decide's: the generator's decoder slots (the most its share holds)
+    push: int = 0                        # weight_transport=cuda_ipc: the bytes of one flat push buffer
 
 
 def _need(ctx: _Inputs, cfg, node: str, tokens: int, ckpt: bool, slots: int = 0, step: bool = True) -> NodeNeed:
@@ -118,6 +119,8 @@ def _need(ctx: _Inputs, cfg, node: str, tokens: int, ckpt: bool, slots: int = 0,
         n = learner_need(s, on_cuda=True, micro_batch_tokens=tokens, logit_rows=0, checkpointing=ckpt, node="critic")
     else:
         n = reference_need(s, dtype_bytes=2, micro_batch_tokens=tokens)
+    if ctx.push and node in ("learner", "generator"):   # cuda_ipc: the learner's two buffers, a generator's staging
+        n.parts["push buffers"] = ctx.push * (2 if node == "learner" else 1)
     if node in ("learner", "critic") and step:
         n.parts["optimizer step"] = max(0, n.parts["grads"] - n.parts["activations"] - n.parts.get("logits gradient", 0))
     n.parts["workspace"] = WORKSPACE_BYTES
@@ -283,6 +286,11 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
                   {n: s.pool for n, s in graph.nodes.items() if s.pool}, {p: s.gpus for p, s in graph.pools.items()},
                   {n: v for n, v in (getattr(cfg, "gpu_shares", None) or {}).items() if n in nodes}, user_budget,
                   floor, max(floor, min(TARGET_TOKENS, minibatch)), may_checkpoint)
+    sync = cfg.learner.weight_sync
+    if sync.transport == "cuda_ipc":   # what travels (dataflow/weights/sync.py): the float32 adapter, or the weights in bf16
+        lora = cfg.learner.lora
+        ctx.push = shape.push_bytes(4 if lora.rank else DTYPE_BYTES[sync.dtype if sync.dtype != "auto" else "bfloat16"],
+                                    lora.rank, tuple(lora.target_modules))
     possible, why_not = phase_switch(cfg, graph, nodes, ctx.pool_gpus, ctx.pool_of, ctx.user_shares)
     ctx.switching = possible and getattr(cfg, "phase_switch", "off") == "on"
     tokens, shares, needs, problem, ckpt = _fit(ctx, cfg, graph, may_checkpoint)

@@ -20,6 +20,9 @@ Pure arithmetic (no torch, no GPU), for llama / qwen2 decoders (RoPE, RMSNorm, S
   layer keeps only its fp32 input (4 H per token) and one layer is live at a time. Transient
   buffers (the backward's own gradients of activations, the allocator's fragmentation) are not
   modelled: the plan keeps RESERVE of the GPU free for them and the CUDA context.
+- weight push buffers (weight_transport=cuda_ipc, dataflow/weights/ipc.py): the learner's two flat
+  buffers and each generator's staging copy, every pushed tensor (tied ones once; the float32 adapter
+  alone with LoRA) padded to IPC_ALIGN elements, exactly as flat_layout lays them out.
 - KV cache: 2 layers kv_heads head_dim bytes per token per slot (rl/generation/decoder_slots.kv_bytes_per_slot),
   slots x (max prompt + max response) tokens; plus a float32 logits row per slot for sampling.
 """
@@ -36,6 +39,9 @@ RESERVE = 0.10
 gradients of activations in backward, kernels' workspaces."""
 ACTIVATION_TOLERANCE = 0.15
 """How far the activation model may be from torch's saved tensors in the tests (relative)."""
+IPC_ALIGN = 128
+"""Elements each tensor of a cuda_ipc flat buffer is padded to (dataflow/weights/ipc.IPC_ALIGN, which
+imports torch; tests/unit/test_memory_plan.py checks they agree)."""
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2}
 
 
@@ -86,6 +92,19 @@ class ModelShape:
         chosen = {n: s for n, s in self.linears().items() if "all-linear" in targets or n in targets}
         adapter = self.layers * sum(rank * (o + i) for o, i in chosen.values())
         return adapter, 2 * self.layers * len(chosen), self.layers * sum(o * i for o, i in chosen.values())
+
+    def push_bytes(self, dtype_bytes: int, lora_rank: int = 0, lora_targets=("all-linear",)) -> int:
+        """The flat buffer one cuda_ipc push fills (dataflow/weights/ipc.flat_layout): every weight the
+        learner sends, in the travel dtype, each padded to IPC_ALIGN elements; with LoRA the adapter's
+        A (rank x in) and B (out x rank) alone."""
+        chosen = {n: s for n, s in self.linears().items() if "all-linear" in lora_targets or n in lora_targets}
+        if lora_rank:
+            numels = [n for o, i in chosen.values() for n in (lora_rank * i, o * lora_rank)] * self.layers
+        else:
+            bias = [self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2 if self.qkv_bias else []
+            layer = [o * i for o, i in self.linears().values()] + bias + [self.hidden] * 2
+            numels = [self.vocab * self.hidden] + layer * self.layers + [self.hidden] + ([] if self.tied else [self.vocab * self.hidden])
+        return sum(-(-n // IPC_ALIGN) * IPC_ALIGN for n in numels) * dtype_bytes
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes

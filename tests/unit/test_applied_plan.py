@@ -44,10 +44,13 @@ def policy_dir(tmp_path, size: str) -> str:
 
 
 def static_bytes(shape: ModelShape, lora: int) -> dict[str, float]:
-    """Each node's bytes that no budget shrinks, with its workspace and allocator slack, written out here."""
-    learner = learner_need(shape, on_cuda=True, micro_batch_tokens=0, lora_rank=lora).total
+    """Each node's bytes that no budget shrinks, with its workspace and allocator slack, written out here
+    (weight_transport=auto is cuda_ipc on one colocated GPU: the learner's two push buffers of the bf16
+    weights or the float32 adapter, a generator's staging copy)."""
+    push = shape.push_bytes(4 if lora else 2, lora)
+    learner = learner_need(shape, on_cuda=True, micro_batch_tokens=0, lora_rank=lora).total + 2 * push
     gen = generator_need(shape, dtype_bytes=2, slots=256, max_len=MAX_LEN, lora_rank=lora)
-    out = {"learner": learner, "generator": gen.total + gen.parts["kv cache"] * (KV_HEADROOM - 1)}
+    out = {"learner": learner, "generator": gen.total + gen.parts["kv cache"] * (KV_HEADROOM - 1) + push}
     if not lora:   # LoRA: the learner is its own reference (the base with the adapter off)
         out["reference"] = shape.params() * 2
     return {k: (v + WORKSPACE_BYTES) * (1 + ALLOCATOR_SLACK) for k, v in out.items()}
@@ -91,7 +94,7 @@ def test_the_plan_for_qwen25_shapes_on_one_140_gib_gpu_is_its_arithmetic(tmp_pat
     if not lora:
         room -= (reference_need(shape, dtype_bytes=2, micro_batch_tokens=floor).total + WORKSPACE_BYTES) * (1 + ALLOCATOR_SLACK)
     plain = learner_need(shape, on_cuda=True, micro_batch_tokens=floor, logit_rows=floor, lora_rank=lora).total
-    plain += floor * shape.vocab * 2 + WORKSPACE_BYTES
+    plain += floor * shape.vocab * 2 + WORKSPACE_BYTES + 2 * shape.push_bytes(4 if lora else 2, lora)
     assert config.learner.gradient_checkpointing == (plain * (1 + ALLOCATOR_SLACK) > room)
 
 
@@ -126,7 +129,8 @@ def test_with_auto_decoder_slots_the_budget_leaves_the_generator_half_of_the_roo
     gen = generator_need(shape, dtype_bytes=2, slots=8, max_len=MAX_LEN)
     room = 140 * GiB * (1 - RESERVE) - slack * (
         gen.total + gen.parts["kv cache"] * (KV_HEADROOM - 1) + shape.params() * 2
-        + learner_need(shape, on_cuda=True, micro_batch_tokens=0).total + 3 * WORKSPACE_BYTES)
+        + learner_need(shape, on_cuda=True, micro_batch_tokens=0).total + 3 * WORKSPACE_BYTES
+        + 3 * shape.push_bytes(2))   # cuda_ipc: the learner's two push buffers, the generator's staging
 
     def per_pass(tokens: int) -> float:
         learner = learner_need(shape, on_cuda=True, micro_batch_tokens=tokens, logit_rows=tokens).parts["activations"]

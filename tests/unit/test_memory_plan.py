@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from rl.generation.decoder_slots import kv_bytes_per_slot
-from rl.model.memory_plan import (ACTIVATION_TOLERANCE, GiB, ModelShape, NodeNeed, default_micro_batch_tokens,
+from rl.model.memory_plan import (ACTIVATION_TOLERANCE, IPC_ALIGN, GiB, ModelShape, NodeNeed, default_micro_batch_tokens,
                                   generator_need, learner_need, plan_shares)
 from rl.model.padded_batch import sequence_logprobs
 
@@ -34,6 +34,27 @@ def test_parameters_and_kv_cache_are_what_torch_and_the_decoder_count(family, ti
     assert shape.kv_bytes_per_token(4) * 48 == kv_bytes_per_slot(model, 48)
 
 
+@pytest.mark.parametrize("family,tied,lora_rank", [("llama", True, 0), ("qwen2", False, 0), ("qwen2", False, 4)])
+def test_the_push_buffer_is_the_flat_layout_cuda_ipc_allocates(family, tied, lora_rank):
+    """ModelShape.push_bytes against dataflow/weights/ipc's own layout of what the learner sends: the
+    unique state dict (a tied embedding once) in bf16, or the LoRA adapter's tensors in float32."""
+    from dataflow.weights import ipc
+    from dataflow.weights.state import unique_state
+    from rl.model import lora
+
+    assert IPC_ALIGN == ipc.IPC_ALIGN
+    model = build(family, tied, **SHAPES[1])
+    shape = ModelShape.from_hf_config(model.config.to_dict())
+    targets = ("q_proj", "down_proj")
+    if lora_rank:
+        lora.wrap(model, lora.LoraConfig(rank=lora_rank, target_modules=list(targets)), "cpu", "fp32")
+        sent, dtype_bytes = lora.LoraWeights(model).tensors(), 4
+    else:
+        sent, dtype_bytes = unique_state(model.state_dict(keep_vars=True))[0], 2
+    shapes, _ = ipc.ipc_state_split(sent)
+    assert shape.push_bytes(dtype_bytes, lora_rank, targets) == ipc.flat_layout(shapes)[1] * dtype_bytes
+
+
 def adamw_step_bytes(model) -> dict[str, int]:
     """Bytes torch holds after one AdamW step over the trainable parameters."""
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -48,7 +69,6 @@ def adamw_step_bytes(model) -> dict[str, int]:
 
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_the_learners_weights_grads_and_adamw_state_are_torchs_exactly(lora_rank):
-    pytest.importorskip("peft")
     from rl.model import lora
 
     model = build("qwen2", **SHAPES[0])
