@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 
+from dataflow import startup_gc
 from dataflow.errors import NodeFailed, UserError
 from dataflow.driver.stall import RunStalled
 
@@ -61,6 +62,15 @@ SLOW_CHECKS_S = 2.0
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:   # this process is the command, not a caller's: no collection while it starts (dataflow/startup_gc.py)
+        startup_gc.pause()
+    try:
+        return _main(argv)
+    finally:
+        startup_gc.resume()
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     from dataflow.driver.options import DriverClock
     from dataflow.driver.resume import load_for_resume
@@ -118,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                          trace_kernels=args.trace_kernels,
                          out_dir=args.out, verbose=args.verbose, resume=args.resume, driver_parts=clock.parts,
                          **({} if args.compile_cache is None else {"compile_cache": args.compile_cache}))
+    startup_gc.resume()
     return _run_with_signals(lambda: run_graph(graph, options, config), args.graph)
 
 

@@ -16,6 +16,17 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before Ray starts: no token-auth banner
 
+from dataflow import startup_gc  # noqa: E402
+
+# Collecting imports torch, transformers and Ray in each pytest process: no garbage collection until
+# the tests start (dataflow/startup_gc.py); every test runs with it on.
+startup_gc.pause()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    startup_gc.resume()
+
 
 # The slowest test files, slowest first (by the seconds their tests took on the 2-core machine in a
 # `pytest --durations` run; bench/results/suite_cpu.md; test_compiled by its time in CI, whose inductor

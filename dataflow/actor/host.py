@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dataflow import channel as channels
+from dataflow import startup_gc
 from dataflow.actor import stacks
 from dataflow.channel.tracked import TrackedInput
 from dataflow.errors import UserError, out_of_memory_line
@@ -37,6 +38,11 @@ from dataflow.node import NodeContext
 from dataflow.trace.kernels import KernelRecorder
 from dataflow.trace.tracer import Tracer
 from dataflow.timeouts import wait_within
+
+if sys.argv and sys.argv[0].endswith("default_worker.py"):
+    # A node's Ray worker process: its node module (torch, ...) is unpickled next and connect() sets
+    # it up, collecting nothing until then (dataflow/startup_gc.py).
+    startup_gc.pause()
 
 
 @dataclass
@@ -180,6 +186,7 @@ class NodeHost(CheckpointCalls, StatusCalls):
             return self._failure(e, phase="setup")
         finally:
             parts, self.tracer.tally = self.tracer.tally, None
+            startup_gc.resume()
         parts = {name: round(us / 1e6, 3) for name, us in parts.items() if name != "setup"}
         return {"status": "ready", "device": self.device, "pid": os.getpid(), "stacks": self.stack_server.address,
                 "setup_s": round(time.perf_counter() - t, 3), "setup_parts": parts}

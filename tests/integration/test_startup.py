@@ -144,10 +144,12 @@ def test_reward_node_with_a_reward_file_imports_no_transformers(tmp_path, tokeni
     """The reward node (a real one on Ray: tests/graphs/reward_probe.py) with a plain reward
     file: its process never imports transformers or torch, the built-in tokenizer or a model
     directory's alike. The reward function runs in that process and looks (and at the compile
-    cache setting, which every node process gets in its environment)."""
+    cache setting, which every node process gets in its environment, and at the garbage collector,
+    paused while the process started and on again once its node was set up: dataflow/startup_gc.py)."""
     reward = tmp_path / "r.py"
     cache = str(tmp_path / "compile cache")
     reward.write_text(textwrap.dedent(f'''
+        import gc
         import os
         import sys
 
@@ -157,6 +159,7 @@ def test_reward_node_with_a_reward_file_imports_no_transformers(tmp_path, tokeni
             loaded = [m for m in ("transformers", "torch") if m in sys.modules]
             assert not loaded, f"the reward node imported {{loaded}}"
             assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.join(CACHE, "inductor"), os.environ
+            assert gc.isenabled(), "the node's process still collects no garbage"
             return 1.0
     '''))
     sets = [f"reward.path={reward}"]
