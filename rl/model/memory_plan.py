@@ -253,8 +253,9 @@ SHRINKABLE = ("activations", "logits gradient", "kv cache", "decoder room", "sam
 def _refusal(n: NodeNeed, room: float) -> str:
     fixed = n.total - sum(n.parts.get(k, 0) for k in SHRINKABLE)
     share = n.setting[n.setting.find("raise gpu_shares."):] if "raise gpu_shares." in n.setting else ""
+    held = ", optimizer state and weight push buffers" if n.parts.get("push buffers") else " and optimizer state"
     what = (f"lower {n.setting}" if fixed < room else
-            f"its weights, gradients and optimizer state alone take {fixed / GiB:.1f} GiB: "
+            f"its weights, gradients{held} alone take {fixed / GiB:.1f} GiB: "
             + (f"{share}, " if share else "") + "use learner.lora.rank (e.g. 32), more GPUs, or a smaller model")
     return (f"{n.node} needs {n.total / GiB:.1f} GiB but has {max(room, 0) / GiB:.1f} GiB of the GPU "
             f"({n.text().split(' (', 1)[1].rstrip(')')}); {what}")

@@ -108,7 +108,8 @@ def test_issue_37s_goals_follow_from_the_arithmetic(tmp_path):
         plans[size, lora] = graph.memory_plan
     assert plans["3b", 0].problem is None and plans["7b", 32].problem is None
     refusal = plans["7b", 0].problem
-    assert refusal.startswith("learner needs") and "optimizer state alone take" in refusal and "learner.lora.rank" in refusal
+    assert refusal.startswith("learner needs") and "learner.lora.rank" in refusal
+    assert "optimizer state and weight push buffers alone take" in refusal   # weight_transport=auto: cuda_ipc here
     shape = ModelShape.from_dir(str(tmp_path / "7b"))
     assert sum(static_bytes(shape, 0).values()) > 140 * GiB * (1 - RESERVE)
     assert sum(static_bytes(shape, 32).values()) < 140 * GiB * (1 - RESERVE)
