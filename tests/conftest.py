@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from dataflow import startup_gc
+
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before Ray starts: no token-auth banner
-
-from dataflow import startup_gc  # noqa: E402
 
 # Collecting imports torch, transformers and Ray in each pytest process: no garbage collection until
 # the tests start (dataflow/startup_gc.py); every test runs with it on.

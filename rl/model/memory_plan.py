@@ -80,31 +80,34 @@ class ModelShape:
     def linear_params(self) -> int:
         return self.layers * sum(o * i for o, i in self.linears().values())
 
+    def tensor_sizes(self) -> list[int]:
+        """The elements of every parameter tensor, a tied one once: embeddings, per layer its linears,
+        q/k/v biases (qwen2) and two RMSNorms, the final norm, an untied head."""
+        bias = [self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2 if self.qkv_bias else []
+        layer = [o * i for o, i in self.linears().values()] + bias + [self.hidden] * 2
+        head = [] if self.tied else [self.vocab * self.hidden]
+        return [self.vocab * self.hidden] + layer * self.layers + [self.hidden] + head
+
     def params(self) -> int:
         """Every parameter, as sum(p.numel() for p in model.parameters()) counts it (tied once)."""
-        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
-        per_layer = sum(o * i for o, i in self.linears().values()) + bias + 2 * self.hidden   # + 2 RMSNorms
-        head = 0 if self.tied else self.vocab * self.hidden
-        return self.vocab * self.hidden + self.layers * per_layer + self.hidden + head
+        return sum(self.tensor_sizes())
+
+    def lora_tensor_sizes(self, rank: int, targets: list[str] | tuple[str, ...] = ("all-linear",)) -> list[int]:
+        """The elements of every LoRA adapter tensor: per layer and adapted linear, A (rank x in) and B (out x rank)."""
+        chosen = [s for n, s in self.linears().items() if "all-linear" in targets or n in targets]
+        return [n for o, i in chosen for n in (rank * i, o * rank)] * self.layers
 
     def lora_params(self, rank: int, targets: list[str] | tuple[str, ...] = ("all-linear",)) -> tuple[int, int, int]:
         """(adapter parameters, adapter tensors, base parameters of the adapted weights) for LoRA of `rank`."""
-        chosen = {n: s for n, s in self.linears().items() if "all-linear" in targets or n in targets}
-        adapter = self.layers * sum(rank * (o + i) for o, i in chosen.values())
-        return adapter, 2 * self.layers * len(chosen), self.layers * sum(o * i for o, i in chosen.values())
+        adapter = self.lora_tensor_sizes(rank, targets)
+        base = self.layers * sum(o * i for n, (o, i) in self.linears().items() if "all-linear" in targets or n in targets)
+        return sum(adapter), len(adapter), base
 
     def push_bytes(self, dtype_bytes: int, lora_rank: int = 0, lora_targets=("all-linear",)) -> int:
-        """The flat buffer one cuda_ipc push fills (dataflow/weights/ipc.flat_layout): every weight the
-        learner sends, in the travel dtype, each padded to IPC_ALIGN elements; with LoRA the adapter's
-        A (rank x in) and B (out x rank) alone."""
-        chosen = {n: s for n, s in self.linears().items() if "all-linear" in lora_targets or n in lora_targets}
-        if lora_rank:
-            numels = [n for o, i in chosen.values() for n in (lora_rank * i, o * lora_rank)] * self.layers
-        else:
-            bias = [self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2 if self.qkv_bias else []
-            layer = [o * i for o, i in self.linears().values()] + bias + [self.hidden] * 2
-            numels = [self.vocab * self.hidden] + layer * self.layers + [self.hidden] + ([] if self.tied else [self.vocab * self.hidden])
-        return sum(-(-n // IPC_ALIGN) * IPC_ALIGN for n in numels) * dtype_bytes
+        """The flat buffer one cuda_ipc push fills (dataflow/weights/ipc.flat_layout): every tensor the
+        learner sends (the adapter's alone with LoRA), in the travel dtype, each padded to IPC_ALIGN elements."""
+        sizes = self.lora_tensor_sizes(lora_rank, lora_targets) if lora_rank else self.tensor_sizes()
+        return sum(-(-n // IPC_ALIGN) * IPC_ALIGN for n in sizes) * dtype_bytes
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
@@ -151,7 +154,7 @@ def learner_need(shape: ModelShape, *, on_cuda: bool, micro_batch_tokens: int, l
         weights = params * compute + trained * 4
         cache = 0                                   # the frozen base already is bf16; the adapter is small
     else:
-        trained, tensors = params, 2 + shape.layers * 9 + (0 if shape.tied else 1) + (3 * shape.layers if shape.qkv_bias else 0)
+        trained, tensors = params, len(shape.tensor_sizes())
         weights = params * 4
         cache = shape.linear_params() * 2 if on_cuda else 0
     rows = micro_batch_tokens if logit_rows is None else logit_rows
