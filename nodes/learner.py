@@ -235,7 +235,8 @@ class Learner(LearnerState, RankCommands, Node):
             compiled = compile_layers(self.model, compile_setting(c.compile, c.packing, c.gradient_checkpointing),
                                       self.ctx.device)
             if compiled and c.compile_warm_up:   # the layers compile while the other nodes start
-                self._warm_up = start_warm_up(self.ctx, self.model, c, self.tokenizer.pad_token_id, self.turn)
+                self._warm_up = start_warm_up(self.ctx, self.model, c, self.tokenizer.pad_token_id, self.turn,
+                                              self._reference_logprobs if c.own_reference else None)
         trained = [p for p in self.model.parameters() if p.requires_grad]   # LoRA: the adapter only
         self.optimizer = torch.optim.AdamW(trained, lr=c.lr, betas=tuple(c.betas),
                                            weight_decay=c.weight_decay)

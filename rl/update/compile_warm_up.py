@@ -89,9 +89,12 @@ def model_sizes(model: torch.nn.Module) -> frozenset:
                       head_dim, heads * head_dim, kv * head_dim, getattr(cfg, "vocab_size", 0)}) - {0}
 
 
-def warm_up_update(model: torch.nn.Module, c, pad_id: int) -> float:
+def warm_up_update(model: torch.nn.Module, c, pad_id: int, reference=None) -> float:
     """ppo_update on made_up_samples, with an optimizer that never steps: a step-sized batch, one
     group of short samples, and a step-sized batch again with other lengths; returns the seconds.
+    `reference(samples)`, the learner's own reference pass (LoRA: the base with the adapter off,
+    nodes/learner._reference_logprobs), runs on a step-sized batch first: it runs in another grad
+    and autocast mode, so its graphs are others than the update's, which the first step compiled.
     Three because one left the first real step two recompiles (TORCH_LOGS=recompiles, SmolLM2 on
     an H200, bench/results/agents_speed_h200_2026-12-05.md): the warm-up's padded length, 64 + 512
     tokens, equalled the hidden size, so dynamo tied it to it and the graph was static at 576; the
@@ -111,6 +114,8 @@ def warm_up_update(model: torch.nn.Module, c, pad_id: int) -> float:
                made_up_samples(c, vocab, seed=1, count=c.group_size, cap=16, avoid=avoid),
                made_up_samples(c, vocab, prompt_tokens=(16, 48), seed=2, avoid=avoid)]
     try:
+        if reference is not None:
+            reference(made_up_samples(c, vocab, seed=3, avoid=avoid))
         for samples in batches:
             ppo_update(model, _NoStep(model), samples, c.kl.coef, pad_id, c, random.Random(0), stale=False)
     finally:
@@ -132,7 +137,7 @@ def free_step_memory(model: torch.nn.Module) -> float:
     return time.perf_counter() - t
 
 
-def start_warm_up(ctx, model: torch.nn.Module, c, pad_id: int, turn=None) -> asyncio.Task:
+def start_warm_up(ctx, model: torch.nn.Module, c, pad_id: int, turn=None, reference=None) -> asyncio.Task:
     """warm_up_update on a thread, as a task of the learner's event loop (call it in setup), under
     the node's state lock: a resumed run's weights load after it, and the first training step,
     which takes the lock too, waits for it. A failure is logged, not raised: the first step then
@@ -144,7 +149,7 @@ def start_warm_up(ctx, model: torch.nn.Module, c, pad_id: int, turn=None) -> asy
                 try:
                     if turn is not None:
                         await asyncio.to_thread(turn.take)
-                    seconds = await asyncio.to_thread(warm_up_update, model, c, pad_id)
+                    seconds = await asyncio.to_thread(warm_up_update, model, c, pad_id, reference)
                     ctx.log(f"compile warm-up: {seconds:.1f} s (rl/update/compile_warm_up.py)")
                 except Exception as e:
                     ctx.log(f"compile warm-up failed ({type(e).__name__}: {str(e)[:200]}); "

@@ -502,3 +502,26 @@ def test_the_warm_ups_longest_sample_has_none_of_the_models_sizes():
     assert widths(made_up_samples(cfg, 22)) == (72, 72)     # without `avoid`: the tie
     # 72 (hidden) and 64 (MLP) avoided: prompts of at most 48 tokens, widths 56
     assert widths(made_up_samples(cfg, 22, avoid=sizes)) == (56, 56)
+
+
+def test_the_warm_up_runs_the_learners_own_reference_pass_on_a_step_sized_batch(setup):
+    # LoRA's learner computes the reference log-probs itself, the adapter off and no grad: graphs
+    # other than the update's (a compiled run's first step compiled them: one more graph on CPU).
+    # rl/update/compile_warm_up.warm_up_update runs that pass first, on a step's made-up samples.
+    from rl.update.compile_warm_up import warm_up_update
+
+    tok, model, _ = setup
+    cfg = LearnerConfig(algorithm="grpo", group_size=2, prompts_per_step=4, minibatch_size=8, max_new_tokens=8)
+    cfg.kl.coef = 0.1
+    m = fresh(model).eval()
+    seen = []
+
+    def reference(samples):
+        seen.append((len(samples), torch.is_grad_enabled(), m.training))
+        add_logprobs(m, tok.pad_token_id, [{"samples": samples}], "ref_logprobs")
+
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    assert warm_up_update(m, cfg, tok.pad_token_id, reference) > 0
+    assert seen == [(8, True, False)]          # one step-sized batch, the model as a step finds it
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    assert all(p.grad is None for p in m.parameters()) and not m.training
