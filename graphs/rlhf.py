@@ -231,7 +231,11 @@ class RLHFConfig:
         if not known:
             size = gpu_total_bytes()
             known = size > 0
-        plan = rlhf_plan(self, graph, int(size or 141 * GiB), known)
+        longest = None
+        if not self.generator.max_prompt_tokens and not self.generator.env.path:
+            from rl.preflight import longest_prompt   # the data's rows, which the checks then reuse
+            longest = longest_prompt(self.prompts)
+        plan = rlhf_plan(self, graph, int(size or 141 * GiB), known, longest)
         if plan is not None and plan.enforced and not plan.problem:
             apply(plan, self, graph)
         graph.memory_plan = plan

@@ -60,8 +60,46 @@ class _Rows:
     where: list[str]
 
 
+_ROWS: dict[tuple, _Rows] = {}
+"""The last dataset read (and its validation file), by path, file state, render settings and
+tokenizer: the memory plan reads the prompt lengths before the checks, which then reuse them."""
+
+
 def _open_rows(prompts, tokenizer) -> _Rows:
-    """Read `prompts.path` with the prompt source's loader; raises its DatasetError/UserError."""
+    """`prompts.path` read with the prompt source's loader (cached in _ROWS); raises its
+    DatasetError/UserError."""
+    stat = os.stat(prompts.path)
+    key = (prompts.path, stat.st_mtime_ns, stat.st_size, prompts.policy.path if tokenizer is not None else "",
+           *(repr(getattr(prompts, k, None)) for k in ("prompt_key", "answer_key", "system_prompt",
+                                                          "apply_chat_template", "max_prompt_tokens", "truncation",
+                                                          "skip_bad_lines")))
+    if key not in _ROWS:
+        rows = _read_rows(prompts, tokenizer)
+        if len(_ROWS) >= 2:
+            _ROWS.clear()
+        _ROWS[key] = rows
+    return _ROWS[key]
+
+
+def longest_prompt(prompts) -> int | None:
+    """Tokens of the longest prompt the prompt source will send: prompts.path's rows (or the
+    built-in task's) and the validation file's, as the policy's tokenizer renders them; None where
+    that cannot be told here (an unreadable file or tokenizer: the checks name those)."""
+    from rl.data import policy as policy_lib
+
+    try:
+        tokenizer = policy_lib.load_tokenizer(prompts.policy) if prompts.policy.path else None
+        rows = _open_rows(prompts, tokenizer) if prompts.path else _builtin_rows(prompts, tokenizer)
+        lengths = list(rows.lengths)
+        if prompts.val.path:
+            val = _open_rows(dataclasses.replace(prompts, path=prompts.val.path), tokenizer)
+            lengths += val.lengths[:prompts.val.max_prompts or None]
+    except Exception:   # the checks say what is wrong with the data or the tokenizer, in their words
+        return None
+    return max(lengths) if lengths else None
+
+
+def _read_rows(prompts, tokenizer) -> _Rows:
     from rl.data import prompts as data, files as dataset_files, tasks, token_file
 
     fmt = dataset_files.file_format(prompts.path)

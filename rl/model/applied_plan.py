@@ -254,14 +254,33 @@ def phase_switch(cfg, graph, nodes: list[str], pool_gpus: dict, pool_of: dict, u
     return False, why
 
 
+PROMPT_ROOM_MULTIPLE = 64
+
+
+def prompt_room(g, max_pos: int, response: int, longest_prompt: int | None) -> tuple[int, bool]:
+    """(tokens a decoder slot keeps for the prompt, whether the data chose it). The generator's own
+    default (nodes/generator.py: max_position_embeddings less the response, within [256, 1024])
+    fits prompts the driver cannot see; when the driver has read them all (training and validation,
+    rl/preflight.longest_prompt), their longest, to PROMPT_ROOM_MULTIPLE, is all a slot needs: with
+    W1's 128-token prompts a third of the KV cache per slot. Not for episodes, whose later turns
+    grow past the first prompt; a user's generator.max_prompt_tokens is kept."""
+    default = g.max_prompt_tokens or min(max(max_pos - response, 256), 1024)
+    if g.max_prompt_tokens or g.env.path or not longest_prompt:
+        return default, False
+    room = -(-longest_prompt // PROMPT_ROOM_MULTIPLE) * PROMPT_ROOM_MULTIPLE
+    return (room, True) if room < default else (default, False)
+
+
 def _plannable(ctx: _Inputs, n: str) -> bool:
     """A model node whose share the plan sets: on a pool of one GPU, not named in gpu_shares."""
     return n in ctx.nodes and ctx.pool_gpus.get(ctx.pool_of.get(n), 0) == 1 and n not in ctx.user_shares
 
 
-def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
+def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool, longest_prompt: int | None = None) -> Plan | None:
     """The plan of a graph of graphs/rlhf.py's kind (`cfg`: its RLHFConfig) on its GPU placement;
-    None on placement=cpu. Its `settings` say what apply() sets and what the user set."""
+    None on placement=cpu. Its `settings` say what apply() sets and what the user set.
+    `longest_prompt`: the data's longest prompt in tokens (rl/preflight.longest_prompt), which with
+    generator.max_prompt_tokens=0 and no environment sizes the decoder's slots (prompt_room)."""
     if getattr(graph, "placement", "cpu") in (None, "cpu"):
         return None
     shape, max_pos = policy_shape(cfg)
@@ -269,7 +288,8 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
     # The generator's rule for a slot (nodes/generator.py): its longest prompt, then the longest
     # response, or with an environment the whole episode (every turn's sampled and environment tokens).
     response = g.env.max_episode_tokens if g.env.path else g.max_new_tokens
-    max_len = (g.max_prompt_tokens or min(max(max_pos - response, 256), 1024)) + response
+    room, sized_by_data = prompt_room(g, max_pos, response, longest_prompt)
+    max_len = room + response
     configs = {"learner": cfg.learner, "critic": getattr(cfg, "critic", None), "reference": cfg.reference,
                "generator": g}
     nodes = [n for n in ("generator", *TRAINERS) if n in graph.nodes and graph.nodes[n].pool]
@@ -322,9 +342,15 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool) -> Plan | None:
         # exactly that (its own rule, rl/generation/decoder_slots.py, sees only the KV cache and could
         # take more); vLLM sizes its own cache within the share
         settings.append(("generator.prompts_per_call", ctx.slots // g.group_size, "plan"))
+    if sized_by_data:
+        settings.append(("generator.max_prompt_tokens", room, "plan"))
     if problem:   # refused: nothing is applied, so only what the user set is listed
         settings = [s for s in settings if s[2] == "you"]
     notes = []
+    if sized_by_data and not problem:
+        notes.append(f"decoder slots of {max_len} tokens: the data's longest prompt is {longest_prompt} tokens "
+                     f"(generator.max_prompt_tokens = {room}, to a multiple of {PROMPT_ROOM_MULTIPLE}), then "
+                     f"{response} for the response")
     if ctx.switching and not problem:
         settings.append(("phase_switch", "on", "plan"))
         notes.append(f"phase switch: the generator's KV cache and the learner's step take turns on the GPU "

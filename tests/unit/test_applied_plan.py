@@ -309,3 +309,38 @@ def test_an_agent_graphs_slots_hold_whole_episodes(tmp_path):
     generator = next(n for n in plan.needs if n.node == "generator")
     per_slot = ModelShape.from_dir(policy_dir(tmp_path, "0.5b")).kv_bytes_per_token(2) * (1024 + 2048)
     assert generator.parts["kv cache"] == config.generator.prompts_per_call * 8 * per_slot
+
+
+def test_the_decoder_slots_fit_the_datas_longest_prompt_training_and_validation(tmp_path):
+    """generator.max_prompt_tokens=0 and no environment: the plan sizes a slot for the longest prompt
+    the source will send (the training and the validation rows, as the prompt source tokenizes them),
+    to a multiple of 64, not the generator's default room (max_position_embeddings less the response,
+    within [256, 1024]); the generator gets that value. A user's value is kept."""
+    from rl.data.tasks import build_fast_tokenizer
+    from rl.model.applied_plan import policy_shape
+
+    train = ["1+2=", "12+34+56=", "7*8="]
+    val = ["+".join(str(i) for i in range(1, 40)) + "="]
+    for name, texts in (("train", train), ("val", val)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": t, "answer": "3"}) + "\n" for t in texts))
+    lengths = [len(ids) for ids in build_fast_tokenizer()(train + val)["input_ids"]]
+    assert max(lengths[:3]) <= 64 < lengths[3] <= 128       # the validation row decides: 128, not 64
+    base = ["placement=colocated", "gpu_memory_gib=80", "max_new_tokens=256", "policy.model.max_position_embeddings=4096",
+            f"prompts.path={tmp_path / 'train.jsonl'}", "generator.prompts_per_call=32"]
+
+    graph, config = load_graph("graphs/grpo.py", base + [f"val.path={tmp_path / 'val.jsonl'}"])
+    plan = graph.memory_plan
+    assert plan.problem is None and ("generator.max_prompt_tokens", 128, "plan") in plan.settings
+    assert config.generator.max_prompt_tokens == 128 and any("longest prompt is" in n for n in plan.notes)
+    shape, _ = policy_shape(config)
+    kv = next(n for n in plan.needs if n.node == "generator").parts["kv cache"]
+    assert kv == generator_need(shape, dtype_bytes=2, slots=256, max_len=128 + 256).parts["kv cache"]
+    assert "generator.max_prompt_tokens = 128  (plan)" in describe(graph, config)
+
+    _, config = load_graph("graphs/grpo.py", base)                  # no validation file: the training rows'
+    assert config.generator.max_prompt_tokens == 64
+    graph, config = load_graph("graphs/grpo.py", base + ["generator.max_prompt_tokens=512"])
+    assert config.generator.max_prompt_tokens == 512
+    assert not any(k == "generator.max_prompt_tokens" for k, _, who in graph.memory_plan.settings if who == "plan")
+    _, config = load_graph("graphs/grpo.py", [s for s in base if not s.startswith(("placement", "gpu_memory"))])
+    assert config.generator.max_prompt_tokens == 0                   # on CPU no plan: the generator's own default
