@@ -119,7 +119,8 @@ class GeneratorConfig:
     """backend=vllm: the engine's memory share and sleep mode (rl/generation/vllm_engine.VllmConfig)."""
     max_prompt_tokens: Annotated[int, NonNegative] = 0
     """Static decoder: longest prompt (sizes the KV cache with max_new_tokens). 0 = the model's
-    max_position_embeddings - max_new_tokens, within [256, 1024]. A longer prompt fails the node."""
+    max_position_embeddings - max_new_tokens, within [256, 1024]; on a GPU the memory plan sets it to
+    the data's longest prompt, training and validation (episodes excepted). A longer prompt fails the node."""
     cuda_graphs: bool = True
     """Static decoder on CUDA: replay each decode step as a CUDA graph (False: eager, to compare)."""
     compile: bool | None = None
