@@ -79,6 +79,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="w1", choices=sorted(SHAPES))
     p.add_argument("--rank", type=int, default=32, help="LoRA rank of the LoRA variant")
+    p.add_argument("--only-lora", action="store_true", help="the LoRA variant alone (no full fine-tuning)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--one", nargs=2, metavar=("SHAPE", "RANK"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -87,7 +88,7 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
-    for rank in (0, args.rank):
+    for rank in (args.rank,) if args.only_lora else (0, args.rank):
         cache = tempfile.mkdtemp(prefix=f"inductor_r{rank}_")
         for temperature in ("cold", "warm"):
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
