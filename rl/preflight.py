@@ -61,24 +61,24 @@ class _Rows:
 
 
 _ROWS: dict[tuple, _Rows] = {}
-"""The last dataset read (and its validation file), by path, file state, render settings and
-tokenizer: the memory plan reads the prompt lengths before the checks, which then reuse them."""
+"""The training rows the memory plan read (by path, file state, render settings and tokenizer),
+until the checks take them: the plan reads the prompt lengths first, the checks reuse its read."""
 
 
-def _open_rows(prompts, tokenizer) -> _Rows:
-    """`prompts.path` read with the prompt source's loader (cached in _ROWS); raises its
-    DatasetError/UserError."""
+def _open_rows(prompts, tokenizer, keep: bool = False) -> _Rows:
+    """`prompts.path` read with the prompt source's loader; raises its DatasetError/UserError.
+    keep: leave the rows in _ROWS for the next reader; else a read kept there is taken out (a large
+    dataset's fields are not held for the whole run)."""
     stat = os.stat(prompts.path)
     key = (prompts.path, stat.st_mtime_ns, stat.st_size, prompts.policy.path if tokenizer is not None else "",
            *(repr(getattr(prompts, k, None)) for k in ("prompt_key", "answer_key", "system_prompt",
                                                           "apply_chat_template", "max_prompt_tokens", "truncation",
                                                           "skip_bad_lines")))
-    if key not in _ROWS:
-        rows = _read_rows(prompts, tokenizer)
-        if len(_ROWS) >= 2:
-            _ROWS.clear()
+    rows = _ROWS.pop(key, None) or _read_rows(prompts, tokenizer)
+    if keep:
+        _ROWS.clear()
         _ROWS[key] = rows
-    return _ROWS[key]
+    return rows
 
 
 def longest_prompt(prompts) -> int | None:
@@ -89,7 +89,7 @@ def longest_prompt(prompts) -> int | None:
 
     try:
         tokenizer = policy_lib.load_tokenizer(prompts.policy) if prompts.policy.path else None
-        rows = _open_rows(prompts, tokenizer) if prompts.path else _builtin_rows(prompts, tokenizer)
+        rows = _open_rows(prompts, tokenizer, keep=True) if prompts.path else _builtin_rows(prompts, tokenizer)
         lengths = list(rows.lengths)
         if prompts.val.path:
             val = _open_rows(dataclasses.replace(prompts, path=prompts.val.path), tokenizer)

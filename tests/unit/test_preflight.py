@@ -294,3 +294,23 @@ def test_mistakes_once_found_late_are_one_line_before_ray(tmp_path, capsys, monk
         assert main(["graphs/grpo.py", "--max-steps", "1", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and err.startswith(start), (argv, err)
+
+
+def test_the_checks_take_the_rows_the_memory_plan_read_and_do_not_hold_them(tmp_path, monkeypatch):
+    # On a GPU placement the plan reads the prompts for their longest (rl/preflight.longest_prompt);
+    # the checks then use that read instead of reading the file again, and the rows are not kept.
+    import rl.preflight as preflight
+
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "1+2" * (i % 5 + 1) + "=", "answer": "3"}) + "\n" for i in range(50)))
+    reads = []
+    read = preflight._read_rows
+    monkeypatch.setattr(preflight, "_read_rows", lambda *a: reads.append(1) or read(*a))
+    graph, config = load_graph("graphs/grpo.py", ["placement=colocated", "gpu_memory_gib=80", f"prompts.path={data}", "max_new_tokens=8"])
+    assert config.generator.max_prompt_tokens == 64 and len(reads) == 1 and preflight._ROWS
+    assert input_problems(graph, config) == []
+    assert len(reads) == 1 and not preflight._ROWS
+    data.write_text(data.read_text() + json.dumps({"prompt": "9=", "answer": "9"}) + "\n")   # a changed file is read again
+    preflight.longest_prompt(config.prompts)
+    assert len(reads) == 2
+    preflight._ROWS.clear()
