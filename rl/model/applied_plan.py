@@ -27,14 +27,13 @@ GPU on the driver, gpu_memory_gib=0) the plan is printed, not applied.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import tempfile
 import uuid
 
 from rl.model.memory_plan import (DTYPE_BYTES, RESERVE, GiB, ModelShape, NodeNeed, Plan, _refusal, generator_need,
-                                  learner_need, reference_need)
+                                  learner_need, policy_shape, reference_need)
 
 TARGET_TOKENS = 16384
 """The largest budget the plan picks: a pass of this many tokens keeps the matmuls of a GPU busy
@@ -55,21 +54,6 @@ WORKSPACE_BYTES = 1 << 30
 pools, masks and indices, small tensors; a guess, to be replaced by what GPU runs measure."""
 MULTIPLE = 256
 TRAINERS = ("learner", "critic", "reference")
-
-
-def policy_shape(cfg) -> tuple[ModelShape, int]:
-    """(shape, max_position_embeddings) of the graph's policy: its HF directory or the built-in model."""
-    if cfg.policy.path:
-        with open(os.path.join(cfg.policy.path, "config.json")) as f:
-            hf = json.load(f)
-        return ModelShape.from_hf_config(hf), hf.get("max_position_embeddings", 2048)
-    from rl.data.tasks import build_tokenizer
-
-    m = cfg.policy.model
-    return ModelShape(vocab=len(build_tokenizer()), hidden=m.n_embd, layers=m.n_layer, heads=m.n_head,
-                      kv_heads=m.n_kv_head or m.n_head, head_dim=m.n_embd // m.n_head,
-                      intermediate=m.intermediate_size, tied=False, qkv_bias=m.family == "qwen2"), \
-        m.max_position_embeddings
 
 
 def _at_default(c, name: str) -> bool:
@@ -258,12 +242,11 @@ PROMPT_ROOM_MULTIPLE = 64
 
 
 def prompt_room(g, max_pos: int, response: int, longest_prompt: int | None) -> tuple[int, bool]:
-    """(tokens a decoder slot keeps for the prompt, whether the data chose it). The generator's own
-    default (nodes/generator.py: max_position_embeddings less the response, within [256, 1024])
-    fits prompts the driver cannot see; when the driver has read them all (training and validation,
-    rl/preflight.longest_prompt), their longest, to PROMPT_ROOM_MULTIPLE, is all a slot needs: with
-    W1's 128-token prompts a third of the KV cache per slot. Not for episodes, whose later turns
-    grow past the first prompt; a user's generator.max_prompt_tokens is kept."""
+    """(tokens a decoder slot keeps for the prompt, whether the data chose it). The generator's default
+    (nodes/generator.py: the positions less the response, within [256, 1024]) fits prompts it cannot
+    see; the driver has read them all (rl/preflight.longest_prompt), so their longest, to
+    PROMPT_ROOM_MULTIPLE, is all a slot needs. Not for episodes, whose later turns outgrow the first
+    prompt; a user's generator.max_prompt_tokens is kept."""
     default = g.max_prompt_tokens or min(max(max_pos - response, 256), 1024)
     if g.max_prompt_tokens or g.env.path or not longest_prompt:
         return default, False
@@ -276,11 +259,13 @@ def _plannable(ctx: _Inputs, n: str) -> bool:
     return n in ctx.nodes and ctx.pool_gpus.get(ctx.pool_of.get(n), 0) == 1 and n not in ctx.user_shares
 
 
-def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool, longest_prompt: int | None = None) -> Plan | None:
+def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool, longest_prompt: int | None = None,
+              hint: bool = True) -> Plan | None:
     """The plan of a graph of graphs/rlhf.py's kind (`cfg`: its RLHFConfig) on its GPU placement;
     None on placement=cpu. Its `settings` say what apply() sets and what the user set.
     `longest_prompt`: the data's longest prompt in tokens (rl/preflight.longest_prompt), which with
-    generator.max_prompt_tokens=0 and no environment sizes the decoder's slots (prompt_room)."""
+    generator.max_prompt_tokens=0 and no environment sizes the decoder's slots (prompt_room).
+    A refusal of the generator's slots the user fixed names the prompts_per_call that fits (`hint`)."""
     if getattr(graph, "placement", "cpu") in (None, "cpu"):
         return None
     shape, max_pos = policy_shape(cfg)
@@ -346,6 +331,8 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool, longest_prompt: int | 
         settings.append(("generator.max_prompt_tokens", room, "plan"))
     if problem:   # refused: nothing is applied, so only what the user set is listed
         settings = [s for s in settings if s[2] == "you"]
+        if hint and g.prompts_per_call and problem.startswith("generator needs"):
+            problem += _fitting_slots(cfg, graph, gpu_bytes, longest_prompt)
     notes = []
     if sized_by_data and not problem:
         notes.append(f"decoder slots of {max_len} tokens: the data's longest prompt is {longest_prompt} tokens "
@@ -362,6 +349,18 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool, longest_prompt: int | 
     plan = Plan(gpu_bytes, ordered, shares, problem, enforced=enforced, settings=settings, notes=notes)
     plan.caps = {"generator": generator_cap(ctx, shares)} if ctx.switching and not problem else {}
     return plan
+
+
+def _fitting_slots(cfg, graph, gpu_bytes: int, longest_prompt: int | None) -> str:
+    """For a refusal of the user's generator.prompts_per_call: the most prompts per call below it
+    with which the whole plan fits (fewer slots also give the trainers' budgets more room, so the
+    plan is made again for each count, not read off the generator's share)."""
+    g = cfg.generator
+    for count in range(g.prompts_per_call - 1, 0, -1):
+        trial = dataclasses.replace(cfg, generator=dataclasses.replace(g, prompts_per_call=count))
+        if rlhf_plan(trial, graph, gpu_bytes, False, longest_prompt, hint=False).problem is None:
+            return f"; generator.prompts_per_call={count} fits (yours: {g.prompts_per_call}), or 0 for the plan's choice"
+    return ""
 
 
 def _fit(ctx: _Inputs, cfg, graph, may_checkpoint: list[str]) -> tuple[dict, dict, dict, str | None, bool]:

@@ -164,6 +164,21 @@ def learner_need(shape: ModelShape, *, on_cuda: bool, micro_batch_tokens: int, l
                     f"{node}.max_tokens_per_micro_batch" + ("" if checkpointing else f" or {node}.gradient_checkpointing=true"))
 
 
+def policy_shape(cfg) -> tuple[ModelShape, int]:
+    """(shape, max_position_embeddings) of the graph's policy: its HF directory or the built-in model."""
+    if cfg.policy.path:
+        with open(os.path.join(cfg.policy.path, "config.json")) as f:
+            hf = json.load(f)
+        return ModelShape.from_hf_config(hf), hf.get("max_position_embeddings", 2048)
+    from rl.data.tasks import build_tokenizer
+
+    m = cfg.policy.model
+    return ModelShape(vocab=len(build_tokenizer()), hidden=m.n_embd, layers=m.n_layer, heads=m.n_head,
+                      kv_heads=m.n_kv_head or m.n_head, head_dim=m.n_embd // m.n_head,
+                      intermediate=m.intermediate_size, tied=False, qkv_bias=m.family == "qwen2"), \
+        m.max_position_embeddings
+
+
 def generator_need(shape: ModelShape, *, dtype_bytes: int, slots: int, max_len: int, lora_rank: int = 0,
                    lora_targets=("all-linear",)) -> NodeNeed:
     base_copy = shape.lora_params(lora_rank, lora_targets)[2] * dtype_bytes if lora_rank else 0
