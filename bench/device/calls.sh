@@ -233,3 +233,14 @@ lora_plan() {  # lora_plan anchor|rows|curve: issue 37's missing measurements, o
     curve)  variants lora_vs_full 570 --steps 40 --val-every 10 --budget-s 540 --variants grpo,lora32,lora1 ;;
   esac
 }
+
+lora_compile() {  # lora_compile [--only-lora]: the learner's warm-up alone, LoRA r=32 against full fine-tuning,
+  # cold then warm inductor cache (bench/lora_compile.py); full + LoRA need ~4 min at W1 on an H100,
+  # LoRA alone ~4.5 (plan_rows_lora_compile_h100_2026-12-07.md). Next: why LoRA's generated code is
+  # this slow to make and to load (TORCH_LOGS=output_code on the LoRA variant alone).
+  local dest=$OUT/lora_compile
+  mkdir -p "$dest"
+  echo "== lora_compile $(date +%T) (call at ${SECONDS}s)"
+  timeout 560 python3 bench/lora_compile.py --shape w1 --rank 32 --out "$dest" "$@" > "$dest/log.txt" 2>&1
+  echo "   rc=$? $(date +%T)"; grep "^rank" "$dest/log.txt"
+}
