@@ -235,7 +235,7 @@ lora_plan() {  # lora_plan anchor|rows|curve: issue 37's missing measurements, o
 }
 
 lora_compile() {  # lora_compile [--only-lora]: the learner's warm-up alone, LoRA r=32 against full fine-tuning,
-  # cold then warm inductor cache (bench/lora_compile.py); full + LoRA need ~4 min at W1 on an H100,
+  # cold then warm inductor cache (bench/lora_compile.py); full + LoRA need ~6.5 min at W1 on an H100,
   # LoRA alone ~4.5 (plan_rows_lora_compile_h100_2026-12-07.md). Next: why LoRA's generated code is
   # this slow to make and to load (TORCH_LOGS=output_code on the LoRA variant alone).
   local dest=$OUT/lora_compile
