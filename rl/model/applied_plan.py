@@ -32,8 +32,8 @@ import os
 import tempfile
 import uuid
 
-from rl.model.memory_plan import (DTYPE_BYTES, RESERVE, GiB, ModelShape, NodeNeed, Plan, _refusal, generator_need,
-                                  learner_need, policy_shape, reference_need)
+from rl.model.memory_plan import (DTYPE_BYTES, PROMPT_ROOM_MULTIPLE, RESERVE, GiB, ModelShape, NodeNeed, Plan, _refusal,
+                                  generator_need, learner_need, policy_shape, prompt_room, reference_need, tokens_within)
 
 TARGET_TOKENS = 16384
 """The largest budget the plan picks: a pass of this many tokens keeps the matmuls of a GPU busy
@@ -141,6 +141,9 @@ def _decide(ctx: _Inputs, cfg, graph, ckpt: bool) -> tuple[dict, dict, dict, str
     planned = [n for n in TRAINERS if n in ctx.nodes and n not in ctx.user_budget]
     static = {n: _need(ctx, cfg, n, 0, checkpointing(n), step=False).total for n in planned}
     per_token = {n: _need(ctx, cfg, n, 1, checkpointing(n), step=False).total - static[n] for n in planned}
+    # A trainer's optimizer step (AdamW's temporaries, once the passes' activations are freed) may
+    # need more than its pass: its need at a budget is the larger of the two (_need).
+    step = {n: _need(ctx, cfg, n, 0, checkpointing(n)).total - static[n] for n in planned}
     kept = {n: graph.nodes[n].gpus for n in graph.nodes if graph.nodes[n].pool and not _plannable(ctx, n)}
     fits: list[float] = [ctx.cap]
     rooms: dict[str, float] = {}       # per planned trainer: the bytes it may take at most (for the refusal)
@@ -163,7 +166,9 @@ def _decide(ctx: _Inputs, cfg, graph, ckpt: bool) -> tuple[dict, dict, dict, str
             # may take all of it.)
             half = room / 2 if "generator" in members and not cfg.generator.prompts_per_call \
                 and not ctx.switching else room
-            fits.append(half // per if half // per >= ctx.floor else room // per)
+            trainers = {n: (ctx.per_gpu[n], per_token[n], step[n]) for n in members if n in planned}
+            at_half = tokens_within(half, trainers, ctx.cap)
+            fits.append(at_half if at_half >= ctx.floor else tokens_within(room, trainers, ctx.cap))
             rooms.update({n: room - (per - per_token[n]) * ctx.floor + static[n] for n in members if n in planned})
     for n in planned:                     # a trainer whose share is kept: the budget its share holds
         if not _plannable(ctx, n):
@@ -238,22 +243,6 @@ def phase_switch(cfg, graph, nodes: list[str], pool_gpus: dict, pool_of: dict, u
     return False, why
 
 
-PROMPT_ROOM_MULTIPLE = 64
-
-
-def prompt_room(g, max_pos: int, response: int, longest_prompt: int | None) -> tuple[int, bool]:
-    """(tokens a decoder slot keeps for the prompt, whether the data chose it). The generator's default
-    (nodes/generator.py: the positions less the response, within [256, 1024]) fits prompts it cannot
-    see; the driver has read them all (rl/preflight.longest_prompt), so their longest, to
-    PROMPT_ROOM_MULTIPLE, is all a slot needs. Not for episodes, whose later turns outgrow the first
-    prompt; a user's generator.max_prompt_tokens is kept."""
-    default = g.max_prompt_tokens or min(max(max_pos - response, 256), 1024)
-    if g.max_prompt_tokens or g.env.path or not longest_prompt:
-        return default, False
-    room = -(-longest_prompt // PROMPT_ROOM_MULTIPLE) * PROMPT_ROOM_MULTIPLE
-    return (room, True) if room < default else (default, False)
-
-
 def _plannable(ctx: _Inputs, n: str) -> bool:
     """A model node whose share the plan sets: on a pool of one GPU, not named in gpu_shares."""
     return n in ctx.nodes and ctx.pool_gpus.get(ctx.pool_of.get(n), 0) == 1 and n not in ctx.user_shares
@@ -265,7 +254,7 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool, longest_prompt: int | 
     None on placement=cpu. Its `settings` say what apply() sets and what the user set.
     `longest_prompt`: the data's longest prompt in tokens (rl/preflight.longest_prompt), which with
     generator.max_prompt_tokens=0 and no environment sizes the decoder's slots (prompt_room).
-    A refusal of the generator's slots the user fixed names the prompts_per_call that fits (`hint`)."""
+    A refusal where the user fixed the generator's slots names the prompts_per_call that fits (`hint`)."""
     if getattr(graph, "placement", "cpu") in (None, "cpu"):
         return None
     shape, max_pos = policy_shape(cfg)
@@ -331,7 +320,7 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool, longest_prompt: int | 
         settings.append(("generator.max_prompt_tokens", room, "plan"))
     if problem:   # refused: nothing is applied, so only what the user set is listed
         settings = [s for s in settings if s[2] == "you"]
-        if hint and g.prompts_per_call and problem.startswith("generator needs"):
+        if hint and g.prompts_per_call:    # the slots the user fixed may be what leaves the others short
             problem += _fitting_slots(cfg, graph, gpu_bytes, longest_prompt)
     notes = []
     if sized_by_data and not problem:

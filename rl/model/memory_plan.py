@@ -279,6 +279,37 @@ def _refusal(n: NodeNeed, room: float) -> str:
             f"({n.text().split(' (', 1)[1].rstrip(')')}); {what}")
 
 
+def tokens_within(room: float, trainers: dict[str, tuple[int, float, float]], cap: int) -> int:
+    """The largest budget (at most cap tokens) whose trainers fit `room` bytes over their static
+    bytes, each (replicas on the GPU, bytes per token of a pass, bytes of its optimizer step) needing
+    the larger of its pass and its step; -1 where the steps alone do not fit."""
+    def need(tokens: int) -> float:
+        return sum(k * max(per * tokens, step) for k, per, step in trainers.values())
+    if need(0) > room:
+        return -1
+    low, high = 0, int(cap)
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if need(mid) <= room else (low, mid - 1)
+    return low
+
+
+PROMPT_ROOM_MULTIPLE = 64
+
+
+def prompt_room(g, max_pos: int, response: int, longest_prompt: int | None) -> tuple[int, bool]:
+    """(tokens a decoder slot keeps for the prompt, whether the data chose it). The generator's default
+    (nodes/generator.py: the positions less the response, within [256, 1024]) fits prompts it cannot
+    see; the driver has read them all (rl/preflight.longest_prompt), so their longest, to
+    PROMPT_ROOM_MULTIPLE, is all a slot needs. Not for episodes, whose later turns outgrow the first
+    prompt; a user's generator.max_prompt_tokens is kept."""
+    default = g.max_prompt_tokens or min(max(max_pos - response, 256), 1024)
+    if g.max_prompt_tokens or g.env.path or not longest_prompt:
+        return default, False
+    room = -(-longest_prompt // PROMPT_ROOM_MULTIPLE) * PROMPT_ROOM_MULTIPLE
+    return (room, True) if room < default else (default, False)
+
+
 def default_micro_batch_tokens(shape: ModelShape, room_bytes: float, static_bytes: int, *, on_cuda: bool,
                                checkpointing: bool, multiple: int = 256) -> int:
     """The largest token budget whose activations (every token a logits row, the worst case) fit

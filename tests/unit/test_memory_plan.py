@@ -175,3 +175,22 @@ def test_describe_prints_the_plan_and_a_node_over_its_share_is_refused_before_st
 
     graph, config = load_graph("graphs/grpo.py", ["gpu_memory_gib=1"])
     assert "memory plan" not in describe(graph, config)
+
+
+def test_tokens_within_is_the_largest_budget_whose_passes_and_optimizer_steps_fit():
+    # Each trainer needs the larger of its pass (bytes per token x budget) and its optimizer step:
+    # up to the step's bytes a larger pass costs nothing. Checked against a scan of every budget.
+    from rl.model.memory_plan import tokens_within
+
+    cases = [({"learner": (1, 3.0, 5000.0), "reference": (1, 1.0, 0.0)}, 9000.0),    # the step holds below 1666 tokens
+             ({"learner": (1, 3.0, 0.0), "critic": (2, 2.0, 900.0)}, 4000.0),
+             ({"learner": (1, 3.0, 5000.0)}, 4000.0)]                                 # the step alone does not fit
+
+    def scan(trainers, room, cap):
+        fits = [b for b in range(cap + 1) if sum(k * max(p * b, s) for k, p, s in trainers.values()) <= room]
+        return max(fits) if fits else -1
+
+    for trainers, room in cases:
+        assert tokens_within(room, trainers, 5000) == scan(trainers, room, 5000)
+    assert tokens_within(9000.0, cases[0][0], 5000) == 2250          # max(3b, 5000) + b <= 9000: 4b above 1666
+    assert tokens_within(1e9, cases[1][0], 700) == 700                # at most the cap

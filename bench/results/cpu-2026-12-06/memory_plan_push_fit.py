@@ -11,4 +11,4 @@ for gib, size, lora in ((80, "0.5b", 32), (80, "1.5b", 0), (80, "3b", 32), (80, 
             "prompts_per_step=32", "group_size=8", "learner.minibatch_size=256", "learner.kl.coef=0.01", f"policy.path={d}", f"learner.lora.rank={lora}"]
     g, c = load_graph("graphs/grpo.py", sets)
     p = g.memory_plan
-    print(gib, size, "lora" if lora else "full", "PROBLEM: " + p.problem if p.problem else p.summary()[:230])
+    print(gib, size, "lora" if lora else "full", "PROBLEM: " + p.problem if p.problem else p.summary())
