@@ -35,8 +35,6 @@ SHAPES = {"w1": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, n
 def one(shape: str, rank: int) -> dict:
     """In this process: build, wrap, compile, warm up; the seconds of each piece."""
     sys.path.insert(0, str(ROOT))
-    import random
-
     import torch
     import transformers
     from torch._dynamo.utils import compile_times
@@ -71,7 +69,6 @@ def one(shape: str, rank: int) -> dict:
     warm_up_update(model, c, 0)
     out["compiled_update_s"] = time.perf_counter() - t
     out["compile_times"] = compile_times(repr="str", aggregate=True)
-    random.seed(0)
     return out
 
 

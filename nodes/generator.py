@@ -68,6 +68,7 @@ from rl.generation.hf_loop import HFLoop
 from rl.generation.reports import Drain, ValidationSpan
 from rl.data import policy
 from rl.model.gpu_turns import GpuTurn
+from rl.model.memory_plan import default_prompt_room
 from rl.model.precision import cast_model
 from rl.agent import EnvConfig, environment_problems, load_environment
 from rl.generation.decoder_slots import fitted_prompts_per_call, prompts_per_call
@@ -204,7 +205,7 @@ class Generator(HFLoop, Node):
         # an episode's slot holds its prompt and every turn's sampled and environment tokens
         self.max_response = c.env.max_episode_tokens if self.env else c.max_new_tokens
         turn_tokens = max(c.max_new_tokens, c.env.max_turn_tokens) if self.env else c.max_new_tokens
-        self.max_prompt = c.max_prompt_tokens or min(max(max_pos - self.max_response, 256), 1024)
+        self.max_prompt = default_prompt_room(c.max_prompt_tokens, max_pos, self.max_response)
         if backend == "vllm":
             from rl.generation.vllm_engine import build_decoder
             from rl.generation.vllm_episodes import VllmEpisodeDecoder

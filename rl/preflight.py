@@ -30,6 +30,7 @@ import re
 
 from dataflow.errors import UserError
 from rl.data.policy import model_dir_problems
+from rl.model.memory_plan import default_prompt_room
 
 FIELD_ROWS = 100_000
 """Rows whose fields are checked against the reward's signature (a token file decodes each)."""
@@ -281,12 +282,11 @@ def pipeline_problems(prompts, generator, reward=None, reward_model=None,
 
 def _decoder_room(generator, spec, longest: int, where: str, positions: int, new: int) -> list[str]:
     """The static decoder (llama / qwen2 policies) and the vLLM engine are sized for
-    generator.max_prompt_tokens (0: max_position_embeddings - max_new_tokens within [256, 1024]) and
-    refuse a longer prompt."""
+    generator.max_prompt_tokens (0: default_prompt_room) and refuse a longer prompt."""
     family = model_config(spec.path).get("model_type") if spec.path else spec.model.family
     if generator.backend == "hf" or (generator.backend != "vllm" and family not in ("llama", "qwen2")):
         return []
-    room = generator.max_prompt_tokens or min(max(positions - new, 256), 1024)
+    room = default_prompt_room(generator.max_prompt_tokens, positions, new)
     if longest <= room:
         return []
     setting = f"generator.max_prompt_tokens={generator.max_prompt_tokens}" if generator.max_prompt_tokens else \

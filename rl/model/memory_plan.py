@@ -297,13 +297,19 @@ def tokens_within(room: float, trainers: dict[str, tuple[int, float, float]], ca
 PROMPT_ROOM_MULTIPLE = 64
 
 
+def default_prompt_room(max_prompt_tokens: int, max_pos: int, response: int) -> int:
+    """A decoder slot's tokens for the prompt: generator.max_prompt_tokens, or for 0 the model's
+    positions less the response, within [256, 1024] (the generator, the checks and the plan)."""
+    return max_prompt_tokens or min(max(max_pos - response, 256), 1024)
+
+
 def prompt_room(g, max_pos: int, response: int, longest_prompt: int | None) -> tuple[int, bool]:
-    """(tokens a decoder slot keeps for the prompt, whether the data chose it). The generator's default
-    (nodes/generator.py: the positions less the response, within [256, 1024]) fits prompts it cannot
-    see; the driver has read them all (rl/preflight.longest_prompt), so their longest, to
-    PROMPT_ROOM_MULTIPLE, is all a slot needs. Not for episodes, whose later turns outgrow the first
-    prompt; a user's generator.max_prompt_tokens is kept."""
-    default = g.max_prompt_tokens or min(max(max_pos - response, 256), 1024)
+    """(tokens a decoder slot keeps for the prompt, whether the data chose it). The default
+    (default_prompt_room) fits prompts the generator cannot see; the driver has read them all
+    (rl/preflight.longest_prompt), so their longest, to PROMPT_ROOM_MULTIPLE, is all a slot needs.
+    Not for episodes, whose later turns outgrow the first prompt; a user's
+    generator.max_prompt_tokens is kept."""
+    default = default_prompt_room(g.max_prompt_tokens, max_pos, response)
     if g.max_prompt_tokens or g.env.path or not longest_prompt:
         return default, False
     room = -(-longest_prompt // PROMPT_ROOM_MULTIPLE) * PROMPT_ROOM_MULTIPLE
