@@ -101,7 +101,7 @@ def longest_prompt(prompts) -> int | None:
 
 
 def _read_rows(prompts, tokenizer) -> _Rows:
-    from rl.data import prompts as data, files as dataset_files, tasks, token_file
+    from rl.data import files as dataset_files, tasks, token_file
 
     fmt = dataset_files.file_format(prompts.path)
     if fmt == "tokens":
@@ -110,16 +110,15 @@ def _read_rows(prompts, tokenizer) -> _Rows:
         lengths = (encoded.offsets[1:] - encoded.offsets[:-1]).tolist()
         fields = [encoded.records[i][1] for i in range(min(n, FIELD_ROWS))]
         return _Rows(lengths, fields, [f"{prompts.path} row {i}" for i in range(n)])
-    rows = data.load_prompts(prompts.path, prompts, setting="prompts")
-    encoded = data.encode_prompts(rows, tokenizer, prompts.policy.path, prompts, setting="prompts")
+    # read, rendered and tokenized as the prompt source will, which then finds the result in the
+    # prompt cache (rl/data/token_file.encode_cached)
+    encoded, where = token_file.encode_cached(prompts.path, prompts, tokenizer, prompts.policy.path, setting="prompts")
     if encoded.tokens is not None:
         lengths = (encoded.offsets[1:] - encoded.offsets[:-1]).tolist()
     else:   # no policy tokenizer: the generator tokenizes the text with the built-in one
         builtin = tasks.build_fast_tokenizer()
         lengths = [len(ids) for ids in builtin([text for text, _ in encoded.records])["input_ids"]]
-    same_rows = len(encoded) == len(rows)   # else rows were dropped in rendering: positions shift
-    where = [rows.where(i) if same_rows else f"{prompts.path} usable row {i}" for i in range(len(encoded))]
-    return _Rows(lengths, [fields for _, fields in encoded.records], where)
+    return _Rows(lengths, [fields for _, fields in encoded.records], [where(i) for i in range(len(encoded))])
 
 
 def _builtin_rows(prompts, tokenizer) -> _Rows:

@@ -17,6 +17,12 @@ from dataflow import startup_gc
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before Ray starts: no token-auth banner
+# The prompt cache (rl/data/token_file.encode_cached) of this pytest process's runs in a temporary
+# directory, not the user's ~/.cache; the nodes' processes inherit the setting.
+if "DATAFLOW_PROMPT_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["DATAFLOW_PROMPT_CACHE"] = tempfile.mkdtemp(prefix="dataflow-prompt-cache-")
 
 # Collecting imports torch, transformers and Ray in each pytest process: no garbage collection until
 # the tests start (dataflow/startup_gc.py); every test runs with it on.

@@ -9,8 +9,9 @@ tokenizer.json and chat template, the rendering settings, counts). Opening one m
 (numpy mmap): nothing is parsed or tokenized until a prompt is sent. bench/data_load.py measures it.
 
 open_prompts(path, ...) opens any dataset setting's file: a token file is mapped, any other file is
-read, rendered and tokenized now (rl/data/prompts.py). It lives here, above both, so that the
-prompt reader needs no import of the token files.
+read, rendered and tokenized (rl/data/prompts.py) once and kept as a token file in the prompt cache
+(encode_cached, below), which later reads map. It lives here, above both, so that the prompt reader
+needs no import of the token files.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import numpy as np
 
 from dataflow.errors import UserError
 from rl.data.files import file_format
-from rl.data.prompts import RENDER_KEYS, DataConfig, DatasetError, EncodedPrompts, encode_prompts, load_prompts
+from rl.data.prompts import (RENDER_KEYS, DataConfig, DatasetError, EncodedPrompts, Prompts, encode_prompts,
+                             load_prompts)
 
 TOKEN_FILE_FORMAT = "dataflow-prompt-tokens/1"
 
@@ -126,12 +128,133 @@ def convert(source: str, out_dir: str, tokenizer_dir: str, cfg: DataConfig) -> d
 
 def open_prompts(path: str, cfg=None, tokenizer=None, tokenizer_dir: str = "",
                  setting: str = "prompts") -> EncodedPrompts:
-    """A dataset ready to send, from a file (read, rendered, tokenized now) or a token file
-    (mapped). The entry point for every dataset setting (training prompts, validation files)."""
+    """A dataset ready to send, from a file (read, rendered, tokenized now, or found in the prompt
+    cache) or a token file (mapped). The entry point for every dataset setting (training prompts,
+    validation files)."""
     cfg = cfg or DataConfig()
     if file_format(path) == "tokens":
         return open_token_file(path, tokenizer, tokenizer_dir, cfg, setting)
-    return encode_prompts(load_prompts(path, cfg, setting), tokenizer, tokenizer_dir, cfg, setting)
+    return encode_cached(path, cfg, tokenizer, tokenizer_dir, setting)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The prompt cache: a JSONL/JSON/parquet dataset's token file, made on first use
+# ---------------------------------------------------------------------------------------------
+# A dataset is read, rendered and tokenized in the driver's input checks (rl/preflight.py), then
+# again in the prompt source's set-up, and again in the next run: seconds per 20,000 chat rows,
+# minutes for millions. The first read writes the result as a token file under the cache, keyed by
+# the file's bytes (sha256), the tokenizer's fingerprint and the rendering settings (as Hugging Face
+# datasets keys its map() results by a fingerprint); the later reads map it.
+
+CACHE_VERSION = 1
+CACHE_MAX_BYTES = int(float(os.environ.get("DATAFLOW_PROMPT_CACHE_GB", "20")) * 2**30)
+"""Entries beyond this ($DATAFLOW_PROMPT_CACHE_GB, 20 by default) go, least recently used first."""
+
+
+def cache_root() -> str:
+    """$DATAFLOW_PROMPT_CACHE, else ~/.cache/dataflow/prompts (under $XDG_CACHE_HOME); "" turns the cache off."""
+    root = os.environ.get("DATAFLOW_PROMPT_CACHE")
+    if root is not None:
+        return root
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dataflow", "prompts")
+
+
+def _cache_entry(path: str, cfg, tokenizer, tokenizer_dir: str) -> str | None:
+    """The cache directory of this file read with these settings and tokenizer; None: not cached
+    (cache off, no tokenizer: nothing to tokenize, or no tokenizer.json to fingerprint)."""
+    root = cache_root()
+    if not root or tokenizer is None or not tokenizer_dir:
+        return None
+    try:
+        content = hashlib.sha256()
+        with open(path, "rb") as f:   # the bytes, not the mtime: a file rewritten within the clock's tick is seen
+            while chunk := f.read(1 << 24):
+                content.update(chunk)
+        fingerprint = tokenizer_fingerprint(tokenizer, tokenizer_dir)
+    except OSError:
+        return None
+    defaults = DataConfig()
+    key = {"format": TOKEN_FILE_FORMAT, "cache": CACHE_VERSION, "content_sha256": content.hexdigest(),
+           "tokenizer": fingerprint,
+           "settings": {k: getattr(cfg, k, getattr(defaults, k)) for k in (*RENDER_KEYS, "skip_bad_lines")}}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=repr).encode()).hexdigest()[:32]
+    return os.path.join(root, digest)
+
+
+def encode_cached(path: str, cfg, tokenizer, tokenizer_dir: str = "", setting: str = "prompts"):
+    """(encoded prompts, where(i)) of a JSONL/JSON/parquet file: from the cache, or read, rendered and
+    tokenized (encode_prompts(load_prompts(...)): a bad row raises as there) and then cached.
+    where(i) names record i's row as load_prompts' messages do ("usable row i" where rendering
+    dropped rows)."""
+    entry = _cache_entry(path, cfg, tokenizer, tokenizer_dir)
+    if entry is not None and os.path.isfile(os.path.join(entry, "meta.json")):
+        try:
+            encoded = open_token_file(entry, tokenizer, tokenizer_dir, cfg, setting)
+            with open(os.path.join(entry, "meta.json")) as f:
+                by_line = json.load(f)["by_line"]
+            positions = np.load(os.path.join(entry, "positions.npy"), mmap_mode="r")
+            os.utime(entry)    # used now: the last to go when the cache is pruned
+            return encoded, _where_fn(path, by_line, positions)
+        except (OSError, ValueError, KeyError, DatasetError):
+            pass    # a damaged entry: read the file again and replace it
+    rows = load_prompts(path, cfg, setting)
+    encoded = encode_prompts(rows, tokenizer, tokenizer_dir, cfg, setting)
+    positions = rows.positions if len(encoded) == len(rows) else None
+    if entry is not None:
+        _save_entry(entry, encoded, rows.by_line, positions, cfg, tokenizer, tokenizer_dir, path)
+    return encoded, _where_fn(path, rows.by_line, positions)
+
+
+def _prune(root: str, keep: str) -> None:
+    """Remove the least recently used entries while the cache holds more than CACHE_MAX_BYTES."""
+    import shutil
+
+    entries = []
+    for name in os.listdir(root):
+        where = os.path.join(root, name)
+        if name.startswith(".") or not os.path.isdir(where):
+            continue
+        size = sum(e.stat().st_size for e in os.scandir(where) if e.is_file())
+        entries.append((os.stat(where).st_mtime, size, where))
+    total = sum(size for _, size, _ in entries)
+    for _, size, where in sorted(entries):
+        if total <= CACHE_MAX_BYTES:
+            break
+        if where != keep:
+            shutil.rmtree(where, ignore_errors=True)
+            total -= size
+
+
+def _where_fn(path: str, by_line: bool, positions):
+    if positions is None or len(positions) == 0:
+        return lambda i: f"{path} usable row {i}"
+    return Prompts(path, by_line, positions=positions).where
+
+
+def _save_entry(entry: str, encoded: EncodedPrompts, by_line: bool, positions, cfg, tokenizer,
+                tokenizer_dir: str, source: str) -> None:
+    """Write the entry beside it and rename it into place (a concurrent run's equal entry wins);
+    a cache that cannot be written (read-only, full, fields JSON cannot hold) is skipped."""
+    import shutil
+    import tempfile
+
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(entry), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".writing-", dir=os.path.dirname(entry))
+        meta = {"source": os.path.abspath(source), "tokenizer": tokenizer_fingerprint(tokenizer, tokenizer_dir),
+                "settings": {k: getattr(cfg, k, getattr(DataConfig(), k)) for k in RENDER_KEYS},
+                "by_line": by_line, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        save_token_file(encoded, tmp, meta)
+        np.save(os.path.join(tmp, "positions.npy"), np.asarray(positions if positions is not None else [], np.int64))
+        os.rename(tmp, entry)
+        tmp = None
+        _prune(os.path.dirname(entry), keep=entry)
+    except (OSError, TypeError, ValueError):
+        pass
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -207,3 +207,54 @@ def test_stream_shuffles_each_epoch_from_the_seed():
     assert sorted(shuffled[:6]) == sorted(shuffled[6:]) == list(range(6))
     assert shuffled[:6] != shuffled[6:] and shuffled == order(epochs=2, shuffle=True, seed=3)
     assert shuffled != order(epochs=2, shuffle=True, seed=4)
+
+
+def test_the_prompt_cache_reads_a_file_once_and_knows_when_it_changed(tmp_path, model_dir, monkeypatch):
+    """The driver's checks and the prompt source read a dataset through rl/data/token_file.encode_cached:
+    the first read renders and tokenizes it and writes a token file under the cache; the next one
+    maps it (the same messages, each row's position in the file, the skipped count). Other bytes,
+    other rendering settings or the cache set to "" read the file again; a bad row still raises."""
+    monkeypatch.setenv("DATAFLOW_PROMPT_CACHE", str(tmp_path / "cache"))
+    tok = policy.load_tokenizer(policy.PolicySpec(path=model_dir))
+    path = write_jsonl(tmp_path / "d.jsonl", VERL_ROWS, raw_lines={1: b"{not json"})
+    cfg = data.DataConfig(skip_bad_lines=True)
+    first, where = token_file.encode_cached(str(path), cfg, tok, model_dir)
+    assert len(first) == 2 and first.skipped == 1 and [where(0), where(1)] == [f"{path}:1", f"{path}:3"]
+    entries = list((tmp_path / "cache").iterdir())
+    assert len(entries) == 1 and (entries[0] / "positions.npy").is_file()
+
+    reads = []
+    encode = data.encode_prompts
+    monkeypatch.setattr(token_file, "encode_prompts", lambda *a, **k: reads.append(1) or encode(*a, **k))
+    again, where = token_file.encode_cached(str(path), cfg, tok, model_dir)
+    assert reads == [] and isinstance(again.tokens, __import__("numpy").memmap)      # mapped, not tokenized
+    assert [again.message(i) for i in range(2)] == [first.message(i) for i in range(2)]
+    assert again.skipped == 1 and [where(0), where(1)] == [f"{path}:1", f"{path}:3"]
+    assert token_file.open_prompts(str(path), cfg, tok, model_dir).message(1) == first.message(1) and reads == []
+
+    token_file.encode_cached(str(path), data.DataConfig(skip_bad_lines=True, system_prompt="be terse"), tok, model_dir)
+    assert len(reads) == 1                                        # another rendering: read again
+    write_jsonl(path, VERL_ROWS[::-1], raw_lines={1: b"{not json"})   # same size, other bytes
+    swapped, _ = token_file.encode_cached(str(path), cfg, tok, model_dir)
+    assert len(reads) == 2 and swapped.message(0)["fields"]["answer"] == "4"
+    with pytest.raises(data.DatasetError, match=rf"^{path}:2:.*invalid JSON"):   # not skipping: the bad row fails
+        token_file.encode_cached(str(path), data.DataConfig(), tok, model_dir)
+    monkeypatch.setenv("DATAFLOW_PROMPT_CACHE", "")
+    token_file.encode_cached(str(path), cfg, tok, model_dir)
+    assert len(reads) == 3 and len(list((tmp_path / "cache").iterdir())) == 3   # nothing written with it off
+
+
+def test_a_damaged_cache_entry_is_read_again_and_the_cache_keeps_its_size(tmp_path, model_dir, monkeypatch):
+    monkeypatch.setenv("DATAFLOW_PROMPT_CACHE", str(tmp_path / "cache"))
+    tok = policy.load_tokenizer(policy.PolicySpec(path=model_dir))
+    path = write_jsonl(tmp_path / "d.jsonl", VERL_ROWS)
+    want = token_file.encode_cached(str(path), data.DataConfig(), tok, model_dir)[0].message(1)
+    (entry,) = (tmp_path / "cache").iterdir()
+    (entry / "tokens.npy").write_bytes(b"damaged")
+    assert token_file.encode_cached(str(path), data.DataConfig(), tok, model_dir)[0].message(1) == want
+    assert token_file.encode_cached(str(path), data.DataConfig(), tok, model_dir)[0].message(1) == want
+    # Over the size limit, the least recently used entries go; the one just written stays.
+    monkeypatch.setattr(token_file, "CACHE_MAX_BYTES", 1)
+    token_file.encode_cached(str(path), data.DataConfig(system_prompt="be terse"), tok, model_dir)
+    (kept,) = (tmp_path / "cache").iterdir()
+    assert kept != entry and json.loads((kept / "meta.json").read_text())["settings"]["system_prompt"] == "be terse"
