@@ -147,6 +147,8 @@ def open_prompts(path: str, cfg=None, tokenizer=None, tokenizer_dir: str = "",
 # datasets keys its map() results by a fingerprint); the later reads map it.
 
 CACHE_VERSION = 1
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json")
 CACHE_MAX_BYTES = int(float(os.environ.get("DATAFLOW_PROMPT_CACHE_GB", "20")) * 2**30)
 """Entries beyond this ($DATAFLOW_PROMPT_CACHE_GB, 20 by default) go, least recently used first."""
 
@@ -171,6 +173,11 @@ def _cache_entry(path: str, cfg, tokenizer, tokenizer_dir: str) -> str | None:
             while chunk := f.read(1 << 24):
                 content.update(chunk)
         fingerprint = tokenizer_fingerprint(tokenizer, tokenizer_dir)
+        # and the files that change how it tokenizes besides tokenizer.json (add_bos_token, added tokens)
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(tokenizer_dir, name)):
+                with open(os.path.join(tokenizer_dir, name), "rb") as f:
+                    fingerprint[name] = hashlib.sha256(f.read()).hexdigest()
     except OSError:
         return None
     defaults = DataConfig()
@@ -199,7 +206,7 @@ def encode_cached(path: str, cfg, tokenizer, tokenizer_dir: str = "", setting: s
             pass    # a damaged entry: read the file again and replace it
     rows = load_prompts(path, cfg, setting)
     encoded = encode_prompts(rows, tokenizer, tokenizer_dir, cfg, setting)
-    positions = rows.positions if len(encoded) == len(rows) else None
+    positions = rows.positions if len(encoded) == len(rows) else None   # else rendering dropped rows: positions shift
     if entry is not None:
         _save_entry(entry, encoded, rows.by_line, positions, cfg, tokenizer, tokenizer_dir, path)
     return encoded, _where_fn(path, rows.by_line, positions)

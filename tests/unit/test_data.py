@@ -237,11 +237,19 @@ def test_the_prompt_cache_reads_a_file_once_and_knows_when_it_changed(tmp_path, 
     write_jsonl(path, VERL_ROWS[::-1], raw_lines={1: b"{not json"})   # same size, other bytes
     swapped, _ = token_file.encode_cached(str(path), cfg, tok, model_dir)
     assert len(reads) == 2 and swapped.message(0)["fields"]["answer"] == "4"
+    config = Path(model_dir) / "tokenizer_config.json"     # a tokenizer setting outside tokenizer.json
+    saved = config.read_bytes()
+    config.write_text(json.dumps({**json.loads(saved), "model_max_length": 77}))
+    try:
+        token_file.encode_cached(str(path), cfg, policy.load_tokenizer(policy.PolicySpec(path=model_dir)), model_dir)
+    finally:
+        config.write_bytes(saved)
+    assert len(reads) == 3
     with pytest.raises(data.DatasetError, match=rf"^{path}:2:.*invalid JSON"):   # not skipping: the bad row fails
         token_file.encode_cached(str(path), data.DataConfig(), tok, model_dir)
     monkeypatch.setenv("DATAFLOW_PROMPT_CACHE", "")
     token_file.encode_cached(str(path), cfg, tok, model_dir)
-    assert len(reads) == 3 and len(list((tmp_path / "cache").iterdir())) == 3   # nothing written with it off
+    assert len(reads) == 4 and len(list((tmp_path / "cache").iterdir())) == 4   # nothing written with it off
 
 
 def test_a_damaged_cache_entry_is_read_again_and_the_cache_keeps_its_size(tmp_path, model_dir, monkeypatch):
