@@ -179,11 +179,7 @@ def _model_dir_problems(path: str, mtime: float, tokenizer: bool) -> tuple[str, 
             model_type = json.load(f).get("model_type")
     except (OSError, ValueError, AttributeError) as e:   # unreadable, not JSON, not an object
         return (f"config.json cannot be read: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",)
-    # The model type against transformers' own table, not AutoConfig: building the config class
-    # imports the model family's code (seconds in the driver, where nothing else needs it).
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    if model_type not in CONFIG_MAPPING_NAMES:
+    if not known_model_type(model_type):
         return (f"config.json cannot be read: its model_type {model_type!r} is not one this transformers knows "
                 "(a newer model family: upgrade transformers)",)
     found = _weights_problems(path)
@@ -195,6 +191,66 @@ def _model_dir_problems(path: str, mtime: float, tokenizer: bool) -> tuple[str, 
         except Exception as e:
             found.append(f"its tokenizer does not load: {type(e).__name__}: {e}")
     return tuple(found)
+
+
+def known_model_type(model_type) -> bool:
+    """Whether transformers knows this config.json model_type: its own table (CONFIG_MAPPING_NAMES),
+    not AutoConfig, whose config class imports the model family's code. The table is read from
+    transformers' source first: importing transformers is a second or more of the driver's
+    start-up, where nothing else needs it. Only a type missing there imports it to be sure, so a
+    source that reads differently can cost time but never refuses a model."""
+    if model_type in _model_types_in_source():
+        return True
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return model_type in CONFIG_MAPPING_NAMES
+
+
+@functools.lru_cache(maxsize=1)
+def _model_types_in_source() -> frozenset:
+    """The keys of transformers' CONFIG_MAPPING_NAMES by the syntax tree of the modules that build it
+    (models/auto/auto_mappings.py and configuration_auto.py: an OrderedDict of (type, class) pairs
+    and .update({...}) calls); empty where the source reads otherwise."""
+    import ast
+    import importlib.util
+
+    found: set[str] = set()
+    try:
+        auto = os.path.join(os.path.dirname(importlib.util.find_spec("transformers").origin), "models", "auto")
+        for name in ("auto_mappings.py", "configuration_auto.py"):
+            if not os.path.isfile(os.path.join(auto, name)):
+                continue
+            with open(os.path.join(auto, name)) as f:
+                tree = ast.parse(f.read())
+            for stmt in tree.body:
+                if not _builds_config_mapping(stmt):
+                    continue
+                for node in ast.walk(stmt):
+                    if isinstance(node, ast.Tuple) and len(node.elts) == 2 and _is_str(node.elts[0]):
+                        found.add(node.elts[0].value)
+                    elif isinstance(node, ast.Dict):
+                        found.update(k.value for k in node.keys if _is_str(k))
+    except Exception:   # noqa: BLE001 - another layout: the import decides
+        return frozenset()
+    return frozenset(found)
+
+
+def _builds_config_mapping(stmt) -> bool:
+    """`CONFIG_MAPPING_NAMES = ...` or `CONFIG_MAPPING_NAMES.update(...)`."""
+    import ast
+
+    if isinstance(stmt, ast.Assign):
+        return [getattr(t, "id", None) for t in stmt.targets] == ["CONFIG_MAPPING_NAMES"]
+    call = getattr(stmt, "value", None) if isinstance(stmt, ast.Expr) else None
+    func = getattr(call, "func", None)
+    return (isinstance(func, ast.Attribute) and func.attr == "update"
+            and getattr(func.value, "id", None) == "CONFIG_MAPPING_NAMES")
+
+
+def _is_str(node) -> bool:
+    import ast
+
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
 
 
 def model_dir_problems(path: str, tokenizer: bool = True) -> list[str]:

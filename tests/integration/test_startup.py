@@ -191,3 +191,26 @@ def test_a_process_without_torch_checkpoints_and_restores_without_importing_it(t
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[0] == "{'position': 96, 'pair': (1, 2)} 3 ['python'] True False", out.stdout
+
+
+def test_the_drivers_input_checks_import_no_transformers(tmp_path):
+    """The command's own start-up: the graph file and the input checks on a chat model directory
+    and a JSONL dataset (the policy's model type, its tokenizer, every row rendered with the
+    chat template) run without importing transformers (its import is a second or more before Ray
+    starts; the nodes that build models import it in their own processes)."""
+    make_chat_model_dir(tmp_path / "model")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"copy {i} :"}], "answer": str(i)}) + "\n"
+                            for i in range(20)))
+    script = textwrap.dedent(f'''
+        import sys
+        from dataflow.driver.preflight import input_problems
+        from dataflow.driver.runtime import load_graph
+        graph, config = load_graph("graphs/grpo.py", ["policy.path={tmp_path / 'model'}", "prompts.path={data}",
+                                                     "max_new_tokens=8"])
+        print(input_problems(graph, config, 2), "transformers" in sys.modules)
+    ''')
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "DATAFLOW_PROMPT_CACHE": str(tmp_path / "cache")})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[] False", out.stdout

@@ -314,3 +314,15 @@ def test_the_checks_take_the_rows_the_memory_plan_read_and_do_not_hold_them(tmp_
     preflight.longest_prompt(config.prompts)
     assert len(reads) == 2
     preflight._ROWS.clear()
+
+
+def test_model_types_are_read_from_transformers_source_as_its_table_holds_them():
+    """rl/data/policy.known_model_type reads transformers' CONFIG_MAPPING_NAMES from its source, so
+    that the driver's policy check imports no transformers: the same set as the imported table
+    (a new layout of that source makes this fail: the check still answers right, by importing)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from rl.data import policy
+
+    assert policy._model_types_in_source() == frozenset(CONFIG_MAPPING_NAMES)
+    assert policy.known_model_type("qwen2") and not policy.known_model_type("no_such_model_type")
