@@ -20,9 +20,12 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before Ray starts: no toke
 # The prompt cache (rl/data/token_file.encode_cached) of this pytest process's runs in a temporary
 # directory, not the user's ~/.cache; the nodes' processes inherit the setting.
 if "DATAFLOW_PROMPT_CACHE" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["DATAFLOW_PROMPT_CACHE"] = tempfile.mkdtemp(prefix="dataflow-prompt-cache-")
+    atexit.register(shutil.rmtree, os.environ["DATAFLOW_PROMPT_CACHE"], ignore_errors=True)
 
 # Collecting imports torch, transformers and Ray in each pytest process: no garbage collection until
 # the tests start (dataflow/startup_gc.py); every test runs with it on.

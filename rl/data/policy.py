@@ -15,7 +15,9 @@ tokenizer may name a different eos than the model was tuned to emit), and the id
 
 from __future__ import annotations
 
+import ast
 import functools
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -211,9 +213,6 @@ def _model_types_in_source() -> frozenset:
     """The keys of transformers' CONFIG_MAPPING_NAMES by the syntax tree of the modules that build it
     (models/auto/auto_mappings.py and configuration_auto.py: an OrderedDict of (type, class) pairs
     and .update({...}) calls); empty where the source reads otherwise."""
-    import ast
-    import importlib.util
-
     found: set[str] = set()
     try:
         auto = os.path.join(os.path.dirname(importlib.util.find_spec("transformers").origin), "models", "auto")
@@ -237,8 +236,6 @@ def _model_types_in_source() -> frozenset:
 
 def _builds_config_mapping(stmt) -> bool:
     """`CONFIG_MAPPING_NAMES = ...` or `CONFIG_MAPPING_NAMES.update(...)`."""
-    import ast
-
     if isinstance(stmt, ast.Assign):
         return [getattr(t, "id", None) for t in stmt.targets] == ["CONFIG_MAPPING_NAMES"]
     call = getattr(stmt, "value", None) if isinstance(stmt, ast.Expr) else None
@@ -248,8 +245,6 @@ def _builds_config_mapping(stmt) -> bool:
 
 
 def _is_str(node) -> bool:
-    import ast
-
     return isinstance(node, ast.Constant) and isinstance(node.value, str)
 
 

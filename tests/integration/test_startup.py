@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import subprocess
 import sys
@@ -211,6 +212,6 @@ def test_the_drivers_input_checks_import_no_transformers(tmp_path):
         print(input_problems(graph, config, 2), "transformers" in sys.modules)
     ''')
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "DATAFLOW_PROMPT_CACHE": str(tmp_path / "cache")})
+                         env={**os.environ, "DATAFLOW_PROMPT_CACHE": str(tmp_path / "cache")})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[] False", out.stdout
