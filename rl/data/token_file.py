@@ -17,6 +17,7 @@ needs no import of the token files.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -200,7 +201,8 @@ def encode_cached(path: str, cfg, tokenizer, tokenizer_dir: str = "", setting: s
             with open(os.path.join(entry, "meta.json")) as f:
                 by_line = json.load(f)["by_line"]
             positions = np.load(os.path.join(entry, "positions.npy"), mmap_mode="r")
-            os.utime(entry)    # used now: the last to go when the cache is pruned
+            with contextlib.suppress(OSError):   # used now: the last to go when pruned (a read-only cache still serves)
+                os.utime(entry)
             return encoded, _where_fn(path, by_line, positions)
         except (OSError, ValueError, KeyError, DatasetError):
             pass    # a damaged entry: read the file again and replace it

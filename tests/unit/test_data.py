@@ -266,3 +266,13 @@ def test_a_damaged_cache_entry_is_read_again_and_the_cache_keeps_its_size(tmp_pa
     token_file.encode_cached(str(path), data.DataConfig(system_prompt="be terse"), tok, model_dir)
     (kept,) = (tmp_path / "cache").iterdir()
     assert kept != entry and json.loads((kept / "meta.json").read_text())["settings"]["system_prompt"] == "be terse"
+
+
+def test_a_read_only_prompt_cache_still_serves_its_entries(tmp_path, model_dir, monkeypatch):
+    monkeypatch.setenv("DATAFLOW_PROMPT_CACHE", str(tmp_path / "cache"))
+    tok = policy.load_tokenizer(policy.PolicySpec(path=model_dir))
+    path = write_jsonl(tmp_path / "d.jsonl", VERL_ROWS)
+    want = token_file.encode_cached(str(path), data.DataConfig(), tok, model_dir)[0].message(0)
+    monkeypatch.setattr(token_file.os, "utime", lambda *a, **k: (_ for _ in ()).throw(PermissionError("read-only")))
+    monkeypatch.setattr(token_file, "encode_prompts", lambda *a, **k: pytest.fail("read the file again"))
+    assert token_file.encode_cached(str(path), data.DataConfig(), tok, model_dir)[0].message(0) == want
