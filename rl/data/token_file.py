@@ -110,15 +110,25 @@ def open_token_file(path: str, tokenizer=None, tokenizer_dir: str = "", cfg=None
                           skipped=meta["skipped"], truncated=meta["truncated"], source=path)
 
 
+def _made_from(source: str, tokenizer, tokenizer_dir: str, cfg) -> dict:
+    """A token file's meta besides its counts: the source, the tokenizer's fingerprint, the rendering settings."""
+    return {"source": os.path.abspath(source), "tokenizer": tokenizer_fingerprint(tokenizer, tokenizer_dir),
+            "settings": _settings(cfg, RENDER_KEYS), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _settings(cfg, keys) -> dict:
+    """cfg's values of `keys` (DataConfig's default where cfg lacks one)."""
+    defaults = DataConfig()
+    return {k: getattr(cfg, k, getattr(defaults, k)) for k in keys}
+
+
 def convert(source: str, out_dir: str, tokenizer_dir: str, cfg: DataConfig) -> dict:
     """Read, render and tokenize `source` once into the token file `out_dir`; returns its meta."""
     from rl.data.policy import PolicySpec, load_tokenizer
 
     tokenizer = load_tokenizer(PolicySpec(path=tokenizer_dir))
     encoded = encode_prompts(load_prompts(source, cfg, "convert"), tokenizer, tokenizer_dir, cfg, "convert")
-    meta = {"source": os.path.abspath(source), "tokenizer": tokenizer_fingerprint(tokenizer, tokenizer_dir),
-            "settings": {k: getattr(cfg, k) for k in RENDER_KEYS},
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    meta = _made_from(source, tokenizer, tokenizer_dir, cfg)
     save_token_file(encoded, out_dir, meta)
     return {**meta, "num_prompts": len(encoded), "skipped": encoded.skipped, "truncated": encoded.truncated}
 
@@ -181,10 +191,8 @@ def _cache_entry(path: str, cfg, tokenizer, tokenizer_dir: str) -> str | None:
                     fingerprint[name] = hashlib.sha256(f.read()).hexdigest()
     except OSError:
         return None
-    defaults = DataConfig()
     key = {"format": TOKEN_FILE_FORMAT, "cache": CACHE_VERSION, "content_sha256": content.hexdigest(),
-           "tokenizer": fingerprint,
-           "settings": {k: getattr(cfg, k, getattr(defaults, k)) for k in (*RENDER_KEYS, "skip_bad_lines")}}
+           "tokenizer": fingerprint, "settings": _settings(cfg, (*RENDER_KEYS, "skip_bad_lines"))}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=repr).encode()).hexdigest()[:32]
     return os.path.join(root, digest)
 
@@ -196,8 +204,8 @@ def encode_cached(path: str, cfg, tokenizer, tokenizer_dir: str = "", setting: s
     dropped rows)."""
     entry = _cache_entry(path, cfg, tokenizer, tokenizer_dir)
     if entry is not None and os.path.isfile(os.path.join(entry, "meta.json")):
-        try:
-            encoded = open_token_file(entry, tokenizer, tokenizer_dir, cfg, setting)
+        try:   # no tokenizer or settings check in opening it: the entry's key holds both
+            encoded = open_token_file(entry)
             with open(os.path.join(entry, "meta.json")) as f:
                 by_line = json.load(f)["by_line"]
             positions = np.load(os.path.join(entry, "positions.npy"), mmap_mode="r")
@@ -251,10 +259,7 @@ def _save_entry(entry: str, encoded: EncodedPrompts, by_line: bool, positions, c
     try:
         os.makedirs(os.path.dirname(entry), exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".writing-", dir=os.path.dirname(entry))
-        meta = {"source": os.path.abspath(source), "tokenizer": tokenizer_fingerprint(tokenizer, tokenizer_dir),
-                "settings": {k: getattr(cfg, k, getattr(DataConfig(), k)) for k in RENDER_KEYS},
-                "by_line": by_line, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        save_token_file(encoded, tmp, meta)
+        save_token_file(encoded, tmp, {**_made_from(source, tokenizer, tokenizer_dir, cfg), "by_line": by_line})
         np.save(os.path.join(tmp, "positions.npy"), np.asarray(positions if positions is not None else [], np.int64))
         os.rename(tmp, entry)
         tmp = None
