@@ -49,8 +49,11 @@ BACKENDS = ("auto", "static", "hf", "vllm")
 @dataclass(kw_only=True)
 class VllmConfig:
     gpu_memory_utilization: Annotated[float, Range(0, 1, high_open=True)] = 0.0
-    """vLLM's share of the GPU's memory (weights, activations, KV cache). 0 = auto: 0.9 x this
-    replica's GPU share, less what the replica already holds there (the weights it receives)."""
+    """vLLM's share of the GPU's memory (weights, activations, KV cache); vLLM then sizes its KV cache
+    by profiling the GPU's free memory, which fails when nodes on the same GPU allocate or free
+    meanwhile. 0 = auto: the KV cache is sized without that profile, from the slots
+    (auto_kv_cache_bytes, vLLM's kv_cache_memory_bytes), within 0.9 x this replica's GPU share less
+    what the replica already holds there (the weights it receives)."""
     sleep_level: Literal[0, 1, 2] = 0
     """Sleep mode while the replica is idle (training shares the GPU): 1 frees the KV cache and
     moves the weights to CPU, 2 frees both (the weights are reloaded from the replica's copy on
@@ -185,6 +188,24 @@ def auto_memory_utilization(gpu_share: float, held_bytes: int, total_bytes: int)
     return max(0.05, round(0.9 * gpu_share - held_bytes / total_bytes, 4))
 
 
+KV_BLOCK = 16    # vLLM's default KV block (tokens): a sequence holds whole blocks
+
+
+def auto_kv_cache_bytes(config, *, num_slots: int, max_len: int, dtype_bytes: int, room_bytes: int,
+                        tensor_parallel: int = 1) -> int:
+    """vLLM's KV cache per GPU with gpu_memory_utilization auto: every slot's `max_len` tokens in
+    whole blocks (what the memory plan budgets), twice that where it fits in half of `room_bytes`
+    (the share left after the weights): the prefix cache keeps earlier turns' and prompts' blocks
+    for the next request. Never less than the slots' need; set gpu_memory_utilization to choose."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    per_token = 2 * text.num_hidden_layers * max(1, kv_heads // tensor_parallel) * head_dim * dtype_bytes
+    need = num_slots * -(-max_len // KV_BLOCK) * KV_BLOCK * per_token
+    return int(max(need, min(2 * need, room_bytes // 2)))
+
+
 def engine_dir(model, path: str) -> tuple[str, bool]:
     """(directory vLLM loads, dummy weights?): the policy's directory, or for a built-in random-init
     policy (no path) its config saved to a temporary directory, weights loaded from the replica's
@@ -211,22 +232,27 @@ def build_decoder(c, model, stop_ids: list[int], num_slots: int, max_len: int, g
     if not vllm_installed():
         raise UserError(missing_vllm())
     tp = max(1, torch.cuda.device_count())
-    util = c.vllm.gpu_memory_utilization
+    util, kv_bytes = c.vllm.gpu_memory_utilization, None
+    dtype = "bfloat16" if c.dtype == "auto" else c.dtype     # generator.dtype on CUDA
     if not util:
         held = torch.cuda.memory_allocated()
         if c.weight_sync.transport == "cuda_ipc":   # its staging buffer comes with the first push
             held += sum(p.numel() * p.element_size() for p in model.parameters())
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         util = auto_memory_utilization(gpu_share or 1.0, held, total)
+        dtype_bytes = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        weights = sum(p.numel() for p in model.parameters()) * dtype_bytes // tp      # the engine's own copy
+        kv_bytes = auto_kv_cache_bytes(model.config, num_slots=num_slots, max_len=max_len, dtype_bytes=dtype_bytes,
+                                       room_bytes=int(util * total) - weights, tensor_parallel=tp)
     directory, dummy = engine_dir(model, c.policy.path)
-    dtype = "bfloat16" if c.dtype == "auto" else c.dtype     # generator.dtype on CUDA
-    log(f"generator: vLLM engine on {tp} GPU(s), gpu_memory_utilization {util:g}, {num_slots} sequences "
+    memory = f"KV cache {kv_bytes / 2**30:.2f} GiB (auto)" if kv_bytes else f"gpu_memory_utilization {util:g}"
+    log(f"generator: vLLM engine on {tp} GPU(s), {memory}, {num_slots} sequences "
         f"of up to {max_len} tokens, {dtype}" + (f", sleep level {c.vllm.sleep_level}" if c.vllm.sleep_level else ""))
     return (decoder or VllmDecoder)(
         directory, model, num_slots=num_slots, max_len=max_len, stop_ids=stop_ids,
         max_new_tokens=max_new_tokens or c.max_new_tokens, min_new_tokens=c.min_new_tokens, temperature=c.temperature,
         top_k=c.top_k, seed=c.seed, stop_strings=c.stop_strings, dtype=dtype,
-        gpu_memory_utilization=util, tensor_parallel_size=tp, config=c.vllm, version=version,
+        gpu_memory_utilization=util, kv_cache_bytes=kv_bytes, tensor_parallel_size=tp, config=c.vllm, version=version,
         loaded=None if dummy else 0, dummy_weights=dummy, log=log)
 
 
@@ -239,7 +265,7 @@ class VllmDecoder:
     def __init__(self, model_dir: str, model, *, num_slots: int, max_len: int, stop_ids: list[int],
                  max_new_tokens: int, min_new_tokens: int = 0, temperature: float = 1.0,
                  top_k: int = 0, seed: int = 0, stop_strings: list[str] | tuple = (),
-                 dtype: str = "bfloat16", gpu_memory_utilization: float = 0.5,
+                 dtype: str = "bfloat16", gpu_memory_utilization: float = 0.5, kv_cache_bytes: int | None = None,
                  tensor_parallel_size: int = 1, config: VllmConfig | None = None,
                  version=lambda: 0, loaded: int | None = 0, dummy_weights: bool = False,
                  executor: str | None = None, log=print):
@@ -260,7 +286,8 @@ class VllmDecoder:
                             stop_ids=self.stop_ids, stop_strings=list(stop_strings))
         self.llm = LLM(
             model=model_dir, skip_tokenizer_init=not stop_strings, dtype=dtype, seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_bytes,
+            tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend=executor,
             max_model_len=max_len, max_num_seqs=num_slots, enable_prefix_caching=True,
             logprobs_mode="processed_logprobs", enable_sleep_mode=self.config.sleep_level > 0,
