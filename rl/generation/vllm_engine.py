@@ -181,31 +181,6 @@ def _worker_load(worker, weights) -> int:
     return len(weights)
 
 
-def auto_memory_utilization(gpu_share: float, held_bytes: int, total_bytes: int) -> float:
-    """vLLM's gpu_memory_utilization for a replica with `gpu_share` of a GPU that already holds
-    `held_bytes` (its receiving copy of the weights): 0.9 of the share (CUDA context, NCCL and
-    other non-torch memory take the rest), less what is held, at least 0.05."""
-    return max(0.05, round(0.9 * gpu_share - held_bytes / total_bytes, 4))
-
-
-KV_BLOCK = 16    # vLLM's default KV block (tokens): a sequence holds whole blocks
-
-
-def auto_kv_cache_bytes(config, *, num_slots: int, max_len: int, dtype_bytes: int, room_bytes: int,
-                        tensor_parallel: int = 1) -> int:
-    """vLLM's KV cache per GPU with gpu_memory_utilization auto: every slot's `max_len` tokens in
-    whole blocks (what the memory plan budgets), twice that where it fits in half of `room_bytes`
-    (the share left after the weights): the prefix cache keeps earlier turns' and prompts' blocks
-    for the next request. Never less than the slots' need; set gpu_memory_utilization to choose."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    per_token = 2 * text.num_hidden_layers * max(1, kv_heads // tensor_parallel) * head_dim * dtype_bytes
-    need = num_slots * -(-max_len // KV_BLOCK) * KV_BLOCK * per_token
-    return int(max(need, min(2 * need, room_bytes // 2)))
-
-
 def engine_dir(model, path: str) -> tuple[str, bool]:
     """(directory vLLM loads, dummy weights?): the policy's directory, or for a built-in random-init
     policy (no path) its config saved to a temporary directory, weights loaded from the replica's
@@ -228,6 +203,8 @@ def build_decoder(c, model, stop_ids: list[int], num_slots: int, max_len: int, g
     replica's GPU share, tensor parallel over the replica's GPUs. decoder: the class to build (VllmDecoder unless the
     caller passes the multi-turn VllmEpisodeDecoder), a turn capped at max_new_tokens (0: c.max_new_tokens)."""
     import torch
+
+    from rl.generation.decoder_slots import auto_kv_cache_bytes, auto_memory_utilization
 
     if not vllm_installed():
         raise UserError(missing_vllm())
