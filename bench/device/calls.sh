@@ -244,3 +244,17 @@ lora_compile() {  # lora_compile [--only-lora]: the learner's warm-up alone, LoR
   timeout 560 python3 bench/lora_compile.py --shape w1 --rank 32 --out "$dest" "$@" > "$dest/log.txt" 2>&1
   echo "   rc=$? $(date +%T)"; grep "^rank" "$dest/log.txt"
 }
+
+vllm_plan() {  # vllm_plan agent|startup: the vLLM backend's missing GPU runs, one call each
+  # agent: graphs/agent.py with generator.backend=vllm (the guess task; issue 36's episodes on vLLM).
+  # startup: SmolLM2 GRPO with vLLM, twice: the second finds the engine's compile cache the first
+  # left (issue 38: at most 40 s warm from the command to the first step).
+  case $1 in
+    agent)   agent_data
+             agent guessv 330 --task guess --variants agent --steps 12 --eval-every 6 --val-n 64 --lr 2e-5 \
+               --prompts-per-step 16 --group 8 --timeout 290 --trace --set generator.backend=vllm ;;
+    startup) for run in vllm_cold vllm_warm; do
+               rl "$run" 250 --steps 3 --eval-every 3 --val-n 64 --set generator.backend=vllm
+             done ;;
+  esac
+}
