@@ -28,8 +28,7 @@ import torch
 from dataflow.errors import UserError
 from rl.generation.decoding import unsupported_reason
 from rl.generation.decoder_slots import auto_kv_cache_bytes, auto_memory_utilization
-from rl.generation.vllm_engine import (INSTALL, choose_backend,
-                                       engine_weights, missing_vllm, vllm_installed)
+from rl.generation.vllm_engine import INSTALL, choose_backend, engine_weights, missing_vllm, vllm_installed
 
 
 def _vllm_importable() -> str | None:
