@@ -9,6 +9,8 @@ import os
 
 import torch
 
+from dataflow.errors import UserError
+
 AUTO_SLOTS = 256
 
 
@@ -79,14 +81,21 @@ KV_BLOCK = 16    # vLLM's default KV block (tokens): a sequence holds whole bloc
 
 def auto_kv_cache_bytes(config, *, num_slots: int, max_len: int, dtype_bytes: int, room_bytes: int,
                         tensor_parallel: int = 1) -> int:
-    """vLLM's KV cache per GPU with gpu_memory_utilization auto: every slot's `max_len` tokens in
-    whole blocks (what the memory plan budgets), twice that where it fits in half of `room_bytes`
-    (the share left after the weights): the prefix cache keeps earlier turns' and prompts' blocks
-    for the next request. Never less than the slots' need; set gpu_memory_utilization to choose."""
+    """vLLM's KV cache per GPU with gpu_memory_utilization auto: twice every slot's `max_len` tokens
+    in whole blocks (the prefix cache keeps earlier turns' and prompts' blocks for the next request),
+    within half of `room_bytes` (the share left after the weights; the other half is for vLLM's
+    activations and CUDA graphs). Below the slots' need vLLM runs fewer sequences at once and queues
+    the rest; below one sequence it could run none: a UserError naming what to change."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     per_token = 2 * text.num_hidden_layers * max(1, kv_heads // tensor_parallel) * head_dim * dtype_bytes
-    need = num_slots * -(-max_len // KV_BLOCK) * KV_BLOCK * per_token
-    return int(max(need, min(2 * need, room_bytes // 2)))
+    sequence = -(-max_len // KV_BLOCK) * KV_BLOCK * per_token
+    cap = room_bytes // 2
+    if cap < sequence:
+        raise UserError(f"generator: vLLM's KV cache would get {max(cap, 0) / 2**20:.0f} MiB of this replica's GPU "
+                        f"share, less than one {max_len}-token sequence ({sequence / 2**20:.0f} MiB); give the "
+                        "generator a larger share (gpu_shares), set generator.vllm.gpu_memory_utilization, or "
+                        "lower generator.max_prompt_tokens / max_new_tokens")
+    return int(min(2 * num_slots * sequence, cap))

@@ -120,7 +120,7 @@ def test_auto_memory_utilization_leaves_room_for_the_received_copy():
     assert auto_memory_utilization(0.05, 10 * gib, 100 * gib) == 0.05        # never below 5%
 
 
-def test_auto_kv_cache_is_the_slots_in_whole_blocks_doubled_where_half_the_room_allows():
+def test_auto_kv_cache_is_twice_the_slots_in_whole_blocks_within_half_the_room():
     """gpu_memory_utilization auto sizes vLLM's KV cache from the slots (no free-memory profile,
     which fails while colocated nodes allocate): 2 x layers x kv_heads x head_dim x bytes per token."""
     import transformers
@@ -128,13 +128,16 @@ def test_auto_kv_cache_is_the_slots_in_whole_blocks_doubled_where_half_the_room_
     cfg = transformers.Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                                    num_key_value_heads=2, intermediate_size=4864)
     per_token = 2 * 24 * 2 * 64 * 2                       # bf16, head_dim 896 / 14
-    need = 256 * 400 * per_token                          # 390 tokens a slot: 25 blocks of 16
+    sequence = 400 * per_token                            # 390 tokens: 25 blocks of 16
+    need = 256 * sequence
     kv = lambda room, tp=1: auto_kv_cache_bytes(cfg, num_slots=256, max_len=390, dtype_bytes=2,  # noqa: E731
                                                 room_bytes=room, tensor_parallel=tp)
     assert kv(100 * 2**30) == 2 * need                    # room: twice the need, for the prefix cache
-    assert kv(3 * need) == 3 * need // 2                  # half of the room, between need and 2 x need
-    assert kv(need) == need                               # never below the slots' need (the plan refuses first)
+    assert kv(3 * need) == 3 * need // 2                  # else half of the room
+    assert kv(need) == need // 2                          # below the need: vLLM queues what does not fit
     assert kv(100 * 2**30, tp=2) == need                  # per GPU: the KV heads split over tensor parallel
+    with pytest.raises(UserError, match="less than one 390-token sequence.*gpu_shares"):
+        kv(sequence)                                      # half a sequence: no request could run
 
 
 # ---- the weights handed to vLLM's load_weights ---------------------------------------------------------
