@@ -41,14 +41,19 @@ def room_bytes(device, gpu_share: float) -> int:
     return max(1, available // 2)
 
 
+def kv_bytes_per_token(config, dtype_bytes: int, tensor_parallel: int = 1) -> int:
+    """Bytes of one token's K and V over every layer, per GPU (the KV heads split over tensor
+    parallel); a multimodal config's text model."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return 2 * text.num_hidden_layers * max(1, kv_heads // tensor_parallel) * head_dim * dtype_bytes
+
+
 def kv_bytes_per_slot(model, max_len: int) -> int:
     """Bytes of one decoder slot's K and V cache over every layer (rl/generation/decoding.StaticDecoder)."""
-    cfg = model.config
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    elem = next(model.parameters()).element_size()
-    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * max_len * elem
+    return kv_bytes_per_token(model.config, next(model.parameters()).element_size()) * max_len
 
 
 def fitted_prompts_per_call(c, device, model, max_len: int, gpu_share: float, log) -> int:
@@ -86,12 +91,7 @@ def auto_kv_cache_bytes(config, *, num_slots: int, max_len: int, dtype_bytes: in
     within half of `room_bytes` (the share left after the weights; the other half is for vLLM's
     activations and CUDA graphs). Below the slots' need vLLM runs fewer sequences at once and queues
     the rest; below one sequence it could run none: a UserError naming what to change."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    per_token = 2 * text.num_hidden_layers * max(1, kv_heads // tensor_parallel) * head_dim * dtype_bytes
-    sequence = -(-max_len // KV_BLOCK) * KV_BLOCK * per_token
+    sequence = -(-max_len // KV_BLOCK) * KV_BLOCK * kv_bytes_per_token(config, dtype_bytes, tensor_parallel)
     cap = room_bytes // 2
     if cap < sequence:
         raise UserError(f"generator: vLLM's KV cache would get {max(cap, 0) / 2**20:.0f} MiB of this replica's GPU "
