@@ -258,3 +258,17 @@ vllm_plan() {  # vllm_plan agent|startup: the vLLM backend's missing GPU runs, o
              done ;;
   esac
 }
+
+h200_ladder() {  # h200_ladder a|b|c|d: issue 37's "done when" on one H200 at the current memory plan
+  # (push buffers counted, data-sized slots, phase switch where the shares do not fit): nothing set by
+  # hand but the rank. a: 3B full; b: 7B LoRA r=32 (its cold compile took over 2 min in 2026-12-04's
+  # lease); c: 1.5B full (goal 1.5x the hand-tuned 8.1 s/step), 0.5B full and LoRA; d: 3B LoRA.
+  case $1 in
+    a) ladder h3_full 420 --shape 3b --steps 5 --warmup 1 ;;
+    b) ladder h7_lora 560 --shape 7b --set learner.lora.rank=32 --steps 4 --warmup 1 ;;
+    c) ladder h15_full 220 --shape 1.5b --steps 5 --warmup 1
+       ladder h05_full 150 --shape w1
+       ladder h05_lora 180 --shape w1 --set learner.lora.rank=32 ;;
+    d) ladder h3_lora 300 --shape 3b --set learner.lora.rank=32 --steps 5 --warmup 1 ;;
+  esac
+}
