@@ -272,3 +272,10 @@ h200_ladder() {  # h200_ladder a|b|c|d: issue 37's "done when" on one H200 at th
     d) ladder h3_lora 300 --shape 3b --set learner.lora.rank=32 --steps 5 --warmup 1 ;;
   esac
 }
+
+startup_plan() {  # issue 38: SmolLM2 GRPO's time from the command to the first step, static decoder,
+  # cold then warm caches (inductor, the decoder's graphs, the prompt cache), against the 10 s goal
+  for run in st_cold st_warm; do
+    rl "$run" 200 --steps 3 --eval-every 3 --val-n 64
+  done
+}
