@@ -279,3 +279,11 @@ startup_plan() {  # issue 38: SmolLM2 GRPO's time from the command to the first 
     rl "$run" 200 --steps 3 --eval-every 3 --val-n 64
   done
 }
+
+vllm_tests() {  # the vLLM backend's tests on the GPU (tests/integration/test_vllm_backend.py: episodes, sleep, the auto KV cache)
+  local dest=$OUT/vllm_tests
+  mkdir -p "$dest"
+  echo "== vllm_tests $(date +%T) (call at ${SECONDS}s)"
+  timeout "${1:-300}" python3 -m pytest -p no:cacheprovider -n 0 -rs -q tests/integration/test_vllm_backend.py > "$dest/log.txt" 2>&1
+  echo "   rc=$? $(date +%T)"; tail -4 "$dest/log.txt" | cut -c1-200
+}
