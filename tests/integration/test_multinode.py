@@ -46,8 +46,9 @@ def two_ray_nodes():
     cluster.shutdown()
 
 
-@pytest.mark.parametrize("transport", ["object_store", "collective"])
-def test_weights_reach_a_generator_on_another_ray_node(two_ray_nodes, tmp_path, transport):
+def run_on_two_nodes(tmp_path, *overrides: str) -> list[dict]:
+    """GRPO for 3 steps with SMALL and `overrides`; the run's two GPU pools (the generators' and the
+    learner's) must land on the two Ray nodes. metrics.jsonl's records."""
     import ray
 
     from dataflow.placement import plan
@@ -55,7 +56,7 @@ def test_weights_reach_a_generator_on_another_ray_node(two_ray_nodes, tmp_path, 
 
     nodes = [n for n in ray.nodes() if n["Alive"]]
     assert len(nodes) == 2 and all(n["Resources"].get("GPU") == 1 for n in nodes)
-    graph, config = load_graph(str(ROOT / "graphs/grpo.py"), SMALL + [f"weight_transport={transport}"])
+    graph, config = load_graph(str(ROOT / "graphs/grpo.py"), SMALL + list(overrides))
     pools = plan(graph, cluster=[1, 1]).groups
     assert [b["GPU"] for b in pools["rollout"].bundles] == [1.0] and [b["GPU"] for b in pools["train"].bundles] == [1.0]
     before = set(ray.util.placement_group_table())
@@ -67,6 +68,11 @@ def test_weights_reach_a_generator_on_another_ray_node(two_ray_nodes, tmp_path, 
     assert len(gpu_nodes) == 2, groups
     records = [json.loads(line) for line in Path(summary.metrics_path).read_text().splitlines()]
     assert [r["version"] for r in records if "step" in r] == [1, 2, 3]
+    return records
+
+
+def test_weights_reach_a_generator_on_another_ray_node_by_collective(two_ray_nodes, tmp_path):
+    records = run_on_two_nodes(tmp_path, "weight_transport=collective")
     sums: dict[str, dict[int, float]] = {}
     for r in records:
         if "weights/checksum" in r:
@@ -76,3 +82,22 @@ def test_weights_reach_a_generator_on_another_ray_node(two_ray_nodes, tmp_path, 
     assert set(generator) >= {1, 2}
     for version, checksum in generator.items():
         assert checksum == pytest.approx(learner[version], rel=1e-12, abs=0), version
+
+
+def test_weights_reach_two_generators_on_another_ray_node_by_object_store(two_ray_nodes, tmp_path):
+    """The object store across raylets, with two generator replicas (both in the rollout pool, on the
+    node without the learner): tests/integration/test_weight_sync.check_generators_serve_the_learners_weights,
+    so every version either generator switched to has the learner's checksum, and each push carried
+    the whole state in float32 once. (That check on one Ray node was a run of its own in
+    test_weight_sync; this run is the same GRPO settings, placed on two nodes: a graph start-up less.)"""
+    from rl.data.tasks import build_tokenizer
+    from rl.model.causal_lm import ModelConfig, build_policy
+    from tests.integration.test_weight_sync import check_generators_serve_the_learners_weights
+
+    # generator.dtype=float32: the weights travel in float32, as on a CPU placement, whose push size
+    # the check asserts; the split placement's default, bfloat16, travels in the collective run above.
+    records = run_on_two_nodes(tmp_path, "weight_transport=object_store", "prompts_per_step=8", "group_size=4",
+                               "channel_capacity=16", "learner.minibatch_size=32", "generator_replicas=2",
+                               "generator.dtype=float32")
+    check_generators_serve_the_learners_weights(records, "object_store",
+                                                build_policy(ModelConfig(), build_tokenizer()).state_dict())

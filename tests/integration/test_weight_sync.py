@@ -1,7 +1,9 @@
 """weight_transport=collective (dataflow/weights/sync.py) on CPU, gloo: first the two ends in one
 process with stand-in node contexts (rendezvous, the wait for a version, checksums, a stall); then
-the PPO graph with two generator replicas against the object-store transport, and a stalled push
-failing the run. One Ray instance for the graph runs, which go through runtime.run_graph in-process."""
+GRPO graph runs: a stalled push failing the run, a generator killed under the collective push, and
+a Qwen3 model dir whose weights reach two generators by the collective push. The same check on the
+object store: tests/integration/test_multinode.py's two-generator run. One Ray instance for the
+graph runs, which go through runtime.run_graph in-process."""
 
 from __future__ import annotations
 
@@ -353,19 +355,6 @@ def check_generators_serve_the_learners_weights(records: list[dict], transport: 
     assert [r["weights/pushed_version"] for r in pushes] == [0, 1, 2]
     assert all(whole <= r["weights/push_mib"] * 2**20 < whole + pad and not r["weights/push_adapter"]
                for r in pushes), pushes
-
-
-def test_generators_serve_the_learners_weights_by_object_store(ray_instance, tmp_path):
-    """check_generators_serve_the_learners_weights on the object store, with the built-in model. (The
-    collective transport: the Qwen3 run below, which checks the same.)"""
-    # GRPO with learner.kl.coef=0: no critic and no reference node (processes less to start); neither takes weights.
-    records = run("graphs/grpo.py", tmp_path, "prompts_per_step=8", "group_size=4", "channel_capacity=16",
-                  "learner.minibatch_size=32", "generator_replicas=2", "max_staleness=0", "learner.kl.coef=0",
-                  "weight_checksums=true", "weight_transport=object_store", max_steps=3)
-    from rl.data.tasks import build_tokenizer
-    from rl.model.causal_lm import ModelConfig, build_policy
-    check_generators_serve_the_learners_weights(records, "object_store",
-                                                build_policy(ModelConfig(), build_tokenizer()).state_dict())
 
 
 def test_stalled_push_fails_the_learner_naming_both_ends(ray_instance, tmp_path):
