@@ -212,17 +212,6 @@ SMALL = ("prompts_per_step=4", "group_size=4", "channel_capacity=16", "learner.m
 RAY_NUM_CPUS = 8
 
 
-def run_grpo(tmp_path, *overrides: str, max_steps: int):
-    import asyncio
-
-    from dataflow.driver.runtime import RunOptions, load_graph, run_graph
-
-    graph, config = load_graph(str(ROOT / "graphs/grpo.py"), [*SMALL, *overrides])
-    summary = asyncio.run(run_graph(graph, RunOptions(max_steps=max_steps, out_dir=str(tmp_path), quiet=True), config))
-    assert summary.status in ("done", "max steps reached"), summary.status
-    return summary, [json.loads(line) for line in Path(summary.metrics_path).read_text().splitlines()]
-
-
 def check_generators_hold_learner_weights(records, versions=None):
     """Every version a generator switched to has the checksum of the whole weights the learner
     (rank 0, after gathering them) logged for it; only rank 0 reports steps. `versions`: the
@@ -245,16 +234,32 @@ def check_generators_hold_learner_weights(records, versions=None):
             assert checksum == pytest.approx(learner[version], rel=1e-12, abs=0), (gen, version)
 
 
-def test_grpo_graph_learner_tp2_collective_push_checkpoint_then_resume_as_2x2(ray_instance, tmp_path):
+def test_grpo_graph_learner_tp2_collective_push_checkpoint_killed_generator_then_resume_as_2x2(ray_instance, tmp_path):
     """tp=2 with the HybridEngine push (every rank all-gathers, rank 0 broadcasts to the
-    generator): the generator holds the learner's weights at every version. The checkpoint of
-    step 2 holds the whole state (one-rank format); a 2 x 2 learner resumes from it and goes on."""
+    generator): the generator holds the learner's weights at every version. Once the checkpoint of
+    step 2 is committed, kill -9 of the generator: a new process cannot join the learner's push
+    group, so the run stops within seconds naming the generator (not the learner's push that failed
+    on the closed connection, its echo) and why it was not restarted. The checkpoint of step 2
+    holds the whole state (one-rank format); a 2 x 2 learner resumes from it and goes on. (The
+    generator's kill was a one-rank GRPO run of its own in test_weight_sync: a graph start-up less.)"""
+    from dataflow.driver.runtime import RunOptions, load_graph
+    from tests.conftest import kill_stops_the_run, run_in_thread, wait_until
+
     # learner.kl.coef=0 in both runs: no reference node, two processes less to start (the KL term
     # on TP ranks: test_multirank_update_equals_one_rank).
-    first, records = run_grpo(tmp_path / "a", "learner.tp=2", "weight_transport=collective", "save_interval=2",
-                              "learner.kl.coef=0", max_steps=2)
-    check_generators_hold_learner_weights(records, [0, 1])
-    ckpt = tmp_path / "a" / "checkpoints" / "step_2"
+    graph, config = load_graph(str(ROOT / "graphs/grpo.py"), [*SMALL, "learner.tp=2", "weight_transport=collective",
+                                                              "save_interval=2", "learner.kl.coef=0", "max_restarts=3"])
+    assert not graph.nodes["generator"].restartable and graph.nodes["reward"].restartable
+    run_dir = tmp_path / "a"
+    ckpt = run_dir / "checkpoints" / "step_2"
+    thread, outcome = run_in_thread(graph, config, RunOptions(max_steps=1000, out_dir=str(run_dir), quiet=True))
+    wait_until(lambda: (ckpt / "manifest.json").is_file(), 300, "the checkpoint of step 2", thread, outcome)
+    pid = json.loads((run_dir / "processes.json").read_text())["generator"]
+    error = kill_stops_the_run(pid, "generator", thread, outcome, within_s=15)
+    assert "not restarted: weight_transport=collective" in error.summary, error.summary
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    assert '"restarted"' not in metrics
+    check_generators_hold_learner_weights([json.loads(line) for line in metrics.splitlines()])
     assert (ckpt / "learner[0]").is_dir() and (ckpt / "learner[1]").is_dir()
     # The whole step-2 weights, as a plain model loads them (a one-rank learner could resume too).
     from dataflow.actor.checkpoint import read_state
@@ -265,10 +270,10 @@ def test_grpo_graph_learner_tp2_collective_push_checkpoint_then_resume_as_2x2(ra
     plain = build_policy(ModelConfig(), build_tokenizer())
     plain.load_state_dict(state["model"])
     step2 = weights_checksum(plain)
+    import asyncio
     import shutil
 
-    from dataflow.driver.runtime import RunOptions, load_graph, run_graph
-    import asyncio
+    from dataflow.driver.runtime import run_graph
 
     graph, config = load_graph(str(ROOT / "graphs/grpo.py"),
                                [*SMALL, "learner.dp=2", "learner.tp=2", "learner.kl.coef=0"])
