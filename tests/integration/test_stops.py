@@ -5,7 +5,9 @@ its sentence on one line and exit 2, no traceback (a bug keeps its traceback: te
 - DAPO's filter (nodes/group_filter.py) finding no group whose rewards differ within
   filter.max_num_gen_batches batches' worth of prompts;
 - the reward node (nodes/reward.py) after reward.max_failed_batches batches in which every
-  response's reward failed.
+  response's reward failed (on tests/graphs/reward_probe.py, the reward node alone: its stop and
+  the CLI's line do not depend on what feeds it, and a GRPO graph would start a learner and a
+  generator only to be stopped).
 The signal during start-up is tests/integration/test_signals.py's (a subprocess: it signals the process group)."""
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ def test_the_reward_stop_is_one_line(tmp_path, capsys):
         def compute_score(data_source, solution_str, ground_truth, extra_info=None):
             raise KeyError("label")
     '''))
-    r = cli(capsys, "graphs/grpo.py", "--set", f"reward.path={reward}", "--set", "reward.max_failed_batches=1",
-            "--set", "reward.items_per_call=1", *FAST, "--out", tmp_path / "run")
+    r = cli(capsys, "tests/graphs/reward_probe.py", "--set", f"reward.path={reward}", "--set",
+            "reward.max_failed_batches=1", "--set", "reward.items_per_call=1", "--out", tmp_path / "run")
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     [line] = r.stderr.strip().splitlines()
     assert line.startswith(f"error: node 'reward' (run): reward function compute_score ({reward}) failed for every "
