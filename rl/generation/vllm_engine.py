@@ -251,7 +251,7 @@ class VllmDecoder:
         from vllm import LLM
 
         self.config = config or VllmConfig()
-        self.model, self.version, self.loaded, self.log = model, version, loaded, log
+        self.model, self.synced_version, self.loaded, self.log = model, version, loaded, log
         self.num_slots, self.max_len, self.max_new_tokens = num_slots, max_len, max_new_tokens
         self.stop_ids = [int(i) for i in stop_ids]
         self.temperature, self.seed = temperature, seed
@@ -283,6 +283,14 @@ class VllmDecoder:
     def active(self) -> int:
         return len(self.requests)
 
+    @property
+    def decoding(self) -> int:
+        """Requests in the engine (no slot is ever parked here)."""
+        return len(self.requests)
+
+    cache_freed = False
+    """The generator never frees this engine's KV cache: vLLM's sleep mode does, on its own timer."""
+
     def free_slots(self) -> int:
         return self.num_slots - len(self.requests)
 
@@ -292,8 +300,11 @@ class VllmDecoder:
         with self._lock:
             self._ready()
 
-    def add(self, requests: list[tuple]) -> None:
-        """Requests (prompt_ids, tag, key) or (prompt_ids, tag, key, temperature), as StaticDecoder.add."""
+    def add(self, requests: list[tuple], keep: bool = False) -> None:
+        """Requests (prompt_ids, tag, key[, temperature[, max_new_tokens]]), as StaticDecoder.add;
+        keep (park a slot for the next turn) is VllmEpisodeDecoder's."""
+        if keep:
+            raise ValueError("VllmDecoder.add: keep is for episodes (VllmEpisodeDecoder)")
         if not requests:
             return
         if len(requests) > self.free_slots():
@@ -307,8 +318,9 @@ class VllmDecoder:
             for r in requests:
                 ids, tag, key = r[0], r[1], r[2]
                 temp = r[3] if len(r) > 3 and r[3] is not None else self.temperature
+                cap = self.max_new_tokens if len(r) < 5 or r[4] is None else max(1, min(int(r[4]), self.max_new_tokens))
                 params = sampling_params(temperature=temp, seed=int(key) if self.config.seeded else None,
-                                         **self._params)
+                                         **{**self._params, "max_new_tokens": cap})
                 rid = str(self._count)
                 self._count += 1
                 self.requests[rid] = (tag, list(ids))
@@ -349,7 +361,7 @@ class VllmDecoder:
             self.llm.wake_up()
             self.asleep = False
             self._note(f"awake in {time.perf_counter() - t:.2f} s")
-        version = self.version()
+        version = self.synced_version()
         if version != self.loaded:
             self.load_weights()
             self.loaded = version

@@ -57,6 +57,11 @@ class VllmEpisodeDecoder(VllmDecoder):
     def set_version(self, version: int) -> None:
         self.serving = version
 
+    @property
+    def version(self) -> int:
+        """The version new requests sample under (StaticDecoder.version)."""
+        return self.serving
+
     def add(self, requests: list[tuple], keep: bool = False) -> None:
         """Requests (prompt_ids, tag, key[, temperature[, max_new_tokens]]) into free slots; keep:
         park the slot when its turn ends (an episode) instead of freeing it."""

@@ -306,3 +306,41 @@ def test_vllm_episode_turns_resend_the_history_hit_the_prefix_cache_and_match_th
     again = episode(key=7)
     assert [s["response_ids"] for s in again] == [s["response_ids"] for s in turns]
     dec.close()
+
+
+def _members(cls) -> set[str]:
+    """cls's attributes: its class members and every `self.X = ...` in its and its bases' methods."""
+    import ast
+    import inspect
+
+    names = set(dir(cls))
+    for klass in cls.__mro__[:-1]:
+        for node in ast.walk(ast.parse(inspect.getsource(klass))):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                    isinstance(node.value, ast.Name) and node.value.id == "self":
+                names.add(node.attr)
+    return names
+
+
+def test_the_vllm_decoders_have_every_decoder_member_the_generator_uses():
+    """The generator drives a StaticDecoder, a VllmDecoder or a VllmEpisodeDecoder through the same
+    names (nodes/generator.py's `dec.`, rl/generation/episodes.py's `self.dec.`); only the GPU runs the
+    vLLM ones, so a name the static decoder gained and the vLLM ones lack (cache_freed, decoding, add's
+    keep) stopped every vLLM graph run there. Checked here, on CPU, from the source."""
+    import inspect
+    import re
+
+    from rl.generation.decoding import StaticDecoder
+    from rl.generation.vllm_engine import VllmDecoder
+    from rl.generation.vllm_episodes import VllmEpisodeDecoder
+
+    used = set()
+    for path, pattern in (("nodes/generator.py", r"\bdec\.(\w+)"), ("rl/generation/episodes.py", r"self\.dec\.(\w+)")):
+        used |= set(re.findall(pattern, (ROOT / path).read_text()))
+    assert {"add", "step", "decoding", "cache_freed", "extend", "version"} <= used, used
+    episodes_only = {"extend", "release", "set_version", "version", "token_versions"}   # episodes or partial rollout
+    for cls, needed in ((StaticDecoder, used), (VllmEpisodeDecoder, used), (VllmDecoder, used - episodes_only)):
+        assert not needed - _members(cls), (cls.__name__, sorted(needed - _members(cls)))
+    for cls in (StaticDecoder, VllmDecoder, VllmEpisodeDecoder):
+        inspect.signature(cls.add).bind(None, [], False)   # add(requests, keep), as the generator calls it
+    assert VllmDecoder.cache_freed is False and VllmEpisodeDecoder.cache_freed is False
