@@ -294,6 +294,10 @@ class VllmDecoder:
     def free_slots(self) -> int:
         return self.num_slots - len(self.requests)
 
+    def _cap(self, cap: int | None) -> int:
+        """A request's own max_new_tokens (None = the decoder's), within 1..the decoder's."""
+        return self.max_new_tokens if cap is None else max(1, min(int(cap), self.max_new_tokens))
+
     def refresh(self) -> None:
         """Called before each serving period (nothing in flight): wake the engine, load the
         replica's weights if their version moved."""
@@ -318,9 +322,8 @@ class VllmDecoder:
             for r in requests:
                 ids, tag, key = r[0], r[1], r[2]
                 temp = r[3] if len(r) > 3 and r[3] is not None else self.temperature
-                cap = self.max_new_tokens if len(r) < 5 or r[4] is None else max(1, min(int(r[4]), self.max_new_tokens))
                 params = sampling_params(temperature=temp, seed=int(key) if self.config.seeded else None,
-                                         **{**self._params, "max_new_tokens": cap})
+                                         **{**self._params, "max_new_tokens": self._cap(r[4] if len(r) > 4 else None)})
                 rid = str(self._count)
                 self._count += 1
                 self.requests[rid] = (tag, list(ids))

@@ -130,7 +130,7 @@ class VllmEpisodeDecoder(VllmDecoder):
             for slot, noise_start, cap in sends:
                 tag, key, temperature, _ = self.owners[slot]
                 ids = self.histories[slot]
-                cap = self.max_new_tokens if cap is None else max(1, min(int(cap), self.max_new_tokens))
+                cap = self._cap(cap)
                 if len(ids) + cap > self.max_len:
                     raise ValueError(f"VllmEpisodeDecoder: slot {slot} holds {len(ids)} tokens; {cap} new ones "
                                      f"exceed the engine's max_model_len={self.max_len}")
