@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
 import threading
 import time
@@ -77,6 +78,11 @@ class CheckpointClock:
     later)."""
 
     def __init__(self, run_dir: Path):
+        # A run into the same --out as an earlier one: the driver truncates metrics.jsonl when it
+        # starts, after this thread may have read the old file's length, so the offset would land
+        # mid-line in the new one; and old step_k directories would read as this run's saves.
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         self.dir, self.began, self.saved, self.stepped = run_dir / "checkpoints", {}, {}, {}
         self.metrics, self._read = run_dir / "metrics.jsonl", 0
         self._stop = threading.Event()
