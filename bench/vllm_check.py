@@ -56,7 +56,8 @@ from rl.data import policy  # noqa: E402
 from rl.generation.decoding import StaticDecoder, sample_key  # noqa: E402
 from rl.model.padded_batch import pad_batch, sequence_logprobs  # noqa: E402
 from rl.model.precision import cast_model  # noqa: E402
-from rl.generation.vllm_engine import VllmDecoder, sampling_params  # noqa: E402
+from rl.generation.vllm_engine import VllmDecoder  # noqa: E402
+from rl.generation.vllm_sampling import sampling_params  # noqa: E402
 
 T0 = time.time()
 # vLLM's behaviour log-probs may differ from the learner's recomputation as much as our own

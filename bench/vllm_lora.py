@@ -77,7 +77,8 @@ def engine_part(kind: str, args, paths: dict) -> dict:
     from vllm.lora.request import LoRARequest
 
     import gpu_step
-    from rl.generation.vllm_engine import _worker_load, sampling_params
+    from rl.generation.vllm_engine import _worker_load
+    from rl.generation.vllm_sampling import sampling_params
 
     shape = gpu_step.SHAPES["w1"]
     rng = random.Random(0)

@@ -17,7 +17,8 @@ episode spanning a push is trained with each token's own version, as on the stat
 
 from __future__ import annotations
 
-from rl.generation.vllm_engine import VllmDecoder, sampling_params, to_sample
+from rl.generation.vllm_engine import VllmDecoder
+from rl.generation.vllm_sampling import sampling_params, to_sample
 
 _MIX = 0x9E3779B97F4A7C15   # an odd 64-bit constant: distinct (key, turn start) pairs get distinct seeds
 

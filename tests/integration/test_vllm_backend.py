@@ -162,7 +162,7 @@ def test_sampling_params_mapping():
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from rl.generation.vllm_engine import sampling_params
+    from rl.generation.vllm_sampling import sampling_params
 
     p = sampling_params(temperature=0.7, top_k=5, max_new_tokens=32, min_new_tokens=4, stop_ids=[2, 7], seed=123)
     assert isinstance(p, SamplingParams)
@@ -211,7 +211,7 @@ def test_logprobs_from_vllms_output_classes(flat):
     from vllm.logprobs import FlatLogprobs
     from vllm.outputs import CompletionOutput, RequestOutput
 
-    from rl.generation.vllm_engine import sampling_params, to_sample
+    from rl.generation.vllm_sampling import sampling_params, to_sample
 
     params = sampling_params(temperature=0.7, top_k=0, max_new_tokens=3, min_new_tokens=0, stop_ids=[2], seed=5)
     params.flat_logprobs = flat
@@ -232,7 +232,7 @@ def test_logprobs_from_vllms_output_classes(flat):
 def test_logprobs_missing_or_misaligned_are_errors():
     from vllm.logprobs import create_sample_logprobs, append_logprobs_for_next_position
 
-    from rl.generation.vllm_engine import token_logprobs
+    from rl.generation.vllm_sampling import token_logprobs
 
     with pytest.raises(ValueError, match="no log-probs"):
         token_logprobs([1, 2], None)
