@@ -65,9 +65,23 @@ async def start_ray(graph: Graph, options: RunOptions) -> bool:
         os.environ["PYTHONPATH"] = python_path
         # address="local": a new instance even when this machine runs a cluster (`ray start`, or
         # ray.cluster_utils in a test beside this one), which ray.init() with no address would join.
-        with keep_sigterm_handler(), own_process_group():
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), **kwargs)
+        try:
+            with keep_sigterm_handler(), own_process_group():
+                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), **kwargs)
+        except Exception as e:  # noqa: BLE001 - the machine's to fix (RAY_TMPDIR, a full disk, ...): one line
+            ray.shutdown()      # whatever of Ray did start
+            raise UserError(f"Ray did not start on this machine: {one_line(e)} ({RAY_START_ADVICE})") from None
     return True
+
+
+RAY_START_ADVICE = ("Ray writes under RAY_TMPDIR, default /tmp: it must be a writable directory with free space; "
+                    "`ray stop --force` ends a stale local instance; Ray's own logs are in its session_latest/logs")
+
+
+def one_line(e: BaseException) -> str:
+    """`Type: first line of the message` of an exception raised inside a library."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def _host_port(address: str) -> tuple[str, int] | None:
@@ -115,8 +129,7 @@ async def join_in_thread(address: str, kwargs: dict, where: str = "--address") -
                         f"not complete within {JOIN_TIMEOUT_S:g} s (is it a Ray head's GCS port, of the same "
                         f"Ray version, {ray.__version__}?)") from None
     except Exception as e:  # no cluster there, another Ray version, ...: the user's to fix
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UserError(f"{where} {address}: joining the Ray cluster failed: {type(e).__name__}: {first}") from None
+        raise UserError(f"{where} {address}: joining the Ray cluster failed: {one_line(e)}") from None
 
 
 @contextlib.contextmanager

@@ -4,7 +4,8 @@
   interrupt checkpoint like Ctrl-C, exits 130 and leaves no process: Ray's processes are in a
   process group of their own (dataflow/driver/launch.py), so they are still up to take the checkpoint.
 - `--address` where nothing listens is a one-line error (exit 2) in seconds; where something
-  accepts the connection but never answers as Ray, Ctrl-C still stops the CLI at once."""
+  accepts the connection but never answers as Ray, Ctrl-C still stops the CLI at once. A local Ray
+  that cannot start is a one-line error too."""
 
 from __future__ import annotations
 
@@ -57,6 +58,21 @@ def test_an_address_where_nothing_listens_is_a_one_line_error(tmp_path):
     assert lines == ["error: --address 127.0.0.1:1: cannot connect (Connection refused); start the cluster there "
                      "(`ray start --head --port=PORT`), or pass the address its head printed; without --address a "
                      "local Ray is started"], r.stderr
+
+
+def test_a_local_ray_that_cannot_start_is_a_one_line_error(tmp_path):
+    """RAY_TMPDIR naming a file: ray.init fails making its temp directory; the CLI says so in one
+    line of its own (exit 2), naming what Ray raised and where to look, with no traceback."""
+    not_a_dir = tmp_path / "not_a_dir"
+    not_a_dir.write_text("")
+    r = subprocess.run([sys.executable, "-m", "dataflow.run", "tests/graphs/squares.py", "--out", str(tmp_path / "run")],
+                       cwd=ROOT, env={**ENV, "RAY_TMPDIR": str(not_a_dir)}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    ours = [line for line in r.stderr.splitlines() if line.startswith(("error:", "[dataflow]"))]
+    assert ours == [r.stderr.strip().splitlines()[-1]], r.stderr
+    assert ours[0].startswith(f"error: Ray did not start on this machine: NotADirectoryError: [Errno 20] Not a "
+                              f"directory: '{not_a_dir}/ray' (Ray writes under RAY_TMPDIR"), r.stderr
+    assert "Traceback" not in r.stderr and "running" not in r.stdout, r.stdout + r.stderr
 
 
 def test_ctrl_c_stops_a_join_that_never_completes(tmp_path):
