@@ -13,8 +13,8 @@ def sampling_params(*, temperature: float, top_k: int, max_new_tokens: int, min_
     """vllm.SamplingParams for our sampling settings. Stop ids end a response and stay in it (as in
     the static decoder); min_new_tokens masks them before then. Stop strings are checked by vLLM
     on text with special tokens kept (our cut_at_stop_strings convention, which then cuts the
-    response after the stop string's token); without stop strings nothing is detokenised (it cost
-    ~20% of W1's decode time)."""
+    response after the stop string's token); without stop strings nothing is detokenised: vLLM
+    would turn every new token into text, a cost on each decode step that nothing here reads."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
