@@ -1,7 +1,8 @@
 """Where a command's CPU time goes, by process kind: runs the command (default: the test suite) and
-samples it and every process under it (psutil, every 0.25 s; Ray's daemons and workers are), keeping each one's last CPU time
-(user + system) and its most telling title (a Ray worker's `ray::NodeHost.run` rather than the
-`ray::IDLE` it shows between calls). Prints the total and a table by title.
+samples it and every process under it (psutil, every 0.25 s; a local Ray's daemons and workers are
+under the process that started it), keeping each one's last CPU time (user + system) and its most
+telling title (a Ray worker's `ray::NodeHost.run` rather than the `ray::IDLE` it shows between
+calls). Prints the total and a table by title.
 
     python bench/suite_cpu.py                       # pytest tests
     python bench/suite_cpu.py -- python -m pytest tests/integration/test_algorithms.py -n 0
