@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -81,6 +82,7 @@ def variant(args, latency: float, model: str, prompts: str, out: Path) -> dict:
             f"env.max_episode_tokens={4 * args.turns * args.turn_tokens + 64}"]
     sets += ["placement=cpu"] if args.tiny else ["placement=colocated", "num_gpus=1"]
     trace = vdir / "trace.json.gz"
+    shutil.rmtree(vdir / "run", ignore_errors=True)   # a rerun: the CLI refuses an earlier run's directory
     cmd = [sys.executable, "-m", "dataflow.run", str(ROOT / "graphs" / "agent.py"), "--max-steps", str(args.steps),
            "--trace", str(trace), "--out", str(vdir / "run")]
     for s in sets + args.set:

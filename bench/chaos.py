@@ -30,6 +30,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -194,6 +195,9 @@ def main() -> int:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    for part in ("chaos", "clean"):   # a rerun: the CLI refuses an earlier run's directory; its log is appended to
+        shutil.rmtree(out / part, ignore_errors=True)
+        (out / f"{part}.log").unlink(missing_ok=True)
     settings = SETTINGS if args.graph == "ppo" else agent_settings(out, args.env_delay)
 
     kills, redone, wall = chaos(out / "chaos", args.graph, settings, args.minutes, args.every, random.Random(args.seed))

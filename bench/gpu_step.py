@@ -59,6 +59,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -335,6 +336,7 @@ def dataflow_variant(args, shape: dict, paths: dict, algo: str, mode: str, out: 
                  *([f"critic.micro_batch_size={micro}"] if micro else []), "critic.lr=1e-6"]
     sets += shares + args.set
     trace = vdir / "trace.json.gz"
+    shutil.rmtree(vdir / "run", ignore_errors=True)   # a rerun: the CLI refuses an earlier run's directory
     cmd = [sys.executable, "-m", "dataflow.run", str(ROOT / f"graphs/{algo}.py"), "--max-steps", str(args.steps),
            "--trace", str(trace), "--out", str(vdir / "run")]
     for s in sets:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -100,6 +101,7 @@ def variant(args, shape: dict, long: dict, paths: dict, prompts: str, vname: str
         sets += ["placement=colocated", "num_gpus=1", 'gpu_shares={"learner":0.5}',
                  *micro_batching(batching, long["budget"])]
     trace = vdir / "trace.json.gz"
+    shutil.rmtree(vdir / "run", ignore_errors=True)   # a rerun: the CLI refuses an earlier run's directory
     cmd = [sys.executable, "-m", "dataflow.run", str(ROOT / "graphs/grpo.py"), "--max-steps", str(args.steps),
            "--trace", str(trace), "--out", str(vdir / "run")]
     for s in sets + args.set:

@@ -41,6 +41,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -194,6 +195,7 @@ def launch(args, runs: list[tuple[str, int]], model: str, train: str, val: str, 
             name, seed = pending.pop(0)
             run_dir = out / f"{name}-s{seed}"
             run_dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(run_dir / "run", ignore_errors=True)   # a rerun: the CLI refuses an earlier run's directory
             graph, sets = run_settings(args, name, seed, model, train, val, on_gpu, share, concurrent > 1)
             cmd = [sys.executable, "-m", "dataflow.run", graph, "--out", str(run_dir / "run"),
                    "--max-steps", str(args.steps + 1), *[x for s in sets for x in ("--set", s)]]

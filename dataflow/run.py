@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="on CUDA, also record kernels with torch.profiler and print their GPU idle %% next "
                         "to the CUDA-event idle %% (a check of the trace; costs profiler overhead)")
     p.add_argument("--out", default=None, metavar="DIR",
-                   help="run directory for metrics.jsonl and weights (default runs/<graph>-<time>)")
+                   help="run directory for metrics.jsonl and weights (default runs/<graph>-<time>); not one an earlier "
+                        "run wrote to (continue that one with --resume)")
     p.add_argument("--verbose", action="store_true", help="also show the node actors' own logs")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="where compiled artefacts (torch.compile, triton, vLLM's engine) persist across runs of "
@@ -103,6 +104,14 @@ def _main(argv: list[str] | None) -> int:
             shown = f"{args.trace}: its directory {where}" if flag == "--trace" else where
             print(f"error: {flag} {shown}: {problem}", file=sys.stderr)
             return 2
+    if args.out and not args.resume and (earlier := earlier_run(args.out)):
+        # a new run there would truncate its metrics.jsonl, and `--resume DIR` would then pick the
+        # earlier run's highest checkpoint over this one's
+        held, last_checkpoint = earlier
+        what = (f"continue it with --resume {args.out}, or give a new --out" if last_checkpoint
+                else f"give a new --out, or delete {args.out} first")
+        print(f"error: --out {args.out} holds an earlier run ({held}): {what}", file=sys.stderr)
+        return 2
     from dataflow.driver.preflight import input_problems
 
     try:
@@ -145,6 +154,19 @@ def out_dir_problem(path: str) -> str | None:
     if not os.path.isdir(parent):
         return f"{parent} is a file, not a directory; give a path under a directory"
     return None if os.access(parent, os.W_OK | os.X_OK) else f"{parent} is not writable; give a directory you can write"
+
+
+def earlier_run(path: str) -> tuple[str, object] | None:
+    """(what of an earlier run the directory holds, its latest checkpoint or None), or None if it
+    holds neither metrics nor a checkpoint."""
+    from dataflow.actor import checkpoint
+
+    metrics = os.path.join(path, "metrics.jsonl")
+    held = ["metrics.jsonl"] if os.path.isfile(metrics) and os.path.getsize(metrics) > 0 else []
+    last = checkpoint.latest(path) if os.path.isdir(path) else None
+    if last is not None:
+        held.append(f"checkpoints up to {last.name}")
+    return (" and ".join(held), last) if held else None
 
 
 def _run_with_signals(make_coro, graph_file: str = "GRAPH.py") -> int:

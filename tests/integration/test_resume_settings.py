@@ -86,6 +86,14 @@ def test_resume_keeps_the_recorded_settings_and_refuses_changing_what_the_run_is
     assert rc == 0, err
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4"]
     assert checkpoint.read_manifest(run / "checkpoints" / "step_4")["settings"]["counter.delay_s"] == 0.01
+    # A new run into it (no --resume) is refused before anything starts: it would truncate the
+    # metrics, and --resume on the directory would then pick whichever run's checkpoint is higher.
+    metrics = (run / "metrics.jsonl").read_bytes()
+    rc, out, err = main(capsys, GRAPH, "--max-steps", "2", "--out", run)
+    assert rc == 2 and err.strip().splitlines() == [
+        f"error: --out {run} holds an earlier run (metrics.jsonl and checkpoints up to step_4): continue it with "
+        f"--resume {run}, or give a new --out"], err
+    assert (run / "metrics.jsonl").read_bytes() == metrics
 
     # No --set: the run's own settings (the defaults are delay_s=0.2, save_interval=1000).
     rc, out, err = main(capsys, GRAPH, "--resume", run, "--max-steps", "6")

@@ -258,7 +258,7 @@ def test_a_bad_environment_file_is_one_line_and_exit_2_before_ray(tmp_path, caps
 
 def test_mistakes_once_found_late_are_one_line_before_ray(tmp_path, capsys, monkeypatch):
     """Mistakes that used to get past the checks: --out naming a file (a traceback, exit 1, at the
-    first metrics write; --trace's directory at the run's end; --compile-cache in a node's set-up), reward.function / reward.kwargs without reward.path (silently ignored: the
+    first metrics write; an earlier run's directory: its metrics truncated, its checkpoints mixed in; --trace's directory at the run's end; --compile-cache in a node's set-up), reward.function / reward.kwargs without reward.path (silently ignored: the
     built-in scorer ran), a missing val.path and LoRA with several learner ranks (a node's failed
     set-up after start-up), a graph's single problem (two lines). Each is one line, exit 2, before
     Ray starts (booby-trapped here)."""
@@ -273,7 +273,16 @@ def test_mistakes_once_found_late_are_one_line_before_ray(tmp_path, capsys, monk
     monkeypatch.setattr("dataflow.driver.runtime.start_ray", trap)
     a_file = tmp_path / "a_file"
     a_file.write_text("")
+    earlier, resumable = tmp_path / "earlier", tmp_path / "resumable"   # an earlier run's directory
+    earlier.mkdir()
+    (earlier / "metrics.jsonl").write_text('{"step": 1}\n')
+    (resumable / "checkpoints" / "step_3").mkdir(parents=True)
+    (resumable / "checkpoints" / "step_3" / "manifest.json").write_text("{}")
     cases = [
+        (["--out", str(earlier)], f"error: --out {earlier} holds an earlier run (metrics.jsonl): give a new --out, "
+                                  f"or delete {earlier} first"),
+        (["--out", str(resumable)], f"error: --out {resumable} holds an earlier run (checkpoints up to step_3): "
+                                    f"continue it with --resume {resumable}, or give a new --out"),
         (["--out", str(a_file)], f"error: --out {a_file}: a file is there; give a directory (it is made if missing)"),
         (["--out", str(a_file / "run")], f"error: --out {a_file / 'run'}: {a_file} is a file, not a directory"),
         (["--compile-cache", str(a_file)], f"error: --compile-cache {a_file}: a file is there"),
