@@ -35,6 +35,12 @@ class NodeFailed(Exception):
         super().__init__(f"node '{node}' failed: {summary}")
 
 
+def one_line(e: BaseException) -> str:
+    """`Type: first line of the message` of an exception raised inside a library."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
 def out_of_memory_line(e: BaseException, memory_note: str, share: float) -> str:
     """torch's CUDA out-of-memory message cut to what was asked and what the share allows, then
     what the memory plan gave the node and the setting that lowers its need (NodeSpec.memory_note),

@@ -11,7 +11,7 @@ import asyncio
 import time
 from typing import Any
 
-from dataflow.errors import NodeFailed, UserError
+from dataflow.errors import NodeFailed, UserError, one_line
 
 ROOT_CAUSE_GRACE_S = 2.0  # how long a channel error waits for the failure of the node it names
 
@@ -133,4 +133,4 @@ def death_summary(e: BaseException) -> str:
         if "SIGKILL" in text or "killed" in text.lower() or "exit" in text.lower():
             return "its process died (killed or crashed); see the node's log with --verbose"
         return "its actor died: " + text.strip().splitlines()[0]
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return one_line(e)

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from dataflow import placement
-from dataflow.errors import UserError
+from dataflow.errors import UserError, one_line
 from dataflow.graph import Graph
 from dataflow.driver.loading import PROJECT_ROOT
 from dataflow.trace.collector import measure_clock_offset
@@ -76,12 +76,6 @@ async def start_ray(graph: Graph, options: RunOptions) -> bool:
 
 RAY_START_ADVICE = ("Ray writes under RAY_TMPDIR, default /tmp: it must be a writable directory with free space; "
                     "`ray stop --force` ends a stale local instance; Ray's own logs are in its session_latest/logs")
-
-
-def one_line(e: BaseException) -> str:
-    """`Type: first line of the message` of an exception raised inside a library."""
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def _host_port(address: str) -> tuple[str, int] | None:
