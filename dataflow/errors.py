@@ -42,13 +42,18 @@ def one_line(e: BaseException) -> str:
 
 
 def out_of_memory_line(e: BaseException, memory_note: str, share: float) -> str:
-    """torch's CUDA out-of-memory message cut to what was asked and what the share allows, then
-    what the memory plan gave the node and the setting that lowers its need (NodeSpec.memory_note),
-    or without a plan its share: the host reports it as a user error, one line, no traceback."""
+    """torch's CUDA out-of-memory message cut to what was asked, what the share allows and what the
+    node held (allocated by PyTorch, and reserved but unused: fragmentation), then what the memory
+    plan gave the node and the setting that lowers its need (NodeSpec.memory_note), or without a
+    plan its share: the host reports it as a user error, one line, no traceback."""
     text = " ".join(str(e).split())
     asked = re.search(r"Tried to allocate [\d.]+ \w+", text)
     allowed = re.search(r"[\d.]+ \w+ allowed", text)
-    said = "; ".join(m.group(0) for m in (asked, allowed) if m) or text[:160]
+    held = re.search(r"([\d.]+ \w+) is allocated by PyTorch", text)
+    unused = re.search(r"([\d.]+ \w+) is reserved by PyTorch but unallocated", text)
+    said = "; ".join([m.group(0) for m in (asked, allowed) if m]
+                     + ([f"it held {held.group(1)}" + (f" (+{unused.group(1)} reserved, unused)" if unused else "")]
+                        if held else [])) or text[:160]
     plan = memory_note or (f"no memory plan for it (share {share:g} of a GPU): lower its max_tokens_per_micro_batch "
                            "(or micro_batch_size) or give it a larger gpu_shares entry")
     return f"out of GPU memory ({said}); {plan}"

@@ -145,8 +145,9 @@ class RLHFConfig:
     gpu_memory_gib: Annotated[float, NonNegative] = 0.0
     """GPU size for the memory plan (rl/model/applied_plan.py; --describe prints it on a GPU placement):
     it sets the shares, token budgets and checkpointing left at their defaults, and refuses before
-    start a node that does not fit. 0 = the driver's GPU 0 if it has one, else the plan assumes an
-    H200 (141 GiB), only prints and applies nothing."""
+    start a node that does not fit. As CUDA counts it (torch.cuda.mem_get_info()[1], a little under
+    nvidia-smi's total): each node's cap is a fraction of that. 0 = the driver's GPU 0 if it has one,
+    else the plan assumes an H200 (141 GiB), only prints and applies nothing."""
     val: ValidationConfig = field(default_factory=ValidationConfig)
     """Validation rounds on a held-out file (nodes/evaluator.py): val.path, val.every, val.n, val.k."""
     loggers: str = ""
@@ -274,19 +275,24 @@ class RLHFConfig:
 
 
 def gpu_total_bytes() -> int:
-    """GPU 0's memory as nvidia-smi reports it (no CUDA context in the driver), else torch's; 0
-    without a GPU."""
+    """GPU 0's memory as CUDA counts it, the total that each node's allocator cap is a fraction of
+    (set_per_process_memory_fraction), from nvidia-smi (no CUDA context in the driver): its total
+    less what the driver and firmware reserve. Planned against the total alone, every node's cap
+    fell short of the bytes the plan gave it. Torch's count without nvidia-smi; 0 without a GPU."""
     import shutil
     import subprocess
 
     if shutil.which("nvidia-smi"):
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
-                                 capture_output=True, text=True, timeout=20)
-            if out.returncode == 0 and out.stdout.strip():
-                return int(float(out.stdout.split()[0]) * (1 << 20))   # MiB
-        except (OSError, ValueError, subprocess.SubprocessError):
-            pass
+        # memory.reserved is not known to every driver: then the total alone
+        for fields in ("memory.total,memory.reserved", "memory.total"):
+            try:
+                out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", "0"],
+                                     capture_output=True, text=True, timeout=20)
+                mib = [float(x) for x in out.stdout.strip().split(",")] if out.returncode == 0 else []
+            except (OSError, ValueError, subprocess.SubprocessError):
+                mib = []
+            if mib and mib[0] > 0:
+                return int((mib[0] - sum(mib[1:])) * (1 << 20))
     import torch
 
     return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0

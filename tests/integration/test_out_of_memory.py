@@ -1,7 +1,8 @@
 """An out-of-memory error in a node's step, through the real runtime (Ray actors): the run ends with
 one line naming the node, what torch asked and allowed, and the node's memory note (what the memory
 plan gave it and the setting to lower; rl/model/applied_plan.apply writes it), as a user error
-(exit 2 in the CLI), not a traceback. torch.OutOfMemoryError is raised by hand: there is no GPU here."""
+(exit 2 in the CLI), not a traceback. torch.OutOfMemoryError is raised by hand: there is no GPU here.
+Also the GPU size the plan reads from nvidia-smi (a stand-in script on PATH)."""
 
 from __future__ import annotations
 
@@ -48,4 +49,22 @@ def test_an_out_of_memory_step_ends_the_run_in_one_line_with_the_plans_note(tmp_
     with pytest.raises(UserError) as caught:
         asyncio.run(run_graph(g, RunOptions(out_dir=str(tmp_path), quiet=True)))
     line = str(caught.value)
-    assert line == f"node 'learner' (run): out of GPU memory (Tried to allocate 2.32 GiB; 27.96 GiB allowed); {note}"
+    assert line == f"node 'learner' (run): out of GPU memory (Tried to allocate 2.32 GiB; 27.96 GiB allowed; it held 25.10 GiB); {note}"
+
+
+@pytest.mark.parametrize("answers,expected_mib", [
+    ({"memory.total,memory.reserved": "81559, 479"}, 81559 - 479),   # what CUDA counts: caps are fractions of it
+    ({"memory.total": "143771"}, 143771),                            # a driver without memory.reserved
+])
+def test_the_plans_gpu_size_is_what_cuda_counts_read_from_nvidia_smi(tmp_path, monkeypatch, answers, expected_mib):
+    """graphs/rlhf.gpu_total_bytes: nvidia-smi's total less what its driver reserves, the total
+    torch's per-process cap is a fraction of; the total alone where the field is unknown (nvidia-smi
+    exits non-zero). A stand-in nvidia-smi on PATH answers each query as a driver would."""
+    from graphs.rlhf import gpu_total_bytes
+
+    script = tmp_path / "nvidia-smi"
+    cases = "\n".join(f'  *"--query-gpu={q} "*) echo "{a}"; exit 0 ;;' for q, a in answers.items())
+    script.write_text(f'#!/bin/sh\ncase "$*" in\n{cases}\n  *) echo "Field is not a valid field to query." >&2; exit 2 ;;\nesac\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    assert gpu_total_bytes() == expected_mib * (1 << 20)

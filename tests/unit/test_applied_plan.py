@@ -208,7 +208,7 @@ def test_an_out_of_memory_error_is_one_line_with_what_the_plan_gave_the_node(tmp
         raise_if_failed("learner", result)
     line = str(caught.value)
     assert "\n" not in line and line.startswith("node 'learner' (run): out of GPU memory (Tried to allocate 2.32 GiB; "
-                                                "75.45 GiB allowed)")
+                                                "75.45 GiB allowed; it held 70.1 GiB (+2.1 GiB reserved, unused))")
     assert note in line and "lower learner.max_tokens_per_micro_batch (now " in line
 
     host.spec.memory_note = ""            # no plan (a hand-built graph): its share and what to set
@@ -217,7 +217,8 @@ def test_an_out_of_memory_error_is_one_line_with_what_the_plan_gave_the_node(tmp
     except torch.OutOfMemoryError as e:
         result = host._failure(e, phase="setup")
     assert result["user_error"] and result["message"] == (
-        "out of GPU memory (Tried to allocate 2.32 GiB; 75.45 GiB allowed); no memory plan for it (share 0.54 of a "
+        "out of GPU memory (Tried to allocate 2.32 GiB; 75.45 GiB allowed; it held 70.1 GiB (+2.1 GiB reserved, unused)); "
+        "no memory plan for it (share 0.54 of a "
         "GPU): lower its max_tokens_per_micro_batch (or micro_batch_size) or give it a larger gpu_shares entry")
 
 
