@@ -228,7 +228,9 @@ class Critic(RankCommands, Node):
             check_micro_batch_settings("critic", c.micro_batch_size, c.max_tokens_per_micro_batch)
         except ValueError as e:
             raise UserError(str(e)) from None
-        with self.ctx.span("load model"):   # a start-up part (setup/critic/load model)
+        with self.ctx.span("import transformers"):   # start-up parts (setup/critic/...)
+            policy.import_model_code()
+        with self.ctx.span("load model"):
             base, self.tokenizer = policy.load(c.policy)
             self.model = ValueModel.from_policy(base, gradient_checkpointing=c.gradient_checkpointing)
             prepare_trained(self.model, self.ctx.device, c.precision)  # fp32 masters (rl/model/precision.py)

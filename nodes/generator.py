@@ -173,7 +173,9 @@ class Generator(HFLoop, Node):
     async def setup(self):
         c = self.config
         self.prompts_per_call = prompts_per_call(c, self.ctx.device)  # the HF loop's; the decoder's below
-        with self.ctx.span("load model"):   # spans in setup: the run's start-up parts (setup/generator/...)
+        with self.ctx.span("import transformers"):   # spans in setup: the run's start-up parts (setup/generator/...)
+            policy.import_model_code()
+        with self.ctx.span("load model"):
             self.model, self.tokenizer = policy.load(c.policy)
         self.stop_ids = policy.stop_token_ids(self.model, self.tokenizer, c.stop_token_ids)
         if self.stop_ids != [self.tokenizer.eos_token_id] or c.stop_strings:

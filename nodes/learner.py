@@ -209,7 +209,9 @@ class Learner(LearnerState, RankCommands, Node):
                             f"learner.tp = 1; declare it with replicas=dp*tp")
         self._pending_state = None  # dp x tp: a loaded (model, optimizer) state, spread in run()
         self._saved = None          # dp x tp: (model, optimizer) gathered for state_dict()
-        with self.ctx.span("load model"):   # spans in setup: the run's start-up parts (setup/learner/...)
+        with self.ctx.span("import transformers"):   # spans in setup: the run's start-up parts (setup/learner/...)
+            policy.import_model_code()
+        with self.ctx.span("load model"):
             self.model, self.tokenizer = policy.load(c.policy)
             # fp32 master weights even from a bf16 checkpoint (precision.prepare_trained).
             prepare_trained(self.model, self.ctx.device, c.precision).eval()
@@ -232,8 +234,9 @@ class Learner(LearnerState, RankCommands, Node):
             except ValueError as e:
                 raise UserError(f"learner.dp={c.dp} learner.tp={c.tp}: {e}") from None
         else:  # sharded ranks stay eager (compiling FSDP2/TP layers is untried here)
-            compiled = compile_layers(self.model, compile_setting(c.compile, c.packing, c.gradient_checkpointing),
-                                      self.ctx.device)
+            with self.ctx.span("compile set-up"):   # torch.compile's wrappers (it imports inductor), not the compile
+                compiled = compile_layers(self.model, compile_setting(c.compile, c.packing, c.gradient_checkpointing),
+                                          self.ctx.device)
             if compiled and c.compile_warm_up:   # the layers compile while the other nodes start
                 self._warm_up = start_warm_up(self.ctx, self.model, c, self.tokenizer.pad_token_id, self.turn,
                                               self._reference_logprobs if c.own_reference else None)

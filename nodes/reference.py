@@ -93,7 +93,9 @@ class Reference(Node):
             check_micro_batch_settings("reference", c.micro_batch_size, c.max_tokens_per_micro_batch)
         except ValueError as e:
             raise UserError(str(e)) from None
-        with self.ctx.span("load model"):   # a start-up part (setup/reference/load model)
+        with self.ctx.span("import transformers"):   # start-up parts (setup/reference/...)
+            policy.import_model_code()
+        with self.ctx.span("load model"):
             self.model, self.tokenizer = policy.load(c.policy)
             prepare_frozen(self.model, self.ctx.device, c.precision)
         if c.packing:

@@ -74,6 +74,14 @@ def load_tokenizer(spec: PolicySpec):
     return tokenizer
 
 
+def import_model_code() -> None:
+    """Import transformers' model code (modeling_utils, which pulls in torch._dynamo,
+    torch.distributed.tensor and sympy): most of a model node's "load model" time, and the same for
+    every model. The model nodes call it in a start-up part of its own ("import transformers"), so
+    the run's start-up table tells that import from reading the weights."""
+    import transformers.modeling_utils  # noqa: F401
+
+
 def load(spec: PolicySpec):
     """(model, tokenizer), the tokenizer with a pad token. Never downloads; a missing or
     incomplete directory is a UserError."""

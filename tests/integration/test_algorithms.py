@@ -34,7 +34,8 @@ def run(graph_file: str, tmp_path: Path, overrides: list[str], max_steps: int, t
                                                       trace_path=str(trace)), config))
     assert summary.status in ("done", "max steps reached"), summary.status
     # Where each node's setup went: the spans its setup opened, as start-up parts.
-    parts = {"setup/learner/load model", "setup/learner/weight sync setup", "setup/generator/load model",
+    parts = {"setup/learner/import transformers", "setup/learner/load model", "setup/learner/weight sync setup",
+             "setup/generator/import transformers", "setup/generator/load model",
              "setup/prompts/load tokenizer", "setup/reward/load tokenizer"}
     assert parts <= summary.startup.keys() and all(summary.startup[p] >= 0 for p in parts), summary.startup
     records = [json.loads(line) for line in Path(summary.metrics_path).read_text().splitlines()]

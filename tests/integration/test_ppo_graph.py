@@ -88,11 +88,15 @@ def test_the_end_of_run_table_shows_startup_apart(learning_run):
         # from the launch: at least the driver's start-up (Ray up -> every node set up), give or take the clock offset
         assert a["state_us"]["startup"] / S >= summary.startup["total"] - 0.5, (name, a, summary.startup)
     assert aggs["processes"]["critic"]["startup_parts"]["load model"] > 0
+    # transformers' model code imported apart from the weights, in every model node
+    assert all(aggs["processes"][n]["startup_parts"]["import transformers"] > 0
+               for n in ("generator", "reference", "critic", "learner"))
     assert "load model" not in aggs["processes"]["critic"]["spans"]   # set-up is not busy time
     table = summary.report[summary.report.index("[dataflow] where time went"):summary.report.index("  padding")]
     assert "s of start-up (launch -> every node running), then the training window" in table
     assert re.search(r"\n  start-up \(s\) +total +process +imports +set-up +waiting", table), table
-    assert re.search(r"\n  critic +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+  load model [\d.]+", table), table
+    assert re.search(r"\n  critic +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+  [^\n]*\bload model [\d.]+", table), table
+    assert re.search(r"\n  critic +[^\n]*\bimport transformers [\d.]+", table), table
     out = subprocess.run([sys.executable, "-m", "dataflow.trace", str(trace_path)], capture_output=True,
                          text=True, cwd=ROOT, check=True, timeout=120).stdout
     assert table in out   # the same figures, the same training window
