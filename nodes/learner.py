@@ -234,7 +234,7 @@ class Learner(LearnerState, RankCommands, Node):
             except ValueError as e:
                 raise UserError(f"learner.dp={c.dp} learner.tp={c.tp}: {e}") from None
         else:  # sharded ranks stay eager (compiling FSDP2/TP layers is untried here)
-            with self.ctx.span("compile set-up"):   # torch.compile's wrappers (it imports inductor), not the compile
+            with self.ctx.span("compile set-up"):   # torch.compile's wrappers; the compile itself is the warm-up's
                 compiled = compile_layers(self.model, compile_setting(c.compile, c.packing, c.gradient_checkpointing),
                                           self.ctx.device)
             if compiled and c.compile_warm_up:   # the layers compile while the other nodes start
