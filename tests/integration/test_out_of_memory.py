@@ -7,6 +7,7 @@ Also the GPU size the plan reads from nvidia-smi (a stand-in script on PATH)."""
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -53,7 +54,7 @@ def test_an_out_of_memory_step_ends_the_run_in_one_line_with_the_plans_note(tmp_
 
 
 @pytest.mark.parametrize("answers,expected_mib", [
-    ({"memory.total,memory.reserved": "81559, 479"}, 81559 - 479),   # what CUDA counts: caps are fractions of it
+    ({"memory.total,memory.reserved": "81559, 480"}, 81559 - 480),   # an H100 80GB: torch counts the same
     ({"memory.total": "143771"}, 143771),                            # a driver without memory.reserved
 ])
 def test_the_plans_gpu_size_is_what_cuda_counts_read_from_nvidia_smi(tmp_path, monkeypatch, answers, expected_mib):
@@ -66,5 +67,5 @@ def test_the_plans_gpu_size_is_what_cuda_counts_read_from_nvidia_smi(tmp_path, m
     cases = "\n".join(f'  *"--query-gpu={q} "*) echo "{a}"; exit 0 ;;' for q, a in answers.items())
     script.write_text(f'#!/bin/sh\ncase "$*" in\n{cases}\n  *) echo "Field is not a valid field to query." >&2; exit 2 ;;\nesac\n')
     script.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     assert gpu_total_bytes() == expected_mib * (1 << 20)
