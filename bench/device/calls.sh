@@ -280,6 +280,20 @@ startup_plan() {  # issue 38: SmolLM2 GRPO's time from the command to the first 
   done
 }
 
+import_profile() {  # issue 38: where a model node's imports go on the GPU image (transformers' model code took
+  # 6.3-8.7 s per node there, ~2.9 s on the 2-core CPU machine): python -X importtime of each, the slowest
+  # modules by cumulative time, and whether bytecode is written (PYTHONDONTWRITEBYTECODE)
+  local dest=$OUT/import_profile
+  mkdir -p "$dest"
+  echo "== import_profile $(date +%T) PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}"
+  for m in ray torch transformers.modeling_utils "torch; import transformers.modeling_utils" "torch._inductor.compile_fx"; do
+    local f="$dest/$(echo "$m" | tr -c 'a-zA-Z0-9_.\n' '_').txt"
+    /usr/bin/time -f "   %e s wall, %U s user: import $m" python3 -X importtime -c "import $m" 2> "$f"
+    tail -1 "$f"
+    grep "^import time:" "$f" | sort -t'|' -k2 -n -r | head -12 | cut -c1-120
+  done
+}
+
 vllm_tests() {  # the vLLM backend's tests on the GPU (tests/integration/test_vllm_backend.py: episodes, sleep, the auto KV cache)
   local dest=$OUT/vllm_tests
   mkdir -p "$dest"
