@@ -280,12 +280,27 @@ startup_plan() {  # issue 38: SmolLM2 GRPO's time from the command to the first 
   done
 }
 
+startup_preload() {  # issue 38: Ray's RAY_preload_python_modules (each worker Ray starts, the ones it prestarts
+  # for the driver's job included, imports these before it hosts anything) against none, warm caches,
+  # back to back after startup_plan: does a model node's import run ahead of the driver asking for it?
+  rl st_nopre 200 --steps 3 --eval-every 3 --val-n 64
+  RAY_preload_python_modules=torch,transformers.modeling_utils rl st_pre 200 --steps 3 --eval-every 3 --val-n 64
+}
 import_profile() {  # issue 38: where a model node's imports go on the GPU image (transformers' model code took
   # 6.3-8.7 s per node there, ~2.9 s on the 2-core CPU machine): python -X importtime of each, the slowest
   # modules by cumulative time, and whether bytecode is written (PYTHONDONTWRITEBYTECODE)
   local dest=$OUT/import_profile
   mkdir -p "$dest"
   echo "== import_profile $(date +%T) PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}"
+  python3 - <<'PY'   # where each package lives and whether its bytecode is there to load
+import importlib.util, os, sys
+for name in ("ray", "torch", "transformers", "tokenizers", "sympy"):
+    spec = importlib.util.find_spec(name)
+    d = os.path.dirname(spec.origin) if spec and spec.origin else None
+    cached = os.path.isdir(os.path.join(d, "__pycache__")) if d else None
+    print(f"   {name}: {d} (__pycache__ {'present' if cached else 'absent'})")
+print(f"   python {sys.version.split()[0]}, os.cpu_count {os.cpu_count()}")
+PY
   for m in ray torch transformers.modeling_utils "torch; import transformers.modeling_utils" "torch._inductor.compile_fx"; do
     local f="$dest/$(echo "$m" | tr -c 'a-zA-Z0-9_.\n' '_').txt"
     /usr/bin/time -f "   %e s wall, %U s user: import $m" python3 -X importtime -c "import $m" 2> "$f"
