@@ -307,6 +307,10 @@ PY
     tail -1 "$f"
     grep "^import time:" "$f" | sort -t'|' -k2 -n -r | head -12 | cut -c1-120
   done
+  # which functions the model-code import spends its time in (file reads, the lazy-module structure, ...)
+  python3 -c "import cProfile, pstats, torch; cProfile.run('import transformers.modeling_utils', '/tmp/tf.prof')
+pstats.Stats('/tmp/tf.prof').sort_stats('tottime').print_stats(14)" > "$dest/transformers_cprofile.txt" 2>&1
+  grep -A16 "ncalls" "$dest/transformers_cprofile.txt" | cut -c1-150
 }
 
 vllm_tests() {  # the vLLM backend's tests on the GPU (tests/integration/test_vllm_backend.py: episodes, sleep, the auto KV cache)
