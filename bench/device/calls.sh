@@ -303,14 +303,26 @@ print(f"   python {sys.version.split()[0]}, os.cpu_count {os.cpu_count()}")
 PY
   for m in ray torch transformers.modeling_utils "torch; import transformers.modeling_utils" "torch._inductor.compile_fx"; do
     local f="$dest/$(echo "$m" | tr -c 'a-zA-Z0-9_.\n' '_').txt"
-    /usr/bin/time -f "   %e s wall, %U s user: import $m" python3 -X importtime -c "import $m" 2> "$f"
-    tail -1 "$f"
+    TIMEFORMAT="   %R s wall, %U s user: import $m"
+    { time python3 -X importtime -c "import $m" 2> "$f"; } 2>&1
     grep "^import time:" "$f" | sort -t'|' -k2 -n -r | head -12 | cut -c1-120
   done
   # which functions the model-code import spends its time in (file reads, the lazy-module structure, ...)
   python3 -c "import cProfile, pstats, torch; cProfile.run('import transformers.modeling_utils', '/tmp/tf.prof')
 pstats.Stats('/tmp/tf.prof').sort_stats('tottime').print_stats(14)" > "$dest/transformers_cprofile.txt" 2>&1
   grep -A16 "ncalls" "$dest/transformers_cprofile.txt" | cut -c1-150
+  # No bytecode in the image's packages (and none written: PYTHONDONTWRITEBYTECODE) means every process
+  # compiles them from source, which a user's pip install does not: compile them, time the import again.
+  local dirs; dirs=$(python3 -c "import importlib.util as u, os
+print(' '.join(os.path.dirname(u.find_spec(n).origin) for n in ('torch', 'transformers')))")
+  if ! ls -d $(for d in $dirs; do echo "$d/__pycache__"; done) >/dev/null 2>&1; then
+    TIMEFORMAT="   %R s: compileall of $dirs"
+    { time python3 -m compileall -q -j 0 $dirs >/dev/null 2>&1; } 2>&1
+    for i in 1 2; do
+      TIMEFORMAT="   %R s wall, %U s user: import torch; import transformers.modeling_utils (compiled, try $i)"
+      { time python3 -c "import torch; import transformers.modeling_utils"; } 2>&1
+    done
+  fi
 }
 
 vllm_tests() {  # the vLLM backend's tests on the GPU (tests/integration/test_vllm_backend.py: episodes, sleep, the auto KV cache)
