@@ -281,9 +281,8 @@ startup_plan() {  # issue 38: SmolLM2 GRPO's time from the command to the first 
 }
 
 startup_preload() {  # issue 38: Ray's RAY_preload_python_modules (each worker Ray starts, the ones it prestarts
-  # for the driver's job included, imports these before it hosts anything) against none, warm caches,
-  # back to back after startup_plan: does a model node's import run ahead of the driver asking for it?
-  rl st_nopre 200 --steps 3 --eval-every 3 --val-n 64
+  # for the driver's job included, imports these before it hosts anything), right after startup_plan,
+  # whose warm run (st_warm) is the same run without it: does a model node's import run ahead?
   RAY_preload_python_modules=torch,transformers.modeling_utils rl st_pre 200 --steps 3 --eval-every 3 --val-n 64
 }
 import_profile() {  # issue 38: where a model node's imports go on the GPU image (transformers' model code took
