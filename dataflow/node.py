@@ -4,13 +4,20 @@ A node kind is a class with a typed `Config` dataclass, the names of its ports, 
 loop. The engine builds it inside a NodeHost Ray actor (dataflow/actor/host.py) and hands it a
 `NodeContext` for everything that crosses the process boundary: channels, versioned edges,
 metrics, trace spans.
+
+A kind may declare itself apart from the code that runs it (`Node.implementation`): the driver
+then reads only the declaration, and the implementation's imports (torch, models) happen in the
+node's own process (`implementation_of`, called by the host).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from dataflow.errors import UserError
 
 
 class Node:
@@ -30,6 +37,11 @@ class Node:
     """Only replica 0 reads the input channels (the others get no input ports): a node whose
     replicas are the ranks of one job (dataflow/weights/multirank.py), rank 0 handing out the work.
     A channel with several consumer replicas gives each item to one of them."""
+    implementation: ClassVar[str] = ""
+    """"module:Class" of the class that runs this kind, a subclass of it ("" = this class runs).
+    The built-in model kinds (nodes/generator.py, learner.py, ...) are declarations whose
+    implementation is in nodes/impl/: the driver imports a graph's kinds before Ray starts, and
+    their implementations import torch. A user's own node kind needs nothing here."""
 
     @classmethod
     def restart_refusal(cls, config: Any) -> str:
@@ -68,6 +80,31 @@ class Node:
     async def on_restart(self, replica: str) -> None:
         """Replica `replica` (of another node) died and was restarted: the items it held are lost.
         The prompt source re-issues the prompts not yet trained on here."""
+
+
+def implementation_of(kind: type) -> type:
+    """The class that runs `kind`: `kind` itself when it sets no implementation or already is (a
+    subclass of) it, else the class its `implementation` names, which must subclass `kind`."""
+    path = getattr(kind, "implementation", "")
+    if not path:
+        return kind
+    module, _, name = path.partition(":")
+    try:
+        impl = getattr(importlib.import_module(module), name, None)
+    except ModuleNotFoundError as e:
+        if not (module == e.name or module.startswith(f"{e.name}.")):   # one that the implementation
+            raise                                                       # imports: its traceback kept
+        impl = None
+    if not isinstance(impl, type):
+        raise UserError(f"node kind {kind.__qualname__}: implementation={path!r} names no class; give it "
+                        "as 'module:Class'")
+    if issubclass(kind, impl):   # the implementation itself, or a user's subclass of it
+        return kind
+    if not issubclass(impl, kind):
+        raise UserError(f"node kind {kind.__module__}.{kind.__qualname__}: its implementation {path} does not "
+                        f"subclass it; subclass {module}.{name} to change how it runs, or set "
+                        f"{kind.__qualname__}.implementation to a subclass of {kind.__qualname__}")
+    return impl
 
 
 @dataclass

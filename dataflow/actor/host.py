@@ -34,7 +34,7 @@ from dataflow.channel.tracked import TrackedInput
 from dataflow.errors import UserError, out_of_memory_line
 from dataflow.actor.host_checkpoint import CheckpointCalls
 from dataflow.actor.host_status import StatusCalls
-from dataflow.node import NodeContext
+from dataflow.node import NodeContext, implementation_of
 from dataflow.trace.kernels import KernelRecorder
 from dataflow.trace.tracer import Tracer
 from dataflow.timeouts import wait_within
@@ -173,7 +173,6 @@ class NodeHost(CheckpointCalls, StatusCalls):
             gpu_share=self.spec.gpu_fraction if self.device == "cuda" else 0.0, gpu_turn=self.spec.gpu_turn,
             tracer=self.tracer, run_dir=self.spec.run_dir, _host=self,
             save_interval=self.spec.save_interval, state_lock=self.state_lock)
-        self.node = self.spec.kind(self.spec.config, self.ctx)
         if self.spec.trace_kernels and self.device == "cuda":
             self._kernels = KernelRecorder(self.tracer.now_us)
         self._phase = "setup"
@@ -181,6 +180,11 @@ class NodeHost(CheckpointCalls, StatusCalls):
         self.tracer.tally = {}  # the spans the node's setup opens (ctx.span): where its start-up went
         try:
             with self.tracer.span("setup"):
+                kind = self.spec.kind
+                if getattr(kind, "implementation", ""):   # a declaration (nodes/generator.py, ...): its code, torch, is imported here
+                    with self.tracer.span("import node code"):
+                        kind = implementation_of(kind)
+                self.node = kind(self.spec.config, self.ctx)
                 await self.node.setup()
         except Exception as e:
             return self._failure(e, phase="setup")
