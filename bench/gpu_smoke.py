@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from rl.generation.decoding import decode_responses  # noqa: E402
-from nodes.learner import LearnerConfig, ppo_update, step_advantages  # noqa: E402
+from nodes.impl.learner import LearnerConfig, ppo_update, step_advantages  # noqa: E402
 from rl.model.causal_lm import ModelConfig, build_policy  # noqa: E402
 from rl.generation.hf_sampling import sample_responses  # noqa: E402
 from rl.model.padded_batch import pad_batch, sequence_logprobs  # noqa: E402

@@ -476,9 +476,9 @@ def learner_bench(args, shape: dict, paths: dict, out: Path) -> list[dict]:
     import torch
 
     from rl.data import policy
-    from nodes.learner import LearnerConfig, ppo_update
+    from nodes.impl.learner import LearnerConfig, ppo_update
     from rl.model.precision import compile_layers, prepare_frozen, prepare_trained
-    from nodes.reference import add_logprobs
+    from nodes.impl.reference import add_logprobs
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     spec = policy.PolicySpec(path=paths["model"])

@@ -40,7 +40,7 @@ def one(shape: str, rank: int) -> dict:
     from torch._dynamo.utils import compile_times
 
     from nodes.learner import LearnerConfig
-    from nodes.reference import add_logprobs
+    from nodes.impl.reference import add_logprobs
     from rl.model import lora
     from rl.model.lora import LoraConfig
     from rl.model.precision import compile_layers, prepare_trained

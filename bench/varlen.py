@@ -13,12 +13,12 @@ prompt share its length (a per-row length in the dataset that the generator hono
 
 Learner variants (one optimizer step over the 256 samples = one minibatch, the PPO loss with KL;
 the proximal log-probs are the behaviour ones, as W1's one-minibatch step):
-  today          nodes.learner.ppo_update with micro_batch_size rows, sliced from the whole [B, T]
+  today          nodes.impl.learner.ppo_update with micro_batch_size rows, sliced from the whole [B, T]
   padded-rows    the bench's loop over the same slices (so the loops compare like for like)
   padded-budget  token-budget micro-batches, each padded to its own rows (padded_columns)
   packed-budget  token-budget packed micro-batches (packed_sequence_logprobs), per attention kind
   packed+gc      packed-budget with gradient checkpointing (memory vs time)
-Reference variants: nodes.reference.add_logprobs (today) vs packed token-budget no-grad passes.
+Reference variants: nodes.impl.reference.add_logprobs (today) vs packed token-budget no-grad passes.
 Reported per variant: s/step (median of --reps after one warm-up), real tokens/s (prompt +
 response tokens of the samples per second), response tokens/s, padding % (padding_stats), passes,
 peak GB (torch.cuda.max_memory_allocated). And the bf16 agreement of packed vs padded log-probs on
@@ -183,8 +183,8 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="variants to skip, comma-separated (e.g. today,padded-rows)")
     args = ap.parse_args()
 
-    from nodes.learner import LearnerConfig, ppo_update
-    from nodes.reference import add_logprobs
+    from nodes.impl.learner import LearnerConfig, ppo_update
+    from nodes.impl.reference import add_logprobs
     from rl.update.microbatch import enable_gradient_checkpointing, padding_stats, plan_micro_batches, sample_lengths
     from rl.update.packing import use_varlen_attention
     from rl.model.precision import compute_dtype, micro_slices

@@ -1,4 +1,4 @@
-"""The learner's update (nodes.learner.ppo_update) on the built-in task, CPU: step time, padding and
+"""The learner's update (nodes.impl.learner.ppo_update) on the built-in task, CPU: step time, padding and
 peak memory for padded / token-budget / packed micro-batches and gradient checkpointing.
 
     python3 bench/varlen_cpu.py --digits 2,24 --out /tmp/varlen_cpu.json
@@ -45,7 +45,7 @@ def rss_mb() -> float:
 
 
 def samples_for(digits: int, prompts: int = 16, group: int = 8) -> tuple:
-    from nodes.reference import add_logprobs
+    from nodes.impl.reference import add_logprobs
     from rl.model.causal_lm import ModelConfig, build_policy
     from rl.generation.hf_sampling import sample_responses
     from rl.data.tasks import build_tokenizer, make_task, score
@@ -68,7 +68,7 @@ def samples_for(digits: int, prompts: int = 16, group: int = 8) -> tuple:
 def child(digits: int, variant: str, budget: int, reps: int) -> dict:
     import torch
 
-    from nodes.learner import LearnerConfig, ppo_update
+    from nodes.impl.learner import LearnerConfig, ppo_update
     from rl.update.microbatch import enable_gradient_checkpointing
     from rl.update.packing import use_varlen_attention
 

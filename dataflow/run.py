@@ -81,7 +81,7 @@ def _main(argv: list[str] | None) -> int:
     # process is the command; a caller's process started long before its call).
     clock = DriverClock(since_process_start=argv is None)
     try:
-        with clock.part("graph"):   # the graph file, its node modules (torch), the settings
+        with clock.part("graph"):   # the graph file, its node kinds' declarations (no torch), the settings
             if args.resume:  # the run's own settings, and a checkpoint that is intact
                 graph, config, checkpoint = load_for_resume(args.graph, args.overrides, args.resume,
                                                             args.allow_changed_settings)

@@ -3,7 +3,9 @@
     from nodes import Generator, Learner, PromptSource, Reference
 
 or from their own files (nodes/generator.py, ...). A name is imported from its file when first
-asked for (PEP 562), so an actor that hosts one kind never imports the others' torch models.
+asked for (PEP 562), so an actor that hosts one kind never imports the others' modules. The model
+kinds' files are declarations without torch; their code is in nodes/impl/ (Node.implementation),
+which only the node's own process imports, so the driver imports no torch before Ray starts.
 """
 
 import importlib

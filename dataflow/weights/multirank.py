@@ -38,14 +38,11 @@ import torch
 import torch.distributed as dist
 
 from dataflow.errors import UserError
+from dataflow.weights.edges import CRITIC_RANKS_EDGE, RANKS_EDGE  # noqa: F401 (imported from here too)
 from dataflow.weights.layout import ParallelLayout, apply_training_layout, build_mesh
 from dataflow.weights.rendezvous import device_info, tcp_store
 from dataflow.timeouts import wait_within
 
-RANKS_EDGE = "ranks"
-"""Versioned edge (the learner -> itself) carrying its replica 0's rendezvous address."""
-CRITIC_RANKS_EDGE = "critic_ranks"
-"""The same for the critic (edge names are global to a graph)."""
 
 
 async def join(ctx, layout: ParallelLayout, timeout_s: float = 600.0,

@@ -67,44 +67,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import torch
 
-from dataflow.checks import Positive
 from dataflow.errors import UserError
 from dataflow.weights import ipc as cuda_ipc
 from dataflow.weights.lora import AdapterHolder, AdapterMerger, is_adapter
-from dataflow.weights.edges import SYNC_EDGE  # noqa: F401 (the nodes import it from here)
+from dataflow.weights.edges import SYNC_EDGE, WeightSyncConfig  # noqa: F401 (imported from here too)
 from dataflow.weights.rendezvous import host_push_group, join_push_group, push_address, push_names, tcp_store
 from dataflow.weights.state import (decode_state, encode_state, state_bytes, state_checksum, travel_copy,
                                     unique_state, with_aliases,
                                     weights_checksum)
-
-
-@dataclass(kw_only=True)
-class WeightSyncConfig:
-    transport: Literal["object_store", "collective", "cuda_ipc"] = "object_store"
-    """object_store: state dict through Ray's object store. collective: HybridEngine push
-    (gloo/NCCL broadcast from the learner; any model family: the model's own names). cuda_ipc: learner and every
-    generator on one physical GPU share the weights through CUDA IPC buffers (no copy through the
-    CPU; see the module docstring)."""
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """object_store and cuda_ipc (the learner's setting counts): the dtype the learner's weights
-    travel in; match the generators' dtype, which the graph files fill in (graphs/ppo.py). auto:
-    object_store sends the learner's own dtype, cuda_ipc bfloat16. collective asks the generators."""
-    backend: Literal["auto", "gloo"] = "auto"
-    """collective: auto = NCCL when every end has a CUDA device of its own, else gloo."""
-    timeout_s: Annotated[float, Positive] = 120.0
-    """collective: a push, or a generator's wait for a version, that takes longer fails naming both ends.
-    cuda_ipc: a generator's wait for a version it has not staged yet."""
-    rendezvous_timeout_s: Annotated[float, Positive] = 600.0
-    """collective: how long the learner and the generators wait for each other in their setups
-    (which include loading the models)."""
-    checksums: bool = False
-    """Log a checksum of the weights per version (learner: pushed; generator: switched to)."""
 
 
 class LearnerWeightSync:

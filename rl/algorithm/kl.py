@@ -1,4 +1,5 @@
-"""KL estimators, KL-shaped rewards, the KL coefficient's controllers and their settings (KLConfig: learner.kl).
+"""KL estimators, KL-shaped rewards and the KL coefficient's controllers (their settings, KLConfig:
+learner.kl, are in rl/algorithm/settings.py, torch-free, and importable from here too).
 
 Layout convention shared by every function here: per-token tensors are `[batch, T]`, with a float
 `mask` of the same shape that is 1 on response tokens (the actions) and 0 on prompt tokens and
@@ -9,36 +10,11 @@ as absent, never as a zero-valued token. Per-sequence tensors are `[batch]`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Annotated, Literal
 
 import torch
 
-from dataflow.checks import NonNegative, Positive
 from rl.algorithm.masked import masked_mean
-
-
-@dataclass(kw_only=True)
-class KLConfig:
-    kind: Literal["fixed", "adaptive"] = "fixed"
-    """Fixed coefficient, or adaptive toward `target` (Ziegler et al. 2019)."""
-    coef: Annotated[float, NonNegative] = 0.01
-    """KL coefficient (initial one when adaptive)."""
-    target: Annotated[float, Positive] = 0.1
-    horizon: Annotated[float, Positive] = 10000.0
-    estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token KL estimator (rl/algorithm/kl.kl_penalty; k3 is verl's low_var_kl: unbiased and non-negative)."""
-    placement: Literal["loss", "reward"] = "loss"
-    """loss: coef x KL(policy || reference) in the loss (GRPO's). reward: -coef x KL_t of the rollout
-    (old policy vs reference) folded into the rewards before the advantages, the adaptive controller
-    fed the rollout's mean per-sequence KL (verl's use_kl_in_reward; REINFORCE++). Needs a
-    learner-side advantage (not gae: the critic computes GAE before the learner sees the batch)."""
-    clamp: Annotated[float, NonNegative] = 0.0
-    """Each token's KL estimate is clamped to [-clamp, clamp] (verl's low_var_kl uses 10; 0 = off).
-    Off by default: k3 is large exactly on the tokens the policy has made rare, and clamping there
-    drops the KL's pull back toward the reference: on the CPU demo (PPO, 120 steps) clamp=10 halved
-    the reported KL and collapsed the entropy (0.03 vs 0.22; reward 0.74-0.80 vs 0.88, the code
-    before the clamp 0.94). k3 stays finite without it: its log-ratio is clamped inside (20)."""
+from rl.algorithm.settings import KLConfig  # noqa: F401 (imported from here too)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1",

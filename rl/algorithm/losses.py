@@ -20,9 +20,9 @@ from typing import Literal
 import torch
 
 from rl.algorithm.masked import masked_mean, masked_sum
+from rl.algorithm.settings import PolicyLoss  # noqa: F401 (imported from here too)
 
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-PolicyLoss = Literal["ppo", "dual_clip", "gspo", "reinforce"]
 
 
 def agg_row_weights(mask: torch.Tensor, mode: str, scale_factor: float | None = None) -> torch.Tensor:

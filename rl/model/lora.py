@@ -21,31 +21,15 @@ full weights: it is its own model in its own node.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
 
 import torch
 from torch import nn
 
-from dataflow.checks import NonNegative, Positive, Range
 from dataflow.errors import UserError
 from dataflow.weights.lora import A, B, merged_weight
 from rl.model.precision import compute_dtype
-
-
-@dataclass(kw_only=True)
-class LoraConfig:
-    rank: Annotated[int, NonNegative] = 0
-    """LoRA rank r (0 = off: full fine-tuning). verl's rule of thumb: 32 or more; TRL's GRPO recipe
-    trains rank 1 (shared/design/MULTITURN_LORA_PEERS.md)."""
-    alpha: Annotated[float, Positive] = 32.0
-    """The adapter's output is scaled by alpha / rank."""
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    """The linear layers that get an adapter, by name (q_proj,v_proj,...), or all-linear: every
-    linear layer but the output head."""
-    dropout: Annotated[float, Range(0, 1, high_open=True)] = 0.0
-    """Dropout on the adapter's input during the update (peft's lora_dropout)."""
+from rl.model.settings import LoraConfig  # noqa: F401 (its settings, torch-free; imported from here too)
 
 
 ADAPTER = "default"          # peft's name of the one adapter

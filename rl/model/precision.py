@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Literal
 
 import torch
 
-
-Precision = Literal["auto", "fp32", "bf16"]
+from rl.model.settings import Precision  # noqa: F401 (the setting's type, torch-free; imported from here too)
 
 
 def compute_dtype(precision: str, device) -> torch.dtype:

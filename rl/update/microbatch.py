@@ -172,17 +172,6 @@ def plan_micro_batches(lengths: Sequence[tuple[int, int]], max_tokens: int, num_
     return [_split_to(parts, count, lengths, layout) for parts in per_rank]
 
 
-def check_micro_batch_settings(node: str, micro_batch_size: int, max_tokens: int) -> None:
-    """A node's two ways to split its passes: rows or tokens, not both (ValueError naming them)."""
-    if max_tokens < 0 or micro_batch_size < 0:
-        raise SettingError(f"{node}.micro_batch_size={micro_batch_size}, {node}.max_tokens_per_micro_batch="
-                         f"{max_tokens}: must be >= 0")
-    if max_tokens and micro_batch_size:
-        raise SettingError(f"{node}.micro_batch_size={micro_batch_size} and {node}.max_tokens_per_micro_batch="
-                         f"{max_tokens} both split the passes; set one of them to 0 (tokens bound memory "
-                         "whatever the lengths; rows are the older setting)")
-
-
 def rank_micro_batches(rows: Sequence[int], lengths: Sequence[tuple[int, int]], max_tokens: int,
                        micro_batch_size: int, layout: Layout, ranks=None, pad_index: int | None = None,
                        setting: str = "max_tokens_per_micro_batch") -> list[list[int]]:

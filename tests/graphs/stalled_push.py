@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataflow import Graph
 from graphs.rlhf import RLHFConfig
-from nodes.generator import Generator
+from nodes.impl.generator import Generator   # subclassed: the implementation
 from nodes.learner import Learner
 from nodes.prompts import PromptSource
 from dataflow.weights.sync import SYNC_EDGE

@@ -79,7 +79,7 @@ def test_compiled_critic_layers_make_the_same_update_as_eager(setup, capsys):
     # shapes, so that test reuses these kernels from inductor's cache (a cold compile is ~40 s on
     # 2 cores), and no 1-row remainder, whose specialized graphs cost ~10 s more to compile.
     from torch._dynamo.utils import counters
-    from nodes.critic import CriticConfig, advantages_for, critic_update
+    from nodes.impl.critic import CriticConfig, advantages_for, critic_update
     from rl.model.causal_lm import ValueModel
     from rl.model.precision import compile_layers
 

@@ -20,7 +20,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 from dataflow.weights import ipc as weight_ipc  # noqa: E402
 from dataflow.weights.lora import merged_weight  # noqa: E402
 from dataflow.weights.sync import GeneratorWeightSync, LearnerWeightSync, WeightSyncConfig, weights_checksum  # noqa: E402
-from nodes.reference import add_logprobs  # noqa: E402
+from nodes.impl.reference import add_logprobs  # noqa: E402
 from rl.model import lora  # noqa: E402
 from rl.model.lora import LoraConfig  # noqa: E402
 from rl.generation.hf_sampling import sample_responses  # noqa: E402

@@ -23,10 +23,10 @@ import torch.multiprocessing as mp
 
 from dataflow.weights.layout import ParallelLayout, build_mesh
 from dataflow.weights.multirank import TrainRanks
-from nodes.learner import LearnerConfig, ppo_update, step_advantages
+from nodes.impl.learner import LearnerConfig, ppo_update, step_advantages
 from rl.model.causal_lm import ModelConfig, build_policy
 from rl.generation.hf_sampling import sample_responses
-from nodes.reference import add_logprobs
+from nodes.impl.reference import add_logprobs
 from rl.data.tasks import build_tokenizer, make_task, score
 from tests.gloo import join_world
 
@@ -155,7 +155,7 @@ def _fresh_critic(tok):
 
 def _critic_run(tok, samples, ranks=None):
     """A value pass over every sample (2 per item), then one critic_update; float64 trunk."""
-    from nodes.critic import CriticConfig, advantages_for, critic_update
+    from nodes.impl.critic import CriticConfig, advantages_for, critic_update
 
     model = _fresh_critic(tok)
     if ranks is not None:

@@ -28,11 +28,12 @@ from dataflow.actor import checkpoint  # noqa: E402
 from dataflow.channel.codec import Message, encode  # noqa: E402
 from dataflow.actor.host import HostSpec, NodeHost  # noqa: E402
 from dataflow.driver.runtime import RunOptions, load_graph  # noqa: E402
-from nodes.learner import Learner, LearnerConfig, ppo_update, step_advantages  # noqa: E402
+from nodes.impl.learner import ppo_update, step_advantages  # noqa: E402
+from nodes.learner import Learner, LearnerConfig  # noqa: E402 (hosted as a graph does: the declaration)
 from rl.model.causal_lm import ModelConfig, build_policy  # noqa: E402
 from rl.generation.hf_sampling import sample_responses  # noqa: E402
 from rl.data.policy import PolicySpec  # noqa: E402
-from nodes.reference import add_logprobs  # noqa: E402
+from nodes.impl.reference import add_logprobs  # noqa: E402
 from rl.data.tasks import build_tokenizer, make_task  # noqa: E402
 from tests.conftest import kill_stops_the_run, run_in_thread, wait_until  # noqa: E402
 

@@ -215,3 +215,30 @@ def test_the_drivers_input_checks_import_no_transformers(tmp_path):
                          env={**os.environ, "DATAFLOW_PROMPT_CACHE": str(tmp_path / "cache")})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[] False", out.stdout
+
+
+@pytest.mark.parametrize("graph_file,sets", [("graphs/grpo.py", []), ("graphs/ppo.py", []), ("graphs/dapo.py", []),
+                                             ("graphs/agent.py", ["env.path=examples/agents/guess_env.py"])])
+def test_the_driver_imports_no_torch_before_ray_starts(graph_file, sets):
+    """Everything the command does before Ray starts (the graph file, --describe, a bad setting's
+    error, the input checks and the memory plan) reads only the node kinds' declarations
+    (nodes/learner.py, ...), never their implementations (nodes/impl/): torch's import, and
+    transformers', would be most of the command's start-up, and every error's wait. Each graph in
+    a fresh interpreter, on its defaults (CPU placement, the built-in task)."""
+    script = textwrap.dedent(f'''
+        import sys
+        from dataflow.driver.loading import describe, load_graph
+        from dataflow.driver.preflight import input_problems
+        from dataflow.checks import SettingProblems
+        try:
+            load_graph({graph_file!r}, {sets + ["learner.lr=-1"]!r})
+        except SettingProblems as e:
+            print(e)
+        graph, config = load_graph({graph_file!r}, {sets!r})
+        describe(graph, config)
+        print(input_problems(graph, config), config.memory_plan(graph))
+        print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
+    ''')
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-3:] == ["learner.lr=-1.0: must be > 0", "[] None", "[]"], out.stdout

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from nodes.learner import LearnerConfig, ppo_update
-from nodes.reference import add_logprobs
+from nodes.impl.learner import LearnerConfig, ppo_update
+from nodes.impl.reference import add_logprobs
 from rl.update.microbatch import enable_gradient_checkpointing, sample_lengths
 from tests.unit.test_learner import GRPO2, _float64_update, fresh, setup, with_advantages  # noqa: F401 (fixture)
 
@@ -132,7 +132,7 @@ def test_reference_logprobs_with_a_token_budget_equal_unsplit(setup, packing):
 
 @pytest.mark.parametrize("packing", [True, False])
 def test_critic_value_pass_and_update_with_a_token_budget_equal_unsplit(setup, packing):
-    from nodes.critic import CriticConfig, advantages_for, critic_update
+    from nodes.impl.critic import CriticConfig, advantages_for, critic_update
     from rl.model.causal_lm import ValueModel
 
     tok, model, samples = setup
@@ -217,7 +217,7 @@ def test_two_dp_ranks_with_a_token_budget_equal_one_rank(tmp_path, packing):
 
 def _dp_critic(tok, samples, ranks=None, **settings):
     """A value pass (2 samples per item), then one critic_update, in float64 (tests/integration/test_multirank)."""
-    from nodes.critic import CriticConfig, advantages_for, critic_update
+    from nodes.impl.critic import CriticConfig, advantages_for, critic_update
     from tests.integration.test_multirank import _critic_samples, _fresh_critic
 
     model = _fresh_critic(tok)

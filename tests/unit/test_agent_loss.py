@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from nodes.learner import LearnerConfig, ppo_update
+from nodes.impl.learner import LearnerConfig, ppo_update
 from rl.algorithm.advantages import gae_advantages
 from rl.model.causal_lm import ModelConfig, build_policy
 from rl.data.tasks import build_tokenizer
@@ -173,7 +173,7 @@ def test_critic_values_and_advantages_of_an_episode_skip_its_environment_tokens(
     """nodes/critic.advantages_for on episode samples: per-token lists as long as the response,
     0 on the environment tokens, and the advantages of the sampled tokens those of GAE over the
     sampled tokens alone (the environment tokens cut out of the sequence)."""
-    from nodes.critic import CriticConfig, advantages_for
+    from nodes.impl.critic import CriticConfig, advantages_for
     from rl.model.causal_lm import ValueModel
 
     tok = build_tokenizer()

@@ -194,7 +194,7 @@ def test_unsupported_models_are_named(tok):
 
 
 def test_prompts_per_call_auto_fills_256_slots_on_cuda_and_32_prompts_on_cpu():
-    from nodes.generator import GeneratorConfig, prompts_per_call
+    from nodes.impl.generator import GeneratorConfig, prompts_per_call
 
     assert prompts_per_call(GeneratorConfig(group_size=8), "cuda") == 32      # GRPO: 32 x 8 slots
     assert prompts_per_call(GeneratorConfig(group_size=1), "cuda:0") == 256   # PPO: 256 x 1

@@ -129,6 +129,47 @@ def test_node_declares_the_ranks_edge_of_a_multi_rank_kind_after_the_graphs_own_
     assert RANKS_EDGE not in one.versioned_edges
 
 
+@pytest.mark.parametrize("name", ["Generator", "RewardModel", "Reference", "Critic", "Learner"])
+def test_a_model_kind_is_declared_once_and_run_by_its_implementation(name):
+    """nodes/<kind>.py declares the kind (no torch), nodes/impl/<kind>.py runs it: the host runs the
+    implementation, which subclasses the declaration and declares no port or setting of its own."""
+    import nodes
+    from dataflow.node import implementation_of
+
+    kind = getattr(nodes, name)
+    running = implementation_of(kind)
+    assert running is not kind and issubclass(running, kind) and running.__module__.startswith("nodes.impl.")
+    assert implementation_of(running) is running
+    for attr in ("Config", "inputs", "outputs", "subscribes", "publishes", "inputs_on_replica_0", "check_settings",
+                 "restart_refusal"):
+        assert attr not in vars(running), f"{running.__module__}.{name} declares {attr} again"
+
+
+def test_implementation_of_runs_a_subclass_of_the_implementation_and_refuses_the_declarations():
+    from dataflow import Node, UserError
+    from dataflow.node import implementation_of
+    from nodes.impl.learner import Learner as Running
+    from nodes.learner import Learner
+
+    class Mine(Running):   # changes how the learner runs: runs itself
+        pass
+
+    class Renamed(Learner):   # the declaration subclassed: the learner's code does not subclass it
+        pass
+
+    class Nowhere(Node):
+        implementation = "nodes.impl.nowhere:Learner"
+
+    class Plain(Node):   # a user's kind: itself
+        pass
+
+    assert implementation_of(Mine) is Mine and implementation_of(Plain) is Plain
+    with pytest.raises(UserError, match="does not subclass it; subclass nodes.impl.learner.Learner"):
+        implementation_of(Renamed)
+    with pytest.raises(UserError, match="implementation='nodes.impl.nowhere:Learner' names no class"):
+        implementation_of(Nowhere)
+
+
 def test_the_rlhf_graphs_share_their_settings():
     import graphs.dapo
     import graphs.grpo

@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from nodes.learner import LearnerConfig, ppo_update, step_advantages
+from nodes.impl.learner import LearnerConfig, ppo_update, step_advantages
 from rl.model.causal_lm import ModelConfig, build_policy
 from rl.generation.hf_sampling import sample_responses
-from nodes.reference import add_logprobs
+from nodes.impl.reference import add_logprobs
 from rl.data.tasks import build_tokenizer, make_task, score
 
 
@@ -165,7 +165,7 @@ def test_reference_and_old_logprobs_micro_batched_match(setup):
 
 
 def test_critic_micro_batches_equal_the_whole_minibatch(setup):
-    from nodes.critic import CriticConfig, critic_update
+    from nodes.impl.critic import CriticConfig, critic_update
     from rl.model.causal_lm import ValueModel
 
     tok, model, samples = setup
@@ -427,7 +427,7 @@ def test_model_passes_run_at_aligned_widths(setup, micro):
     # Inductor specializes a compiled layer on whether the width is a multiple of 8: the first
     # aligned width after unaligned ones recompiles the learner's layers mid-run. The learner,
     # reference and critic pad every pass to rl/model/padded_batch.COLUMN_MULTIPLE columns.
-    from nodes.critic import CriticConfig, advantages_for, critic_update
+    from nodes.impl.critic import CriticConfig, advantages_for, critic_update
     from rl.model.causal_lm import ValueModel
     from rl.model.padded_batch import COLUMN_MULTIPLE
 

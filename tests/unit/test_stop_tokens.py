@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
-from nodes.reference import add_logprobs
-from nodes.reward_model import score_items
+from nodes.impl.reference import add_logprobs
+from nodes.impl.reward_model import score_items
 from rl.data import policy
 from rl.generation.decoding import decode_responses
 from rl.generation.hf_sampling import cut_at_stop_strings, sample_responses
