@@ -170,10 +170,10 @@ def policy_shape(cfg) -> tuple[ModelShape, int]:
         with open(os.path.join(cfg.policy.path, "config.json")) as f:
             hf = json.load(f)
         return ModelShape.from_hf_config(hf), hf.get("max_position_embeddings", 2048)
-    from rl.data.tasks import build_tokenizer
+    from rl.data.tasks import build_fast_tokenizer   # the same ids, without importing transformers
 
     m = cfg.policy.model
-    return ModelShape(vocab=len(build_tokenizer()), hidden=m.n_embd, layers=m.n_layer, heads=m.n_head,
+    return ModelShape(vocab=len(build_fast_tokenizer()), hidden=m.n_embd, layers=m.n_layer, heads=m.n_head,
                       kv_heads=m.n_kv_head or m.n_head, head_dim=m.n_embd // m.n_head,
                       intermediate=m.intermediate_size, tied=False, qkv_bias=m.family == "qwen2"), \
         m.max_position_embeddings
