@@ -8,7 +8,7 @@ on the learner's own code path: a W1-shaped Qwen2 from its config (random init),
 weights (precision.prepare_trained), LoRA through rl/model/lora.wrap, compiled layers
 (precision.compile_layers), then rl/update/compile_warm_up.warm_up_update on W1's step shape
 (32 prompts x 8, 256-token responses, KL 0.01, 16384-token passes), then, with LoRA, the
-learner's own reference pass (the adapter disabled, no grad: nodes/learner._reference_logprobs).
+learner's own reference pass (the adapter disabled, no grad: nodes/impl/learner._reference_logprobs).
 Each variant runs twice in its own process on one fresh TORCHINDUCTOR_CACHE_DIR: cold, then warm.
 Prints seconds per piece and torch._dynamo's compile-time table (where the compile went), and
 writes OUT/results.json.

@@ -181,7 +181,8 @@ class NodeHost(CheckpointCalls, StatusCalls):
         try:
             with self.tracer.span("setup"):
                 kind = self.spec.kind
-                if getattr(kind, "implementation", ""):   # a declaration (nodes/generator.py, ...): its code, torch, is imported here
+                # a declaration (nodes/generator.py, ...): its code, and torch, imported here
+                if getattr(kind, "implementation", ""):
                     with self.tracer.span("import node code"):
                         kind = implementation_of(kind)
                 self.node = kind(self.spec.config, self.ctx)

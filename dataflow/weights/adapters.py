@@ -1,7 +1,7 @@
 """Per model family: HF parameter names -> the tensors a generation engine loads.
 
 Two forms:
-  - "hf": transformers' own names, one tensor per parameter (what nodes/generator.py loads).
+  - "hf": transformers' own names, one tensor per parameter (what nodes/impl/generator.py loads).
   - "fused": vLLM-style names for Llama/Qwen2: self_attn.qkv_proj = cat(q, k, v) and
     mlp.gate_up_proj = cat(gate, up) along dim 0 (weights, and Qwen2's q/k/v biases);
     lm_head is dropped when the embeddings are tied (the engine ties it itself).

@@ -1,4 +1,4 @@
-"""Multi-turn episodes inside the generator (env.path set; nodes/generator.py's continuous loop).
+"""Multi-turn episodes inside the generator (env.path set; nodes/impl/generator.py's continuous loop).
 
 Each sample of a prompt's group is an episode of the user's environment (rl/agent: its reset, step,
 tools, limits and failures). The environment runs inside the generator process: its sync code in

@@ -18,7 +18,7 @@ from rl.generation.hf_sampling import sample_responses
 
 
 class HFLoop:
-    """Mixed into nodes/generator.Generator, whose setup sets the attributes used here: config, ctx,
+    """Mixed into nodes/impl/generator.Generator, whose setup sets the attributes used here: config, ctx,
     model, tokenizer, stop_ids, env, weight_sync, prompts_per_call; and _plan, _tokenize and
     _stop_strings are its methods. self.version is the version of the batch being sampled."""
 

@@ -1,4 +1,4 @@
-"""What the generator's continuous loop (nodes/generator.py) reports besides its samples: the trace
+"""What the generator's continuous loop (nodes/impl/generator.py) reports besides its samples: the trace
 span of the validation prompts it decodes beside training ones, and each weight switch's drain
 (generator/drain_s, drain_free_slots in metrics.jsonl: the time the old weights kept serving with
 admission stopped, and the fraction of slots idle meanwhile; about 0 with partial rollouts)."""

@@ -1,5 +1,5 @@
 """The vLLM generator backend (generator.backend=vllm): one offline vLLM engine per generator replica,
-driven like rl/generation/decoding.StaticDecoder, so nodes/generator.py's continuous loop runs it unchanged.
+driven like rl/generation/decoding.StaticDecoder, so nodes/impl/generator.py's continuous loop runs it unchanged.
 
 Importing this module never imports vllm: every vllm import is inside a function, so the project
 imports (and CI runs) without it. Verified against vllm 0.26.0's source (the wheel's own files):

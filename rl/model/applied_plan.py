@@ -259,7 +259,7 @@ def rlhf_plan(cfg, graph, gpu_bytes: int, enforced: bool, longest_prompt: int | 
         return None
     shape, max_pos = policy_shape(cfg)
     g = cfg.generator
-    # The generator's rule for a slot (nodes/generator.py): its longest prompt, then the longest
+    # The generator's rule for a slot (nodes/impl/generator.py): its longest prompt, then the longest
     # response, or with an environment the whole episode (every turn's sampled and environment tokens).
     response = g.env.max_episode_tokens if g.env.path else g.max_new_tokens
     room, sized_by_data = prompt_room(g, max_pos, response, longest_prompt)

@@ -93,7 +93,7 @@ def warm_up_update(model: torch.nn.Module, c, pad_id: int, reference=None) -> fl
     """ppo_update on made_up_samples, with an optimizer that never steps: a step-sized batch, one
     group of short samples, and a step-sized batch again with other lengths; returns the seconds.
     `reference(samples)`, the learner's own reference pass (LoRA: the base with the adapter off,
-    nodes/learner._reference_logprobs), runs on a step-sized batch first: without grad and autocast
+    nodes/impl/learner._reference_logprobs), runs on a step-sized batch first: without grad and autocast
     it has graphs of its own, which the first step would otherwise compile.
     Three because one left the first real step two recompiles (TORCH_LOGS=recompiles, SmolLM2 on
     an H200, bench/results/agents_speed_h200_2026-12-05.md): the warm-up's padded length, 64 + 512

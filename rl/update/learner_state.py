@@ -15,7 +15,7 @@ from rl.model.precision import prepare_trained
 
 
 class LearnerState:
-    """Mixed into nodes/learner.Learner (before RankCommands), whose setup sets the attributes used
+    """Mixed into nodes/impl/learner.Learner (before RankCommands), whose setup sets the attributes used
     here: config, ctx, model, tokenizer, optimizer, peft, kl_ctl, rng, version, ranks, _saved and
     _pending_state; _all and _stop_followers are RankCommands'."""
 

@@ -132,7 +132,7 @@ def spin_in_place(seconds: float) -> None:
 
 
 class Spinning(Node):
-    """Produces `numbers`; its work, in an asyncio.to_thread worker as nodes/reference.py's is,
+    """Produces `numbers`; its work, in an asyncio.to_thread worker as nodes/impl/reference.py's is,
     never ends (60 s: the actor is killed sooner)."""
 
     outputs = ("numbers",)

@@ -324,7 +324,7 @@ def _members(cls) -> set[str]:
 
 def test_the_vllm_decoders_have_every_decoder_member_the_generator_uses():
     """The generator drives a StaticDecoder, a VllmDecoder or a VllmEpisodeDecoder through the same
-    names (nodes/generator.py's `dec.`, rl/generation/episodes.py's `self.dec.`); only the GPU runs the
+    names (nodes/impl/generator.py's `dec.`, rl/generation/episodes.py's `self.dec.`); only the GPU runs the
     vLLM ones, so a name the static decoder gained and the vLLM ones lack (cache_freed, decoding, add's
     keep) stopped every vLLM graph run there. Checked here, on CPU, from the source."""
     import inspect
@@ -335,7 +335,8 @@ def test_the_vllm_decoders_have_every_decoder_member_the_generator_uses():
     from rl.generation.vllm_episodes import VllmEpisodeDecoder
 
     used = set()
-    for path, pattern in (("nodes/generator.py", r"\bdec\.(\w+)"), ("rl/generation/episodes.py", r"self\.dec\.(\w+)")):
+    for path, pattern in (("nodes/impl/generator.py", r"\bdec\.(\w+)"),
+                          ("rl/generation/episodes.py", r"self\.dec\.(\w+)")):
         used |= set(re.findall(pattern, (ROOT / path).read_text()))
     assert {"add", "step", "decoding", "cache_freed", "extend", "version"} <= used, used
     episodes_only = {"extend", "release", "set_version", "version", "token_versions"}   # episodes or partial rollout

@@ -170,7 +170,7 @@ def test_critic_gae_skips_environment_tokens_as_verl_does():
 
 
 def test_critic_values_and_advantages_of_an_episode_skip_its_environment_tokens():
-    """nodes/critic.advantages_for on episode samples: per-token lists as long as the response,
+    """nodes/impl/critic.advantages_for on episode samples: per-token lists as long as the response,
     0 on the environment tokens, and the advantages of the sampled tokens those of GAE over the
     sampled tokens alone (the environment tokens cut out of the sequence)."""
     from nodes.impl.critic import CriticConfig, advantages_for

@@ -300,7 +300,7 @@ def test_the_phase_switch_is_off_where_generation_overlaps_training_and_on_where
 
 def test_an_agent_graphs_slots_hold_whole_episodes(tmp_path):
     """graphs/agent.py: a decoder slot holds the prompt and every turn (env.max_episode_tokens), as
-    nodes/generator.py sizes it, so the plan's KV cache and the slots it sets count episodes."""
+    nodes/impl/generator.py sizes it, so the plan's KV cache and the slots it sets count episodes."""
     sets = ["placement=colocated", "gpu_memory_gib=80", "max_new_tokens=64", "prompts_per_step=32", "group_size=8",
             "learner.minibatch_size=256", f"policy.path={policy_dir(tmp_path, '0.5b')}",
             "env.path=tests/agent_toy_env.py", "env.max_episode_tokens=2048"]
