@@ -41,7 +41,7 @@ from rl.model.padded_batch import COLUMN_MULTIPLE, pad_batch
 from rl.update.packing import micro_batch, micro_batch_logprobs
 from rl.model.precision import autocast, compute_dtype
 from rl.algorithm.shaping import overlong_penalty
-from rl.update.settings import check_config, resolved_advantage, resolved_loss_agg_mode  # noqa: F401 (imported from here too)
+from rl.update.settings import check_config, resolved_advantage, resolved_loss_agg_mode  # noqa: F401 (check_config)
 
 
 def loss_scale_factor(c) -> float:
