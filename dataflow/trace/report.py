@@ -208,7 +208,7 @@ def _startup_lines(nodes: dict, w: int) -> list[str]:
                      f"{p.get('imports', 0.0):>8.1f} {n['setup_s']:>7.1f} {n['waiting_s']:>8.1f}  "
                      + ", ".join(shown + ([f"+{more} more ({sum(s for _, s in setup[len(shown):]):.1f} s)"] if more else []))
                      or "-")
-    lines.append("    (process: launch -> the node's process up; imports: its modules (torch ...); set-up: its "
+    lines.append("    (process: launch -> the node's process up; imports: its modules; set-up: its "
                  "setup(), 'setup' = outside its named parts; waiting: for the other nodes' processes and set-up)")
     return lines
 
