@@ -158,6 +158,8 @@ def main() -> int:
     p.add_argument("--algo", choices=("grpo", "ppo"), default="grpo")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more graph settings")
     p.add_argument("--trace", action="store_true", help="write trace.json and the idle report (item 7)")
+    p.add_argument("--no-eval", action="store_true",
+                   help="stop after the run's report, without the held-out judging (start-up measurements)")
     p.add_argument("--render-prompts", action="store_true",
                    help="train on a copy of the data with the chat template rendered into string prompts "
                         "(for an engine without chat-prompt support, before issue 17's prompts land)")
@@ -201,6 +203,9 @@ def main() -> int:
     startup_s = (t_run - t_ready) + (summary.startup or {}).get("ray", 0.0) + summary.seconds - steps[last]["time_s"]
     log(args.algo, f"start-up {startup_s:.1f} s (graph load, Ray, actors, models), then {steps[last]['time_s']:.1f} s of steps")
     log(args.algo, f"start-up parts, s: {summary.startup}")
+    if args.no_eval:
+        print(summary.report)
+        return 0
 
     evaluate = Evaluator(model, val, args.val_n, args.eval_batch, args.max_new_tokens,
                          "cuda" if on_gpu else "cpu")

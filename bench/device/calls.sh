@@ -276,14 +276,14 @@ h200_ladder() {  # h200_ladder a|b|c|d: issue 37's "done when" on one H200 at th
 startup_plan() {  # issue 38: SmolLM2 GRPO's time from the command to the first step, static decoder,
   # cold then warm caches (inductor, the decoder's graphs, the prompt cache), against the 10 s goal
   for run in st_cold st_warm; do
-    rl "$run" 200 --steps 3 --eval-every 3 --val-n 64
+    rl "$run" 200 --steps 3 --eval-every 3 --val-n 64 --no-eval
   done
 }
 
 startup_preload() {  # issue 38: Ray's RAY_preload_python_modules (each worker Ray starts, the ones it prestarts
   # for the driver's job included, imports these before it hosts anything), right after startup_plan,
   # whose warm run (st_warm) is the same run without it: does a model node's import run ahead?
-  RAY_preload_python_modules=torch,transformers.modeling_utils rl st_pre 200 --steps 3 --eval-every 3 --val-n 64
+  RAY_preload_python_modules=torch,transformers.modeling_utils rl st_pre 200 --steps 3 --eval-every 3 --val-n 64 --no-eval
 }
 import_profile() {  # issue 38: where a model node's imports go on the GPU image (transformers' model code took
   # 6.3-8.7 s per node there, ~2.9 s on the 2-core CPU machine): python -X importtime of each, the slowest
