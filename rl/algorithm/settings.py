@@ -31,6 +31,6 @@ class KLConfig:
     clamp: Annotated[float, NonNegative] = 0.0
     """Each token's KL estimate is clamped to [-clamp, clamp] (verl's low_var_kl uses 10; 0 = off).
     Off by default: k3 is large exactly on the tokens the policy has made rare, and clamping there
-    drops the KL's pull back toward the reference: on the CPU demo (PPO, 120 steps) clamp=10 halved
-    the reported KL and collapsed the entropy (0.03 vs 0.22; reward 0.74-0.80 vs 0.88, the code
-    before the clamp 0.94). k3 stays finite without it: its log-ratio is clamped inside (20)."""
+    drops the KL's pull back toward the reference: on the CPU demo clamp=10 halved the reported KL
+    and collapsed the entropy (bench/results/demo_kl_clamp_cpu_2026-12-01.md). k3 stays finite
+    without it: its log-ratio is clamped inside (20)."""
