@@ -285,9 +285,10 @@ startup_preload() {  # issue 38: Ray's RAY_preload_python_modules (each worker R
   # whose warm run (st_warm) is the same run without it: does a model node's import run ahead?
   RAY_preload_python_modules=torch,transformers.modeling_utils rl st_pre 200 --steps 3 --eval-every 3 --val-n 64 --no-eval
 }
-import_profile() {  # issue 38: where a model node's imports go on the GPU image (transformers' model code took
-  # 6.3-8.7 s per node there, ~2.9 s on the 2-core CPU machine): python -X importtime of each, the slowest
-  # modules by cumulative time, and whether bytecode is written (PYTHONDONTWRITEBYTECODE)
+
+import_profile() {  # issue 38: where a model node's imports go on the GPU image (transformers' model code is
+  # its largest start-up part there: bench/results/startup_h100_2026-12-07b.md): python -X importtime of each,
+  # the slowest modules by cumulative time, and whether bytecode is written (PYTHONDONTWRITEBYTECODE)
   local dest=$OUT/import_profile
   mkdir -p "$dest"
   echo "== import_profile $(date +%T) PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}"
