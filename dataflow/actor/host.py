@@ -19,6 +19,7 @@ pulls) and on_publish (versioned edges) are called by peers, never by the driver
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import sys
 import threading
@@ -78,6 +79,8 @@ class HostSpec:
         return min(max(self.memory_cap, self.gpus), 1.0)
 
 
+_ENVIRON = dict(os.environ)  # as the process started: a kept process's next run starts from it
+
 # Where torch.compile (inductor's FX graph and AOTAutograd caches), triton's kernels and vLLM's
 # compiled graphs go, under RunOptions.compile_cache: a second run of the same model and shapes
 # loads them instead of compiling again.
@@ -90,7 +93,7 @@ RESTART_WAIT_S = 300.0
 
 
 class NodeHost(CheckpointCalls, StatusCalls):
-    def __init__(self, spec: HostSpec):
+    def __init__(self, spec: HostSpec, stack_server: stacks.StackServer | None = None):
         self.spec = spec
         self.name = spec.node if spec.num_replicas == 1 else f"{spec.node}[{spec.replica}]"
         # Each replica computes with the CPUs it was given: oversubscribing threads across the
@@ -99,6 +102,10 @@ class NodeHost(CheckpointCalls, StatusCalls):
         for var, sub in COMPILE_CACHES.items():   # before anything compiles (they read these when they do)
             if spec.compile_cache:
                 os.environ[var] = os.path.join(spec.compile_cache, sub)
+            elif _ENVIRON.get(var) is None:   # a kept process (rebind): not the previous run's
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = _ENVIRON[var]
         self.device = "cpu"
         if "torch" in sys.modules or spec.gpus > 0:  # the node's module (unpickled with spec) uses torch
             import torch
@@ -144,7 +151,30 @@ class NodeHost(CheckpointCalls, StatusCalls):
         self._loop_thread: int | None = None  # the event loop's thread, for the stack server
         import ray
 
-        self.stack_server = stacks.StackServer(ray.util.get_node_ip_address(), self._thread_stacks)
+        self.stack_server = stack_server or stacks.StackServer(ray.util.get_node_ip_address(), self._thread_stacks)
+
+    # ---- kept between runs (dataflow/driver/warm.py) ------------------------------------------
+    async def release(self) -> bool:
+        """The run is over and the driver keeps this process for its next run: drop the node and
+        everything of this run. False (the process is then ended) where something of the run would
+        outlive it: run() or a background task still going, a checkpoint write, torch.distributed."""
+        if ((self._run_task is not None and not self._run_task.done()) or self._background
+                or (self._write is not None and not self._write[1].done())):
+            return False
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return False
+        self.node = self.ctx = self._node_run = None
+        self._versions, self._fetched, self._staging = {}, {}, {}
+        if "torch._dynamo" in sys.modules:  # compiled code guarded on this run's modules
+            sys.modules["torch._dynamo"].reset()
+        gc.collect()
+        return True
+
+    def rebind(self, spec: HostSpec) -> None:
+        """Host the next run's replica here, as a new process would (its __init__)."""
+        startup_gc.pause()   # resumed when its set-up ends (connect), as in a new process
+        self.__init__(spec, stack_server=self.stack_server)
 
     # ---- set-up -----------------------------------------------------------------------------
     async def connect(self, wiring: dict) -> dict:

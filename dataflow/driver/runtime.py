@@ -37,6 +37,7 @@ from dataflow.driver.options import RunOptions
 from dataflow.driver.restarts import ends_the_run, refusals, restart, restartable
 from dataflow.driver.resume import checkpoint_to_resume
 from dataflow.driver.stall import StallWatch
+from dataflow.driver import warm
 
 __all__ = ["RunOptions", "RunSummary", "describe", "load_graph", "run_graph"]
 
@@ -72,9 +73,15 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
     try:
         # 1. Place (dataflow/placement.py): check the plan against the cluster's GPUs, then one
         #    placement group per pool (and one for the nodes without a pool), each actor in its bundle.
+        #    With keep_processes, a previous run's CPU processes of the same placement are taken
+        #    instead of new ones (dataflow/driver/warm.py).
         plan = placement.plan(graph, placement.cluster_gpus())
-        pgs = await placement.create_groups(plan)
+        restarts = {r: graph.max_restarts if graph.nodes[s.node].restartable else 0 for r, s in plan.slots.items()}
+        keepable = warm.keepable(plan, restarts) if options.keep_processes and not started_ray else set()
+        taken = warm.take(plan, keepable)
+        pgs = await placement.create_groups(plan, kept={n: k.pg for n, k in taken.items() if k.pg is not None})
         actor_cls = ray.remote(NodeHost)
+        rebinds = []
         for replica_name, slot in plan.slots.items():
             spec = graph.nodes[slot.node]
             host_spec = HostSpec(node=spec.name, replica=spec.replica_names().index(replica_name),
@@ -86,11 +93,17 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
                                  memory_note=spec.memory_note, memory_cap=spec.memory_cap,
                                  gpu_turn=spec.gpu_turn,
                                  compile_cache=os.path.abspath(options.compile_cache) if options.compile_cache else "")
+            kept = warm.host_for(taken, slot)
+            if kept is not None:
+                hosts[replica_name] = kept
+                rebinds.append(kept.rebind.remote(host_spec))
+                continue
             # Ray restarts a dead actor in place (same handle, same bundle); never the run-ending node
             # or a rank of a multi-rank job (NodeSpec.restartable).
-            restarts = graph.max_restarts if spec.restartable else 0
-            hosts[replica_name] = actor_cls.options(name=None, max_restarts=restarts,
+            hosts[replica_name] = actor_cls.options(name=None, max_restarts=restarts[replica_name],
                                                     **placement.actor_options(slot, pgs)).remote(host_spec)
+        warm.end_unused(taken)
+        await asyncio.gather(*rebinds)
 
         # 2. Clocks: one time base for every trace event (NTP-style offset per process).
         for name, host in hosts.items():
@@ -167,7 +180,10 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
             for name, recorded in kernels.items():
                 if isinstance(recorded, dict):
                     monitor.trace.add_kernel_intervals(name, recorded["intervals"], recorded["window"])
-        return monitor.finish(status)
+        summary = monitor.finish(status)
+        if keepable:
+            await warm.keep(plan, keepable, pgs, hosts)  # out of pgs and hosts: shutdown leaves them
+        return summary
     except BaseException as e:
         await checkpoints.wait()  # a checkpoint being written in the background commits first
         if isinstance(e, asyncio.CancelledError) and graph.save_interval and running:

@@ -68,7 +68,8 @@ def test_cpu_only_graph_runs_on_ray(ray_instance, tmp_path):
 
     g = toy(counter={"cpus": 0}, square={"cpus": 0.2, "replicas": 2}, collect={"cpus": 0.2})  # counter: no bundle
     g.validate()
-    summary = asyncio.run(run_graph(g, RunOptions(out_dir=str(tmp_path), quiet=True)))
+    # as a user's run: nothing kept for a next run (tests/conftest.py keeps processes between a module's runs)
+    summary = asyncio.run(run_graph(g, RunOptions(out_dir=str(tmp_path), quiet=True, keep_processes=False)))
     assert summary.status == "done"
     assert all(pg["state"] == "REMOVED" for pg in ray_instance.util.placement_group_table().values())
 
