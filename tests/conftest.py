@@ -27,6 +27,11 @@ if "DATAFLOW_PROMPT_CACHE" not in os.environ:
     os.environ["DATAFLOW_PROMPT_CACHE"] = tempfile.mkdtemp(prefix="dataflow-prompt-cache-")
     atexit.register(shutil.rmtree, os.environ["DATAFLOW_PROMPT_CACHE"], ignore_errors=True)
 
+# A module's graph runs share its node processes where their placement repeats (RunOptions.keep_processes,
+# dataflow/driver/warm.py): each model node's process start and imports are paid once per placement,
+# not once per test. The kept processes end with the module (ray_instance, below).
+os.environ.setdefault("DATAFLOW_KEEP_PROCESSES", "1")
+
 # Collecting imports torch, transformers and Ray in each pytest process: no garbage collection until
 # the tests start (dataflow/startup_gc.py); every test runs with it on.
 startup_gc.pause()
@@ -126,6 +131,9 @@ def ray_instance(request):
                  configure_logging=False)
         _kept = (ray.get_runtime_context().get_node_id(), cpus)
     yield
+    from dataflow.driver import warm
+
+    warm.release_all()
     if (_kept is not None and ray.is_initialized() and ray.get_runtime_context().get_node_id() == _kept[0]
             and _all_resources_free()):
         _idle = True       # kept for the next module
