@@ -21,6 +21,10 @@ if [ ! -f /tmp/site/.done ]; then
   # PYTHONDONTWRITEBYTECODE is set every process compiles Ray's sources again on import, which the
   # start-up measurements would count. The project's modules too (.ci/run does the same).
   python3 -m compileall -q -j 0 /tmp/site dataflow rl nodes graphs bench examples >/dev/null 2>&1
+  # The image's own packages (torch, sympy: no __pycache__ there) likewise: without their bytecode
+  # every node process compiled them again (bench/results/startup_h100_2026-12-07c.md).
+  image_site=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))" 2>/dev/null)
+  [ -n "$image_site" ] && python3 -m compileall -q -j 0 "$image_site" >/dev/null 2>&1
   touch /tmp/site/.done
   echo "setup: parts checked, installed and compiled in $((SECONDS - t0)) s (PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset})"
 fi
