@@ -93,7 +93,8 @@ RESTART_WAIT_S = 300.0
 
 
 class NodeHost(CheckpointCalls, StatusCalls):
-    def __init__(self, spec: HostSpec, stack_server: stacks.StackServer | None = None):
+    def __init__(self, spec: HostSpec, stack_server: stacks.StackServer | None = None,
+                 endpoint: channels.ChannelEndpoint | None = None):
         self.spec = spec
         self.name = spec.node if spec.num_replicas == 1 else f"{spec.node}[{spec.replica}]"
         # Each replica computes with the CPUs it was given: oversubscribing threads across the
@@ -119,7 +120,7 @@ class NodeHost(CheckpointCalls, StatusCalls):
             # ~2 s import; if it imports torch later, its OpenMP pool reads this when torch loads.
             os.environ["OMP_NUM_THREADS"] = str(threads)
         self.tracer = Tracer(self.name, enabled=spec.trace, device=self.device, starting=True)
-        self.endpoint = channels.ChannelEndpoint()
+        self.endpoint = endpoint or channels.ChannelEndpoint()
         self.events: list[dict] = []
         self._event_seq = 0
         self.steps = 0
@@ -172,9 +173,12 @@ class NodeHost(CheckpointCalls, StatusCalls):
         return True
 
     def rebind(self, spec: HostSpec) -> None:
-        """Host the next run's replica here, as a new process would (its __init__)."""
+        """Host the next run's replica here, as a new process would (its __init__). Also right
+        after Ray restarted this actor (dataflow/driver/restarts.py), where peers' takes may
+        already wait on its endpoint for the outboxes connect() registers: that one is kept."""
         startup_gc.pause()   # resumed when its set-up ends (connect), as in a new process
-        self.__init__(spec, stack_server=self.stack_server)
+        self.__init__(spec, stack_server=self.stack_server,
+                      endpoint=self.endpoint if self.endpoint.pristine else None)
 
     # ---- set-up -----------------------------------------------------------------------------
     async def connect(self, wiring: dict) -> dict:

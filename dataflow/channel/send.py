@@ -48,6 +48,11 @@ class ChannelEndpoint:
             await self._registered.wait()
         return await send_end._take(consumer_key, max_items)
 
+    @property
+    def pristine(self) -> bool:
+        """No SendEnd registered yet (takes that arrived early may be waiting for one)."""
+        return not self._outboxes
+
     def reset_consumer(self, channel: str, consumer_key: str) -> None:
         """Consumer `consumer_key` of `channel` died and was restarted: takes its dead process left
         waiting here return empty (see SendEnd.reset_consumer)."""

@@ -60,8 +60,8 @@ class RunOptions:
     """Seconds the CLI spent before run_graph, by part (DriverClock); shown on the running line."""
     keep_processes: bool = field(default_factory=lambda: os.environ.get("DATAFLOW_KEEP_PROCESSES") == "1")
     """Keep the node processes of a run that ends cleanly for this driver's next run on the same
-    Ray (a script running several graphs on a Ray it started itself; CPU-only placement groups,
-    no restarts): the next run of the same placement skips their start and imports.
+    Ray (a script running several graphs on a Ray it started itself; CPU-only placement groups
+    that saw no restart): the next run of the same placement skips their start and imports.
     dataflow/driver/warm.py; warm.release_all() ends them. Default: $DATAFLOW_KEEP_PROCESSES=1."""
     compile_cache: str = field(default_factory=default_compile_cache)
     """Where compiled artefacts (torch.compile, triton, vLLM) persist across runs; "" = each

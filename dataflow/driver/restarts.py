@@ -56,19 +56,23 @@ def ends_the_run(graph: Graph, name: str, result: Any, monitor: Monitor) -> bool
     return failed(result) and not restartable(graph, name, result, monitor)
 
 
-async def restart(graph: Graph, hosts: dict, name: str, monitor: Monitor) -> asyncio.Future:
+async def restart(graph: Graph, hosts: dict, name: str, monitor: Monitor, spec: Any = None) -> asyncio.Future:
     """Bring back replica `name`, whose process died: Ray restarts its actor (same handle, a fresh
     process); here it gets the latest versions of its edges, is set up again, loads its latest state
     (its snapshot, if newer than the last checkpoint: dataflow/actor/snapshots.py), and runs. The takes
     its dead process left waiting at its producers are dropped, and every node hears of the restart:
     the prompt source re-issues the prompts not yet trained on (the items the dead process held are
-    lost). Returns its run() future."""
+    lost). `spec`: this run's HostSpec for it; Ray's restart runs the actor's constructor with the
+    spec of the run that created it, which for a process kept from an earlier run
+    (dataflow/driver/warm.py) is that run's. Returns its run() future."""
     n = monitor.restarts[name] = monitor.restarts.get(name, 0) + 1
     monitor.say(f"[dataflow] {name}: its process died; restarting it ({n} of at most {graph.max_restarts})")
     monitor.driver_tracer.instant("restart", node=name, attempt=n)
     node, host = name.split("[")[0], hosts[name]
     try:
         await wait_until_alive(host)
+        if spec is not None:
+            await host.rebind.remote(spec)
         for edge in graph.versioned_edges.values():  # before setup: a setup may wait for a version
             if node in edge.dst:
                 await asyncio.gather(*(hosts[p].redeliver.remote(edge.name, name)

@@ -78,7 +78,8 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
         plan = placement.plan(graph, placement.cluster_gpus())
         restarts = {r: graph.max_restarts if graph.nodes[s.node].restartable else 0 for r, s in plan.slots.items()}
         keepable = warm.keepable(plan, restarts) if options.keep_processes and not started_ray else set()
-        taken = warm.take(plan, keepable)
+        taken = warm.take(plan, keepable, restarts)
+        specs: dict[str, HostSpec] = {}  # a restart rebinds its replica's process to this run's (restarts.restart)
         pgs = await placement.create_groups(plan, kept={n: k.pg for n, k in taken.items() if k.pg is not None})
         actor_cls = ray.remote(NodeHost)
         rebinds = []
@@ -93,6 +94,7 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
                                  memory_note=spec.memory_note, memory_cap=spec.memory_cap,
                                  gpu_turn=spec.gpu_turn,
                                  compile_cache=os.path.abspath(options.compile_cache) if options.compile_cache else "")
+            specs[replica_name] = host_spec
             kept = warm.host_for(taken, slot)
             if kept is not None:
                 hosts[replica_name] = kept
@@ -149,7 +151,8 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
             for name in to_restart:
                 if any(failed(r) for r in results.values()):
                     break  # the run ends (a failure that is not restarted): no more restarts
-                run, ending = await unless_the_run_ends(restart(graph, hosts, name, monitor), running, ends)
+                restarting = restart(graph, hosts, name, monitor, specs[name])
+                run, ending = await unless_the_run_ends(restarting, running, ends)
                 results.update(ending)
                 if not ending:
                     running[run] = name
@@ -182,7 +185,7 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
                     monitor.trace.add_kernel_intervals(name, recorded["intervals"], recorded["window"])
         summary = monitor.finish(status)
         if keepable:
-            await warm.keep(plan, keepable, pgs, hosts)  # out of pgs and hosts: shutdown leaves them
+            await warm.keep(plan, keepable, restarts, monitor.restarts, pgs, hosts)  # out of pgs and hosts: shutdown leaves them
         return summary
     except BaseException as e:
         await checkpoints.wait()  # a checkpoint being written in the background commits first

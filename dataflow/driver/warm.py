@@ -10,8 +10,10 @@ whose plan has a group of the same bundles takes them, and each kept host takes 
 Kept only where nothing of the finished run can reach the next one:
 - no GPU in the group (a process keeps its CUDA context and cached memory, which the user's next
   step may want; kept GPU processes are a later change);
-- no restarts in either run (Ray restarts a dead actor by running its constructor again, with the
-  spec of the run that created it);
+- no replica of the group restarted during the run (Ray counts an actor's restarts over its life),
+  and the next run asks for the same max_restarts per bundle (an actor's is fixed when it is made;
+  a restart there runs the constructor with the spec of the run that made it, so the driver's
+  restart rebinds it to the current run's first: dataflow/driver/restarts.py);
 - the run ended without a failure, and every host of the group answered release() with True.
 What is not kept, or not taken by the next run, is ended as before; release_all() ends the rest
 (a kept group holds its CPUs in Ray until then)."""
@@ -39,20 +41,31 @@ class KeptGroup:
 _kept: list[KeptGroup] = []
 
 
-def group_key(group) -> tuple:
-    """Groups with equal keys are interchangeable: the same bundles, in order, and strategy."""
-    return (group.strategy, tuple(tuple(sorted(b.items())) for b in group.bundles))
+def group_key(plan, name: str, restarts: dict[str, int]) -> tuple:
+    """Groups with equal keys are interchangeable: the same strategy, bundles in order, and
+    max_restarts of the actor in each bundle (LOOSE: of all its actors, which keepable makes equal)."""
+    if name == LOOSE:
+        return (LOOSE, sorted({restarts[r] for r, s in plan.slots.items() if s.group is None}))
+    group = plan.groups[name]
+    per_bundle = {s.bundle: restarts[r] for r, s in plan.slots.items() if s.group == name}
+    return (group.strategy, tuple(tuple(sorted(b.items())) for b in group.bundles),
+            tuple(per_bundle.get(i, 0) for i in range(len(group.bundles))))
 
 
 def keepable(plan, restarts: dict[str, int]) -> set[str]:
-    """The plan's groups (and LOOSE) whose processes may be kept or taken: CPU only, no restarts."""
+    """The plan's groups (and LOOSE) whose processes may be kept or taken: CPU only, one actor per
+    bundle (LOOSE: one max_restarts for all)."""
     ok: dict[str, bool] = {}
-    for replica, slot in plan.slots.items():
+    seen: set = set()
+    for slot in plan.slots.values():
         name = slot.group if slot.group is not None else LOOSE
-        ok[name] = ok.get(name, True) and slot.gpus == 0 and restarts.get(replica, 0) == 0
+        ok[name] = ok.get(name, True) and slot.gpus == 0 and (name == LOOSE or (name, slot.bundle) not in seen)
+        seen.add((name, slot.bundle))
     for name, group in plan.groups.items():
         if any(b.get("GPU", 0) for b in group.bundles):
             ok[name] = False
+    if LOOSE in ok and len(group_key(plan, LOOSE, restarts)[1]) > 1:
+        ok[LOOSE] = False
     return {name for name, yes in ok.items() if yes}
 
 
@@ -62,7 +75,7 @@ def _ray_node() -> str:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
 
-def take(plan, allowed: set[str]) -> dict[str, KeptGroup]:
+def take(plan, allowed: set[str], restarts: dict[str, int]) -> dict[str, KeptGroup]:
     """The kept groups this plan reuses, by its group name (LOOSE too); every other kept group is
     ended now, so that its CPUs are free for this run's placement."""
     global _kept
@@ -70,8 +83,7 @@ def take(plan, allowed: set[str]) -> dict[str, KeptGroup]:
     for kept in _kept:
         if kept.ray_node != here:
             continue  # that Ray is gone, and its processes with it
-        name = next((n for n in sorted(allowed - taken.keys())
-                     if (LOOSE if n == LOOSE else group_key(plan.groups[n])) == kept.key), None)
+        name = next((n for n in sorted(allowed - taken.keys()) if group_key(plan, n, restarts) == kept.key), None)
         if name is None:
             rest.append(kept)
         else:
@@ -81,12 +93,18 @@ def take(plan, allowed: set[str]) -> dict[str, KeptGroup]:
     return taken
 
 
-async def keep(plan, allowed: set[str], pgs: dict, hosts: dict) -> None:
-    """After a clean run: release the hosts of each allowed group and keep the groups whose every
-    host said yes, taking them out of `pgs` and `hosts` (what the run's shutdown ends)."""
+async def keep(plan, allowed: set[str], restarts: dict[str, int], restarted, pgs: dict, hosts: dict) -> None:
+    """After a clean run: release the hosts of each allowed group none of whose replicas restarted
+    (`restarted`: their names) and keep the groups whose every host said yes, taking them out of
+    `pgs` and `hosts` (what the run's shutdown ends)."""
+    def group_of(replica: str) -> str:
+        slot = plan.slots[replica]
+        return slot.group if slot.group is not None else LOOSE
+
+    allowed = allowed - {group_of(r) for r in restarted if r in plan.slots}
     by_group: dict[str, dict[int, str]] = {}
     for replica, slot in plan.slots.items():
-        name = slot.group if slot.group is not None else LOOSE
+        name = group_of(replica)
         if name in allowed and replica in hosts:
             by_group.setdefault(name, {})[slot.bundle if name != LOOSE else len(by_group.get(name, {}))] = replica
     here = _ray_node()
@@ -98,7 +116,7 @@ async def keep(plan, allowed: set[str], pgs: dict, hosts: dict) -> None:
             continue
         if not all(a is True for a in answers):
             continue
-        key = LOOSE if name == LOOSE else group_key(plan.groups[name])
+        key = group_key(plan, name, restarts)
         _kept.append(KeptGroup(key, here, pgs.pop(name, None), {i: hosts.pop(r) for i, r in replicas.items()}))
 
 

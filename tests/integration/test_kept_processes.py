@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -70,17 +73,48 @@ def test_a_different_placement_ends_the_kept_processes_first(tmp_path):
     assert warm.kept_processes() == 5
 
 
-@pytest.mark.parametrize("case", ["failed", "restarts", "not asked"])
+@pytest.mark.parametrize("case", ["failed", "other max_restarts", "not asked"])
 def test_a_run_that_may_leak_into_the_next_keeps_nothing(tmp_path, case):
     run(tmp_path / "kept")
     assert warm.kept_processes() == 4
     if case == "failed":
         with pytest.raises(NodeFailed, match="refusing to square 3"):
             run(tmp_path / "b", "square.fail_on=3")
-    elif case == "restarts":   # Ray would restart a kept actor with its first run's spec
+    elif case == "other max_restarts":   # an actor's max_restarts is fixed when Ray makes it
         _, pids, _ = run(tmp_path / "b", max_restarts=1)
         assert not set(pids.values()) & set(json.loads((tmp_path / "kept" / "processes.json").read_text()).values())
+        warm.release_all()
     else:
         run(tmp_path / "b", keep=False)
     assert warm.kept_processes() == 0
     assert free_cpus_within()
+
+
+def test_a_kept_process_that_dies_comes_back_as_the_current_runs_replica(tmp_path):
+    """Ray restarts an actor with the spec of the run that made it; the driver rebinds it to the
+    current run's before setting it up (restarts.restart). A group with a restart is not kept."""
+    _, first, _ = run(tmp_path / "a", max_restarts=2)   # counter: 20 values, no delay
+    assert warm.kept_processes() == 4
+    killer = threading.Thread(target=kill_when_running, args=(tmp_path / "b", "counter"), daemon=True)
+    killer.start()
+    summary, second, got = run(tmp_path / "b", "counter.delay_s=0.05", "counter.count=60", max_restarts=2)
+    killer.join(timeout=5)
+    assert summary.restarts == {"counter": 1}, summary.restarts
+    assert second["square[0]"] == first["square[0]"] and second["counter"] != first["counter"]
+    # the restarted counter sent this run's 60 values again from 0, not the first run's 20
+    assert {v for v, _ in squares_of(got)} == set(range(60)) and all(s == v * v for v, s in squares_of(got))
+    assert warm.kept_processes() == 0   # the group had a restart: ended with the run
+
+
+def kill_when_running(run_dir: Path, replica: str, timeout_s: float = 60.0) -> None:
+    """Kill `replica`'s process half a second after the run's processes.json lists it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            pids = json.loads((run_dir / "processes.json").read_text())
+        except (OSError, ValueError):
+            time.sleep(0.05)
+            continue
+        time.sleep(0.5)   # running: items are flowing
+        os.kill(pids[replica], signal.SIGKILL)
+        return
