@@ -80,7 +80,11 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
         keepable = warm.keepable(plan, restarts) if options.keep_processes and not started_ray else set()
         taken = warm.take(plan, keepable, restarts)
         specs: dict[str, HostSpec] = {}  # a restart rebinds its replica's process to this run's (restarts.restart)
-        pgs = await placement.create_groups(plan, kept={n: k.pg for n, k in taken.items() if k.pg is not None})
+        try:
+            pgs = await placement.create_groups(plan, kept={n: k.pg for n, k in taken.items() if k.pg is not None})
+        except BaseException:
+            warm.end_unused(taken)  # (the kept groups' placement groups went with the failure)
+            raise
         actor_cls = ray.remote(NodeHost)
         rebinds = []
         for replica_name, slot in plan.slots.items():
