@@ -24,6 +24,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from dataflow import placement
 from dataflow.timeouts import wait_within
 
 RELEASE_TIMEOUT_S = 10.0  # a host that does not answer release() within this is ended, not kept
@@ -150,7 +151,6 @@ def kept_processes() -> int:
 
 def _end(groups: list[KeptGroup]) -> None:
     import ray
-    from ray.util.placement_group import remove_placement_group
 
     for kept in groups:
         for host in kept.hosts.values():
@@ -158,8 +158,4 @@ def _end(groups: list[KeptGroup]) -> None:
                 ray.kill(host)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        if kept.pg is not None:
-            try:
-                remove_placement_group(kept.pg)
-            except Exception:  # noqa: BLE001
-                pass
+    placement.remove_groups({i: k.pg for i, k in enumerate(groups) if k.pg is not None})
