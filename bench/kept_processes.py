@@ -1,6 +1,10 @@
 """Several graph runs from one script, with and without RunOptions.keep_processes (dataflow/driver/warm.py).
 
     python bench/kept_processes.py --graph graphs/ppo.py --runs 3 --set max_steps=2
+    python bench/kept_processes.py --cli --graph graphs/ppo.py --runs 3 --set max_steps=2
+
+--cli: each run is the command `python -m dataflow.run GRAPH --address A [--keep-processes]`
+against one `ray start --head` cluster; the wall is the command's, start-up is what it printed.
 
 One Ray for the whole benchmark. Each round runs: `off` (keep_processes=False: every process
 starts, and whatever an earlier run kept is ended first), `first` (keep_processes=True, nothing kept
@@ -22,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a cluster of its own: no token to pass around
 
 
 def main() -> None:
@@ -31,7 +36,12 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
     parser.add_argument("--out", default="/tmp/kept_processes")
     parser.add_argument("--json", help="write the raw numbers here")
+    parser.add_argument("--cli", action="store_true", help="runs are commands joining a `ray start` cluster")
     args = parser.parse_args()
+    if args.cli:
+        rows = cli_rounds(args)
+        summarize(rows, args)
+        return
 
     import ray
 
@@ -59,6 +69,39 @@ def main() -> None:
                   f"{summary.steps} steps, {summary.status}", flush=True)
     warm.release_all()
     ray.shutdown()
+    summarize(rows, args)
+
+
+def cli_rounds(args) -> list[dict]:
+    """The rounds as commands (--cli): the start-up each printed, parsed from its running line."""
+    import re
+    import subprocess
+
+    from tests.ray_cluster import ray_start_cluster
+
+    rows = []
+    with ray_start_cluster(num_cpus=max(os.cpu_count() or 1, 8)) as (address, env):
+        env.pop("DATAFLOW_KEEP_PROCESSES", None)
+        for i in range(args.runs):
+            for side in ("off", "first", "kept"):
+                cmd = [sys.executable, "-m", "dataflow.run", args.graph, "--address", address,
+                       "--out", f"{args.out}/cli-{side}{i}-{time.time_ns()}",
+                       *(["--keep-processes"] if side != "off" else []),
+                       *[a for kv in args.overrides for a in ("--set", kv)]]
+                t0 = time.perf_counter()
+                r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                wall = time.perf_counter() - t0
+                line = next((x for x in r.stdout.splitlines() if " running: " in x), "")
+                numbers = re.search(r"start-up ([\d.]+) s \(actor processes ([\d.]+) s, node setup ([\d.]+) s", line)
+                total, actors, setup = map(float, numbers.groups()) if numbers else (0.0, 0.0, 0.0)
+                rows.append({"side": side, "run": i, "wall_s": round(wall, 2), "status": r.returncode,
+                             "startup": {"total": total, "actors": actors, "setup": setup}})
+                print(f"{side:5} run {i}: {wall:6.2f} s, start-up {total:5.2f} s (actors {actors:.2f}, "
+                      f"setup {setup:.2f}), exit {r.returncode}", flush=True)
+    return rows
+
+
+def summarize(rows: list[dict], args) -> None:
     print("\nmedian (range) over the rounds:")
     for side in ("off", "first", "kept"):
         runs = [r for r in rows if r["side"] == side]

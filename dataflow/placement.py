@@ -265,10 +265,12 @@ def cluster_gpus() -> list[int]:
     return [int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")]
 
 
-async def create_groups(result: Plan, timeout_s: float = 60.0, kept: dict | None = None) -> dict:
+async def create_groups(result: Plan, timeout_s: float = 60.0, kept: dict | None = None,
+                        detached: set | frozenset = frozenset()) -> dict:
     """One placement group per pool (and one for the nodes without a pool); waits until all are
     placed. Returns {group name: PlacementGroup}; raises UserError naming a group Ray cannot place.
-    `kept`: groups already placed, by name (a previous run's: dataflow/driver/warm.py)."""
+    `kept`: groups already placed, by name (a previous run's); `detached`: the names of groups that
+    may outlive this driver (dataflow/driver/warm.py)."""
     import asyncio
     import time
 
@@ -278,7 +280,8 @@ async def create_groups(result: Plan, timeout_s: float = 60.0, kept: dict | None
     deadline, pgs = time.monotonic() + timeout_s, {}
     try:
         for name, g in result.groups.items():
-            pgs[name] = (kept or {}).get(name) or placement_group(g.bundles, strategy=g.strategy)
+            pgs[name] = (kept or {}).get(name) or placement_group(
+                g.bundles, strategy=g.strategy, lifetime="detached" if name in detached else None)
         for name, pg in pgs.items():  # one deadline for all: they are placed concurrently
             try:
                 await wait_within(pg.ready(), max(0.1, deadline - time.monotonic()))

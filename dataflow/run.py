@@ -33,6 +33,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--describe lists the settings)")
     p.add_argument("--address", default=None,
                    help="join an existing Ray cluster (default: $RAY_ADDRESS, else start a local instance)")
+    p.add_argument("--keep-processes", action="store_true",
+                   help="with --address: when the run ends cleanly, keep its node processes in the cluster for "
+                        "the next run of the same placement, which then skips their start and imports (the "
+                        "project's files unchanged); a run without this flag, or `ray stop`, ends them")
     p.add_argument("--max-steps", type=int, default=None, help="stop after N training steps")
     p.add_argument("--describe", action="store_true",
                    help="print nodes, channels with capacities, resources, placement and settings; run nothing")
@@ -95,6 +99,10 @@ def _main(argv: list[str] | None) -> int:
     if args.describe:
         print(describe(graph, config))
         return 0
+    if args.keep_processes and not (args.address or os.environ.get("RAY_ADDRESS")):
+        print("error: --keep-processes: the Ray this command starts ends with it; start one that outlives it "
+              "(`ray start --head`) and pass --address auto", file=sys.stderr)
+        return 2
     if args.max_steps is not None and args.max_steps < 1:
         print("error: --max-steps must be >= 1", file=sys.stderr)
         return 2
@@ -136,6 +144,7 @@ def _main(argv: list[str] | None) -> int:
     options = RunOptions(address=args.address, max_steps=args.max_steps, trace_path=args.trace,
                          trace_kernels=args.trace_kernels,
                          out_dir=args.out, verbose=args.verbose, resume=args.resume, driver_parts=clock.parts,
+                         **({"keep_processes": True} if args.keep_processes else {}),
                          **({} if args.compile_cache is None else {"compile_cache": args.compile_cache}))
     startup_gc.resume()
     return _run_with_signals(lambda: run_graph(graph, options, config), args.graph)

@@ -280,6 +280,20 @@ startup_plan() {  # issue 38: SmolLM2 GRPO's time from the command to the first 
   done
 }
 
+startup_kept() {  # issue 38: SmolLM2 GRPO as commands joining a `ray start` cluster, without and with
+  # --keep-processes (bench/kept_processes.py --cli: off, first, kept per round), after a run that fills
+  # the compile and prompt caches; the settings are that run's (bench/real_rl.py's for the H100)
+  local dest=$OUT/startup_kept
+  rl st_fill 200 --steps 3 --eval-every 3 --val-n 64 --no-eval
+  mkdir -p "$dest"
+  local sets; sets=$(tar -xzOf "$OUT/st_fill.tgz" st_fill/log.txt | grep -o "graph settings: .*" | head -1 | cut -d' ' -f3-)
+  local args=(); for kv in $sets; do args+=(--set "$kv"); done
+  echo "== startup_kept $(date +%T) (call at ${SECONDS}s)"
+  timeout 400 python3 bench/kept_processes.py --cli --graph graphs/grpo.py --runs 2 --out /tmp/runs/kept \
+    "${args[@]}" --set max_steps=3 --set save_interval=0 --json "$dest/rows.json" > "$dest/log.txt" 2>&1
+  echo "   rc=$? $(date +%T)"; grep -A7 "^median" "$dest/log.txt"; grep -E "^(off|first|kept) " "$dest/log.txt"
+}
+
 startup_preload() {  # issue 38: Ray's RAY_preload_python_modules (each worker Ray starts, the ones it prestarts
   # for the driver's job included, imports these before it hosts anything), right after startup_plan,
   # whose warm run (st_warm) is the same run without it: does a model node's import run ahead?

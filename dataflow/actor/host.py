@@ -158,9 +158,10 @@ class NodeHost(CheckpointCalls, StatusCalls):
     async def release(self) -> bool:
         """The run is over and the driver keeps this process for its next run: drop the node and
         everything of this run. False (the process is then ended) where something of the run would
-        outlive it: run() or a background task still going, a checkpoint write, torch.distributed."""
+        outlive it: run() or a background task still going, a checkpoint write, torch.distributed,
+        vLLM (its engine's processes and memory pool), GPU memory still allocated once the node is gone."""
         if ((self._run_task is not None and not self._run_task.done()) or self._background
-                or (self._write is not None and not self._write[1].done())):
+                or (self._write is not None and not self._write[1].done()) or "vllm" in sys.modules):
             return False
         dist = sys.modules.get("torch.distributed")
         if dist is not None and dist.is_available() and dist.is_initialized():
@@ -170,6 +171,13 @@ class NodeHost(CheckpointCalls, StatusCalls):
         if "torch._dynamo" in sys.modules:  # compiled code guarded on this run's modules
             sys.modules["torch._dynamo"].reset()
         gc.collect()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            # the GPU back to the next run (and to the other processes on it) but the CUDA context
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            if torch.cuda.memory_allocated():  # a tensor of this run still referenced somewhere
+                return False
         return True
 
     def rebind(self, spec: HostSpec) -> None:

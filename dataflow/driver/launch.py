@@ -48,10 +48,11 @@ async def start_ray(graph: Graph, options: RunOptions) -> bool:
     python_path = os.pathsep.join(p for p in [str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")] if p)
     kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=options.verbose,
                                   configure_logging=options.verbose)
-    address = options.address or os.environ.get("RAY_ADDRESS")
+    address = cluster_address(options)
     if address:
         kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": python_path}, "working_dir": str(PROJECT_ROOT),
-                                 "excludes": ["runs/", ".git/", ".venv/", ".whl/", "**/__pycache__/"]}
+                                 "excludes": ["runs/", ".git/", ".venv/", ".whl/", ".gpu/", ".vllm-kit/",
+                                              "**/__pycache__/"]}
         where = "--address" if options.address else "RAY_ADDRESS"
         await probe_address(address, where)
         await join_in_thread(address, kwargs, where)
@@ -76,6 +77,11 @@ async def start_ray(graph: Graph, options: RunOptions) -> bool:
 
 RAY_START_ADVICE = ("Ray writes under RAY_TMPDIR, default /tmp: it must be a writable directory with free space; "
                     "`ray stop --force` ends a stale local instance; Ray's own logs are in its session_latest/logs")
+
+
+def cluster_address(options: RunOptions) -> str | None:
+    """The Ray cluster the run joins (it outlives the run), or None: the run starts its own."""
+    return options.address or os.environ.get("RAY_ADDRESS")
 
 
 def _host_port(address: str) -> tuple[str, int] | None:

@@ -59,10 +59,11 @@ class RunOptions:
     driver_parts: dict[str, float] = field(default_factory=dict)
     """Seconds the CLI spent before run_graph, by part (DriverClock); shown on the running line."""
     keep_processes: bool = field(default_factory=lambda: os.environ.get("DATAFLOW_KEEP_PROCESSES") == "1")
-    """Keep the node processes of a run that ends cleanly for this driver's next run on the same
-    Ray (a script running several graphs on a Ray it started itself; CPU-only placement groups
-    that saw no restart): the next run of the same placement skips their start and imports.
-    dataflow/driver/warm.py; warm.release_all() ends them. Default: $DATAFLOW_KEEP_PROCESSES=1."""
+    """Keep the node processes of a run that ends cleanly for the next run on the same Ray (a
+    script running several graphs, or CLI runs joining a `ray start` cluster with --address;
+    placement groups that saw no restart; not on a Ray the run started itself, which ends with it):
+    the next run of the same placement skips their start and imports. dataflow/driver/warm.py; a
+    run without it, warm.release_all() or `ray stop` ends them. Default: $DATAFLOW_KEEP_PROCESSES=1."""
     compile_cache: str = field(default_factory=default_compile_cache)
     """Where compiled artefacts (torch.compile, triton, vLLM) persist across runs; "" = each
     library's own default (torch's is under /tmp)."""

@@ -30,7 +30,7 @@ from dataflow.driver.failures import (awaitable, death_summary, discard, failed,
                                       wait_for_root_cause)
 from dataflow.graph import Graph
 from dataflow.actor.host import HostSpec, NodeHost
-from dataflow.driver.launch import clock_offset, shutdown, start_ray, stop_all, wiring
+from dataflow.driver.launch import clock_offset, cluster_address, shutdown, start_ray, stop_all, wiring
 from dataflow.driver.loading import describe, load_graph
 from dataflow.driver.monitor import Monitor, RunSummary
 from dataflow.driver.options import RunOptions
@@ -70,18 +70,21 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
     running: dict[asyncio.Future, str] = {}  # run() calls in flight -> replica name
     checkpoints = Checkpointer(graph, hosts, monitor)
     pgs: dict = {}  # placement groups by pool name
+    keepable, kept = set(), []  # groups whose processes may be kept for the next run, and those kept
     try:
         # 1. Place (dataflow/placement.py): check the plan against the cluster's GPUs, then one
         #    placement group per pool (and one for the nodes without a pool), each actor in its bundle.
-        #    With keep_processes, a previous run's CPU processes of the same placement are taken
-        #    instead of new ones (dataflow/driver/warm.py).
+        #    With keep_processes, a previous run's processes of the same placement are taken instead
+        #    of new ones (dataflow/driver/warm.py).
         plan = placement.plan(graph, placement.cluster_gpus())
         restarts = {r: graph.max_restarts if graph.nodes[s.node].restartable else 0 for r, s in plan.slots.items()}
-        keepable = warm.keepable(plan, restarts) if options.keep_processes and not started_ray else set()
-        taken = warm.take(plan, keepable, restarts)
+        ray_outlives_run = not started_ray or cluster_address(options) is not None
+        keepable = warm.keepable(plan, restarts) if options.keep_processes and ray_outlives_run else set()
+        taken = await warm.take(plan, keepable, restarts)
         specs: dict[str, HostSpec] = {}  # a restart rebinds its replica's process to this run's (restarts.restart)
         try:
-            pgs = await placement.create_groups(plan, kept={n: k.pg for n, k in taken.items() if k.pg is not None})
+            pgs = await placement.create_groups(plan, kept={n: k["pg"] for n, k in taken.items() if k["pg"] is not None},
+                                                detached=keepable)
         except BaseException:
             warm.end_unused(taken)  # (the kept groups' placement groups went with the failure)
             raise
@@ -99,16 +102,18 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
                                  gpu_turn=spec.gpu_turn,
                                  compile_cache=os.path.abspath(options.compile_cache) if options.compile_cache else "")
             specs[replica_name] = host_spec
-            kept = warm.host_for(taken, slot)
-            if kept is not None:
-                hosts[replica_name] = kept
-                rebinds.append(kept.rebind.remote(host_spec))
+            kept_host = warm.host_for(taken, slot)
+            if kept_host is not None:
+                hosts[replica_name] = kept_host
+                rebinds.append(kept_host.rebind.remote(host_spec))
                 continue
             # Ray restarts a dead actor in place (same handle, same bundle); never the run-ending node
             # or a rank of a multi-rank job (NodeSpec.restartable).
-            hosts[replica_name] = actor_cls.options(name=None, max_restarts=restarts[replica_name],
+            detached = {"lifetime": "detached"} if (slot.group if slot.group is not None else warm.LOOSE) in keepable else {}
+            hosts[replica_name] = actor_cls.options(name=None, max_restarts=restarts[replica_name], **detached,
                                                     **placement.actor_options(slot, pgs)).remote(host_spec)
         warm.end_unused(taken)
+        await warm.lend(hosts, pgs, plan, keepable)
         await asyncio.gather(*rebinds)
 
         # 2. Clocks: one time base for every trace event (NTP-style offset per process).
@@ -189,7 +194,7 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
                     monitor.trace.add_kernel_intervals(name, recorded["intervals"], recorded["window"])
         summary = monitor.finish(status)
         if keepable:
-            await warm.keep(plan, keepable, restarts, monitor.restarts, pgs, hosts)  # out of pgs and hosts: shutdown leaves them
+            kept = await warm.keep(plan, keepable, restarts, monitor.restarts, pgs, hosts)  # out of pgs and hosts
         return summary
     except BaseException as e:
         await checkpoints.wait()  # a checkpoint being written in the background commits first
@@ -204,6 +209,8 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
         discard(running)
         checkpoints.stop_watching()
         monitor.close()
+        if keepable:
+            await warm.settle(kept)  # for the next run; the rest of what this run held is ended below
         await shutdown(hosts, pgs, started_ray, placement.remove_groups)
 
 

@@ -7,6 +7,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,6 +19,7 @@ import ray
 from dataflow.driver import warm
 from dataflow.driver.runtime import RunOptions, load_graph, run_graph
 from dataflow.errors import NodeFailed
+from tests.ray_cluster import ray_start_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 SQUARES = str(ROOT / "tests" / "graphs" / "squares.py")
@@ -118,3 +121,83 @@ def kill_when_running(run_dir: Path, replica: str, timeout_s: float = 60.0) -> N
         time.sleep(0.5)   # running: items are flowing
         os.kill(pids[replica], signal.SIGKILL)
         return
+
+
+def test_cli_runs_joining_a_ray_start_cluster_keep_their_processes_between_commands(tmp_path):
+    """`dataflow.run --address A --keep-processes`: the next command's run takes the processes the
+    last one kept (detached: they outlive its driver); an edited project file means new processes;
+    what a driver killed mid-run held, and what is kept, a run without the flag ends."""
+    def cli(address, env, out, *args, wait=True):
+        cmd = [sys.executable, "-m", "dataflow.run", SQUARES, "--address", address, "--out", str(out), *args]
+        if not wait:
+            return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads((out / "processes.json").read_text()), json.loads((out / "collected.json").read_text())
+
+    with ray_start_cluster() as (address, env):
+        env.pop("DATAFLOW_KEEP_PROCESSES", None)   # (tests/conftest.py sets it): only the flag asks
+        first, _ = cli(address, env, tmp_path / "a", "--keep-processes")
+        second, got = cli(address, env, tmp_path / "b", "--keep-processes", "--set", "counter.count=7")
+        assert second == first and squares_of(got) == [(i, i * i) for i in range(7)]
+        probe = ROOT / "tests" / "graphs" / f"_edited_{os.getpid()}.py"   # a change to the project's files
+        probe.write_text("# not imported\n")
+        try:
+            edited, got = cli(address, env, tmp_path / "c", "--keep-processes")
+        finally:
+            probe.unlink()
+        assert not set(edited.values()) & set(first.values()) and squares_of(got) == [(i, i * i) for i in range(20)]
+        assert all_gone(first.values())
+        killed = cli(address, env, tmp_path / "d", "--keep-processes", "--set", "counter.delay_s=0.2",
+                     "--set", "counter.count=500", wait=False)
+        held = wait_for_processes(tmp_path / "d")
+        killed.kill()
+        killed.wait(timeout=30)
+        assert all_alive(held.values())   # detached: the driver's death alone does not end them
+        last, _ = cli(address, env, tmp_path / "e")   # without the flag: ends what is kept and the orphans
+        assert all_gone(edited.values()), 'kept'
+        assert all_gone(held.values()), 'orphans'
+        assert all_gone(last.values()), 'the last run kept nothing'
+        free = subprocess.run([sys.executable, "-c", "import ray; ray.init(address=%r, log_to_driver=False); "
+                               "print(ray.available_resources().get('CPU'), ray.cluster_resources().get('CPU'))"
+                               % address], env=env, capture_output=True, text=True, timeout=120)
+        available, total = map(float, free.stdout.split()[-2:])
+        assert available == total, free.stdout
+
+
+def test_keep_processes_on_a_ray_the_command_starts_is_a_one_line_error(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    r = subprocess.run([sys.executable, "-m", "dataflow.run", SQUARES, "--keep-processes", "--out", str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--address" in r.stderr, r.stderr
+
+
+def wait_for_processes(run_dir: Path, timeout_s: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return json.loads((run_dir / "processes.json").read_text())
+        except (OSError, ValueError):
+            time.sleep(0.1)
+    raise AssertionError(f"{run_dir}: no processes.json within {timeout_s} s")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0   # a zombie has ended
+
+
+def all_alive(pids) -> bool:
+    return all(alive(p) for p in pids)
+
+
+def all_gone(pids, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while any(alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True

@@ -19,11 +19,8 @@ import json
 import os
 import re
 import signal
-import socket
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -43,6 +40,7 @@ from tests.graphs.probes import (  # noqa: E402
     Publisher, PublisherConfig, Relay, Subscriber, SubscriberConfig, TensorSink, TensorSource,
     TensorSourceConfig,
 )
+from tests.ray_cluster import ray_start_cluster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY = ROOT / "tests" / "graphs" / "toy.py"
@@ -457,8 +455,10 @@ def test_items_travel_between_actors_not_through_the_driver(tmp_path, monkeypatc
     assert [(s["index"], s["megabytes"], s["ok"]) for s in steps] == [(i, 32.0, True) for i in range(6)]
     assert summary.status == "done" and summary.steps == 6
     assert calls["channel_take"] == 0 and calls["on_publish"] == 0, calls
-    # (stall checks; release and rebind: processes kept between runs, RunOptions.keep_processes)
-    assert set(calls) <= {"connect", "clock", "run", "poll", "stop", "wait_state", "release", "rebind"}, calls
+    # (stall checks; release and rebind: processes kept between runs, RunOptions.keep_processes, and
+    # the registry of kept processes: swap, lend, settle, end_all)
+    assert set(calls) <= {"connect", "clock", "run", "poll", "stop", "wait_state", "release", "rebind",
+                          "swap", "lend", "settle", "end_all"}, calls
     assert calls["poll"] >= 1 and calls["run"] == 3
     assert peak[0] - baseline < 32 * 2**20, (baseline, peak[0])
 
@@ -604,40 +604,13 @@ def test_subscriber_keeps_the_latest_version():
 def test_joins_an_existing_cluster_with_address(tmp_path):
     """--address joins a running Ray cluster (started here with `ray start --head`) instead of
     starting one, ships the project as the job's working dir, and leaves the cluster running."""
-    ray_cli = str(Path(sys.executable).parent / "ray")
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    with socket.socket() as sock:  # a free port outside Ray's worker port range (10002-19999)
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    temp_dir = tempfile.mkdtemp(dir="/tmp", prefix="dfray")  # short: Ray's socket paths max 107 bytes
-    start = subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
-                            f"--temp-dir={temp_dir}"], env=env, capture_output=True, text=True, timeout=120)
-    assert start.returncode == 0, start.stderr
-    try:
+    with ray_start_cluster() as (address, env):
         out = tmp_path / "out"
         r = subprocess.run([sys.executable, "-m", "dataflow.run", "tests/graphs/squares.py", "--address",
-                            f"127.0.0.1:{port}", "--out", str(out)], cwd=ROOT, env=env,
+                            address, "--out", str(out)], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=180)
         assert r.returncode == 0, r.stderr[-2000:]
         assert sorted(x["value"] for x in json.loads((out / "collected.json").read_text())) == list(range(20))
-        status = subprocess.run([ray_cli, "status", f"--address=127.0.0.1:{port}"], env=env,
-                                capture_output=True, text=True, timeout=60)
+        status = subprocess.run([str(Path(sys.executable).parent / "ray"), "status", f"--address={address}"],
+                                env=env, capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, "the cluster we joined must still be running"
-    finally:
-        # `ray stop` would stop every Ray instance on the machine (this module's too): end only
-        # the processes of the cluster started above, found by its temp dir, and its Ray client
-        # server, whose command line names only the GCS address (an argument ending in :port).
-        _kill_processes_mentioning(temp_dir)
-        _kill_processes_mentioning(f":{port}\0")
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def _kill_processes_mentioning(text: str) -> None:
-    for pid_dir in Path("/proc").iterdir():
-        if not pid_dir.name.isdigit():
-            continue
-        try:
-            if text in (pid_dir / "cmdline").read_bytes().decode(errors="replace"):
-                os.kill(int(pid_dir.name), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            pass
