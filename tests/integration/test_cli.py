@@ -66,7 +66,7 @@ def test_cli_describe_lists_nodes_channels_placement_settings():
 
 def test_cli_help_is_complete():
     r = run_cli("--help")
-    for flag in ("--set", "--address", "--max-steps", "--describe", "--trace", "--out"):
+    for flag in ("--set", "--address", "--keep-processes", "--max-steps", "--describe", "--trace", "--out"):
         assert flag in r.stdout
 
 

@@ -124,9 +124,11 @@ def kill_when_running(run_dir: Path, replica: str, timeout_s: float = 60.0) -> N
 
 
 def test_cli_runs_joining_a_ray_start_cluster_keep_their_processes_between_commands(tmp_path):
-    """`dataflow.run --address A --keep-processes`: the next command's run takes the processes the
-    last one kept (detached: they outlive its driver); an edited project file means new processes;
-    what a driver killed mid-run held, and what is kept, a run without the flag ends."""
+    """--address joins a running cluster (started here with `ray start --head`) instead of starting
+    one, ships the project as the job's working dir, and leaves the cluster running. With
+    --keep-processes the next command's run takes the processes the last one kept (detached: they
+    outlive its driver); an edited project file means new processes; what a driver killed mid-run
+    held, and what is kept, a run without the flag ends."""
     def cli(address, env, out, *args, wait=True):
         cmd = [sys.executable, "-m", "dataflow.run", SQUARES, "--address", address, "--out", str(out), *args]
         if not wait:
@@ -158,6 +160,9 @@ def test_cli_runs_joining_a_ray_start_cluster_keep_their_processes_between_comma
         assert all_gone(edited.values()), 'kept'
         assert all_gone(held.values()), 'orphans'
         assert all_gone(last.values()), 'the last run kept nothing'
+        status = subprocess.run([str(Path(sys.executable).parent / "ray"), "status", f"--address={address}"],
+                                env=env, capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, "the cluster we joined must still be running"
         free = subprocess.run([sys.executable, "-c", "import ray; ray.init(address=%r, log_to_driver=False); "
                                "print(ray.available_resources().get('CPU'), ray.cluster_resources().get('CPU'))"
                                % address], env=env, capture_output=True, text=True, timeout=120)

@@ -40,7 +40,6 @@ from tests.graphs.probes import (  # noqa: E402
     Publisher, PublisherConfig, Relay, Subscriber, SubscriberConfig, TensorSink, TensorSource,
     TensorSourceConfig,
 )
-from tests.ray_cluster import ray_start_cluster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY = ROOT / "tests" / "graphs" / "toy.py"
@@ -601,16 +600,3 @@ def test_subscriber_keeps_the_latest_version():
     assert asyncio.run(scenario()) == (5, "five")
 
 
-def test_joins_an_existing_cluster_with_address(tmp_path):
-    """--address joins a running Ray cluster (started here with `ray start --head`) instead of
-    starting one, ships the project as the job's working dir, and leaves the cluster running."""
-    with ray_start_cluster() as (address, env):
-        out = tmp_path / "out"
-        r = subprocess.run([sys.executable, "-m", "dataflow.run", "tests/graphs/squares.py", "--address",
-                            address, "--out", str(out)], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=180)
-        assert r.returncode == 0, r.stderr[-2000:]
-        assert sorted(x["value"] for x in json.loads((out / "collected.json").read_text())) == list(range(20))
-        status = subprocess.run([str(Path(sys.executable).parent / "ray"), "status", f"--address={address}"],
-                                env=env, capture_output=True, text=True, timeout=60)
-        assert status.returncode == 0, "the cluster we joined must still be running"
