@@ -155,17 +155,21 @@ class NodeHost(CheckpointCalls, StatusCalls):
         self.stack_server = stack_server or stacks.StackServer(ray.util.get_node_ip_address(), self._thread_stacks)
 
     # ---- kept between runs (dataflow/driver/warm.py) ------------------------------------------
-    async def release(self) -> bool:
+    async def release(self) -> bool | str:
         """The run is over and the driver keeps this process for its next run: drop the node and
-        everything of this run. False (the process is then ended) where something of the run would
-        outlive it: run() or a background task still going, a checkpoint write, torch.distributed,
-        vLLM (its engine's processes and memory pool), GPU memory still allocated once the node is gone."""
-        if ((self._run_task is not None and not self._run_task.done()) or self._background
-                or (self._write is not None and not self._write[1].done()) or "vllm" in sys.modules):
-            return False
+        everything of this run. True, or why not (the process is then ended) where something of
+        the run would outlive it: run() or a background task still going, a checkpoint write,
+        torch.distributed, vLLM (its engine's processes and memory pool), GPU memory still allocated
+        once the node is gone."""
+        if (self._run_task is not None and not self._run_task.done()) or self._background:
+            return "its node is still running"
+        if self._write is not None and not self._write[1].done():
+            return "a checkpoint write is still going"
+        if "vllm" in sys.modules:
+            return "it loaded vLLM"
         dist = sys.modules.get("torch.distributed")
         if dist is not None and dist.is_available() and dist.is_initialized():
-            return False
+            return "it is in a torch.distributed group"
         self.node = self.ctx = self._node_run = None
         self._versions, self._fetched, self._staging = {}, {}, {}
         if "torch._dynamo" in sys.modules:  # compiled code guarded on this run's modules
@@ -176,8 +180,8 @@ class NodeHost(CheckpointCalls, StatusCalls):
             # the GPU back to the next run (and to the other processes on it) but the CUDA context
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-            if torch.cuda.memory_allocated():  # a tensor of this run still referenced somewhere
-                return False
+            if held := torch.cuda.memory_allocated():  # a tensor of this run still referenced somewhere
+                return f"{held / 2**20:.0f} MiB of GPU memory still allocated without its node"
         return True
 
     def rebind(self, spec: HostSpec) -> None:

@@ -194,7 +194,9 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
                     monitor.trace.add_kernel_intervals(name, recorded["intervals"], recorded["window"])
         summary = monitor.finish(status)
         if keepable:
-            kept = await warm.keep(plan, keepable, restarts, monitor.restarts, pgs, hosts)  # out of pgs and hosts
+            kept, refused = await warm.keep(plan, keepable, restarts, monitor.restarts, pgs, hosts)  # out of pgs and hosts
+            for replica, why in refused.items():
+                monitor.say(f"[dataflow] {replica}'s process is not kept for the next run: {why}")
         return summary
     except BaseException as e:
         await checkpoints.wait()  # a checkpoint being written in the background commits first

@@ -186,10 +186,12 @@ async def lend(hosts: dict, pgs: dict, plan, allowed: set[str]) -> None:
     await _registry().lend.remote(_job(), groups)
 
 
-async def keep(plan, allowed: set[str], restarts: dict[str, int], restarted, pgs: dict, hosts: dict) -> list[dict]:
+async def keep(plan, allowed: set[str], restarts: dict[str, int], restarted, pgs: dict,
+               hosts: dict) -> tuple[list[dict], dict[str, str]]:
     """After a clean run: release the hosts of each allowed group none of whose replicas restarted
     (`restarted`: their names); the groups whose every host said yes are taken out of `pgs` and
-    `hosts` (what the run's shutdown ends) and returned, for settle()."""
+    `hosts` (what the run's shutdown ends) and returned, for settle(), with why each replica that
+    said no did (its process and its group's are ended with the run)."""
     def group_of(replica: str) -> str:
         slot = plan.slots[replica]
         return slot.group if slot.group is not None else LOOSE
@@ -200,18 +202,19 @@ async def keep(plan, allowed: set[str], restarts: dict[str, int], restarted, pgs
         name = group_of(replica)
         if name in allowed and replica in hosts:
             by_group.setdefault(name, {})[slot.bundle if name != LOOSE else len(by_group.get(name, {}))] = replica
-    code, kept = code_identity(), []
+    code, kept, refused = code_identity(), [], {}
     for name, replicas in by_group.items():
         try:
             answers = await wait_within(asyncio.gather(*(hosts[r].release.remote() for r in replicas.values())),
                                         RELEASE_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - a host gone or slow: this group is ended with the run
             continue
+        refused.update({r: a for r, a in zip(replicas.values(), answers) if a is not True})
         if not all(a is True for a in answers):
             continue
         kept.append({"key": group_key(plan, name, restarts), "code": code, "pg": pgs.pop(name, None),
                      "hosts": {i: hosts.pop(r) for i, r in replicas.items()}})
-    return kept
+    return kept, refused
 
 
 async def settle(kept: list[dict]) -> None:
