@@ -18,13 +18,13 @@ from pathlib import Path
 @contextlib.contextmanager
 def ray_start_cluster(num_cpus: int = 4):
     """Yields (address, env): the head's address and the environment to run `dataflow.run` in."""
-    ray_cli = str(Path(sys.executable).parent / "ray")
+    ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]   # `ray`, also where Ray's scripts are not on PATH
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     with socket.socket() as sock:  # a free port outside Ray's worker port range (10002-19999)
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
     temp_dir = tempfile.mkdtemp(dir="/tmp", prefix="dfray")  # short: Ray's socket paths max 107 bytes
-    start = subprocess.run([ray_cli, "start", "--head", f"--port={port}", f"--num-cpus={num_cpus}",
+    start = subprocess.run([*ray_cli, "start", "--head", f"--port={port}", f"--num-cpus={num_cpus}",
                             "--include-dashboard=false", f"--temp-dir={temp_dir}"],
                            env=env, capture_output=True, text=True, timeout=120)
     assert start.returncode == 0, start.stderr

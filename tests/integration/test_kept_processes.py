@@ -160,7 +160,7 @@ def test_cli_runs_joining_a_ray_start_cluster_keep_their_processes_between_comma
         assert all_gone(edited.values()), 'kept'
         assert all_gone(held.values()), 'orphans'
         assert all_gone(last.values()), 'the last run kept nothing'
-        status = subprocess.run([str(Path(sys.executable).parent / "ray"), "status", f"--address={address}"],
+        status = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "status", f"--address={address}"],
                                 env=env, capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, "the cluster we joined must still be running"
         free = subprocess.run([sys.executable, "-c", "import ray; ray.init(address=%r, log_to_driver=False); "
