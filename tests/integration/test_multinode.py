@@ -60,7 +60,9 @@ def run_on_two_nodes(tmp_path, *overrides: str) -> list[dict]:
     pools = plan(graph, cluster=[1, 1]).groups
     assert [b["GPU"] for b in pools["rollout"].bundles] == [1.0] and [b["GPU"] for b in pools["train"].bundles] == [1.0]
     before = set(ray.util.placement_group_table())
-    summary = asyncio.run(run_graph(graph, RunOptions(max_steps=3, out_dir=str(tmp_path), quiet=True), config))
+    # new placement groups for each run (tests/conftest.py keeps processes between a module's runs)
+    summary = asyncio.run(run_graph(graph, RunOptions(max_steps=3, out_dir=str(tmp_path), quiet=True,
+                                                      keep_processes=False), config))
     assert summary.status in ("done", "max steps reached"), summary.status
     # The run's placement groups (kept in the table after removal): the two GPU pools on two nodes.
     groups = [g for k, g in ray.util.placement_group_table().items() if k not in before]
