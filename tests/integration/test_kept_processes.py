@@ -127,8 +127,8 @@ def test_cli_runs_joining_a_ray_start_cluster_keep_their_processes_between_comma
     """--address joins a running cluster (started here with `ray start --head`) instead of starting
     one, ships the project as the job's working dir, and leaves the cluster running. With
     --keep-processes the next command's run takes the processes the last one kept (detached: they
-    outlive its driver); an edited project file means new processes; what a driver killed mid-run
-    held, and what is kept, a run without the flag ends."""
+    outlive its driver); edited project files mean new processes; what a driver killed mid-run held,
+    and what is kept, the next run ends."""
     def cli(address, env, out, *args, wait=True):
         cmd = [sys.executable, "-m", "dataflow.run", SQUARES, "--address", address, "--out", str(out), *args]
         if not wait:
@@ -142,24 +142,23 @@ def test_cli_runs_joining_a_ray_start_cluster_keep_their_processes_between_comma
         first, _ = cli(address, env, tmp_path / "a", "--keep-processes")
         second, got = cli(address, env, tmp_path / "b", "--keep-processes", "--set", "counter.count=7")
         assert second == first and squares_of(got) == [(i, i * i) for i in range(7)]
-        probe = ROOT / "tests" / "graphs" / f"_edited_{os.getpid()}.py"   # a change to the project's files
+        # a run of edited project files (one more file), killed mid-run
+        probe = ROOT / "tests" / "graphs" / f"_edited_{os.getpid()}.py"
         probe.write_text("# not imported\n")
         try:
-            edited, got = cli(address, env, tmp_path / "c", "--keep-processes")
+            killed = cli(address, env, tmp_path / "c", "--keep-processes", "--set", "counter.delay_s=0.2",
+                         "--set", "counter.count=500", wait=False)
+            held = wait_for_processes(tmp_path / "c")   # (its working_dir was shipped before its processes started)
         finally:
             probe.unlink()
-        assert not set(edited.values()) & set(first.values()) and squares_of(got) == [(i, i * i) for i in range(20)]
-        assert all_gone(first.values())
-        killed = cli(address, env, tmp_path / "d", "--keep-processes", "--set", "counter.delay_s=0.2",
-                     "--set", "counter.count=500", wait=False)
-        held = wait_for_processes(tmp_path / "d")
+        assert not set(held.values()) & set(first.values())   # other code: new processes,
+        assert all_gone(first.values())                       # and the kept ones ended
         killed.kill()
         killed.wait(timeout=30)
         assert all_alive(held.values())   # detached: the driver's death alone does not end them
         last, _ = cli(address, env, tmp_path / "e")   # without the flag: ends what is kept and the orphans
-        assert all_gone(edited.values()), 'kept'
-        assert all_gone(held.values()), 'orphans'
-        assert all_gone(last.values()), 'the last run kept nothing'
+        assert all_gone(held.values()), "orphans"
+        assert all_gone(last.values()), "the last run kept nothing"
         status = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "status", f"--address={address}"],
                                 env=env, capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, "the cluster we joined must still be running"
