@@ -191,6 +191,7 @@ class NodeHost(CheckpointCalls, StatusCalls):
         startup_gc.pause()   # resumed when its set-up ends (connect), as in a new process
         self.__init__(spec, stack_server=self.stack_server,
                       endpoint=self.endpoint if self.endpoint.pristine else None)
+        self.tracer.loaded_now()
 
     # ---- set-up -----------------------------------------------------------------------------
     async def connect(self, wiring: dict) -> dict:

@@ -115,6 +115,8 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
         warm.end_unused(taken)
         await warm.lend(hosts, pgs, plan, keepable)
         await asyncio.gather(*rebinds)
+        if rebinds:
+            monitor.say(f"[dataflow] {len(rebinds)} of {len(hosts)} node processes are the previous run's (keep_processes)")
 
         # 2. Clocks: one time base for every trace event (NTP-style offset per process).
         for name, host in hosts.items():
@@ -197,6 +199,9 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
             kept, refused = await warm.keep(plan, keepable, restarts, monitor.restarts, pgs, hosts)  # out of pgs and hosts
             for replica, why in refused.items():
                 monitor.say(f"[dataflow] {replica}'s process is not kept for the next run: {why}")
+            if held := sum(len(group["hosts"]) for group in kept):
+                monitor.say(f"[dataflow] {held} node processes kept for the next run of this placement; they hold "
+                            "their CPUs and GPUs until a run without keep_processes or `ray stop` ends them")
         return summary
     except BaseException as e:
         await checkpoints.wait()  # a checkpoint being written in the background commits first

@@ -125,6 +125,12 @@ class Tracer:
         The host's clock() (offset measurement) must return this."""
         return (time.perf_counter_ns() + self._base_ns) // 1000
 
+    def loaded_now(self) -> None:
+        """This process was up and its modules imported before this tracer's run (a kept process,
+        dataflow/driver/warm.py): no "process start" or "imports" in front of its start-up."""
+        if self._loaded is not None:
+            self._loaded = self.now_us()
+
     def started(self) -> None:
         """The node's run begins: start-up ends here, training time starts."""
         if self.starting:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -58,12 +59,17 @@ def free_cpus_within(timeout_s: float = 10.0) -> bool:
 def test_a_kept_process_hosts_the_next_run_of_the_same_placement(tmp_path):
     _, first, got1 = run(tmp_path / "a")
     assert warm.kept_processes() == 4
+    t0 = time.monotonic()
     summary, second, got2 = run(tmp_path / "b", "counter.count=7")
+    wall = time.monotonic() - t0
     # the same processes, each hosting the replica of the same slot, and the new run's own work
     assert second == first
     assert squares_of(got1) == [(i, i * i) for i in range(20)]
     assert squares_of(got2) == [(i, i * i) for i in range(7)]
     assert summary.status == "done"
+    # the kept processes' start-up in the report is this run's (not from their first run's process start)
+    startup = float(re.search(r"where time went: ([\d.]+) s of start-up", summary.report).group(1))
+    assert startup <= wall, (startup, wall)
     warm.release_all()
     assert warm.kept_processes() == 0 and free_cpus_within()
 
