@@ -94,10 +94,16 @@ def cli_rounds(args) -> list[dict]:
                 line = next((x for x in r.stdout.splitlines() if " running: " in x), "")
                 numbers = re.search(r"start-up ([\d.]+) s \(actor processes ([\d.]+) s, node setup ([\d.]+) s", line)
                 total, actors, setup = map(float, numbers.groups()) if numbers else (0.0, 0.0, 0.0)
+                kept = [x for x in r.stdout.splitlines() if x.startswith("[dataflow]") and any(
+                    w in x for w in ("not kept", "kept for the next run", "the previous run's"))]
                 rows.append({"side": side, "run": i, "wall_s": round(wall, 2), "status": r.returncode,
-                             "startup": {"total": total, "actors": actors, "setup": setup}})
+                             "startup": {"total": total, "actors": actors, "setup": setup}, "kept": kept})
                 print(f"{side:5} run {i}: {wall:6.2f} s, start-up {total:5.2f} s (actors {actors:.2f}, "
                       f"setup {setup:.2f}), exit {r.returncode}", flush=True)
+                for line in kept:   # what was taken and kept, and why a process was not
+                    print(f"      {line}", flush=True)
+                if r.returncode:
+                    print(r.stderr[-1500:], flush=True)
     return rows
 
 
