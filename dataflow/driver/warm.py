@@ -9,8 +9,9 @@ whose plan has a group of the same bundles takes them, and each kept host takes 
 (NodeHost.rebind) where a new process would have started.
 
 The kept processes outlive the driver that made them: they and their placement groups are detached,
-and a detached registry actor (KeptRegistry, one per Ray) lists them. It also lists what each live
-driver holds, so that what a driver killed mid-run held is ended by the next driver that asks.
+and a detached registry actor (KeptRegistry, one per Ray and version of this file) lists them. It
+also lists what each live driver holds, so that what a driver killed mid-run held is ended by the
+next driver that asks.
 
 Kept only where nothing of the finished run can reach the next one:
 - the same code: a driver that joined a cluster ships the project as a working_dir package named by
