@@ -80,7 +80,7 @@ async def run_graph(graph: Graph, options: RunOptions, config: Any = None) -> Ru
         restarts = {r: graph.max_restarts if graph.nodes[s.node].restartable else 0 for r, s in plan.slots.items()}
         ray_outlives_run = not started_ray or cluster_address(options) is not None
         keepable = warm.keepable(plan, restarts) if options.keep_processes and ray_outlives_run else set()
-        taken = await warm.take(plan, keepable, restarts)
+        taken = await warm.take(plan, keepable, restarts) if ray_outlives_run else {}  # (a new Ray keeps nothing)
         specs: dict[str, HostSpec] = {}  # a restart rebinds its replica's process to this run's (restarts.restart)
         try:
             pgs = await placement.create_groups(plan, kept={n: k["pg"] for n, k in taken.items() if k["pg"] is not None},

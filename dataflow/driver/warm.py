@@ -46,7 +46,7 @@ REGISTRY = REGISTRY_PREFIX + hashlib.sha1(Path(__file__).read_bytes()).hexdigest
 class KeptRegistry:
     """The kept groups of one Ray, each a dict {"key", "code", "pg", "hosts": {bundle: handle}}
     (plain data: a later driver's code may differ from the one that made this actor), and what
-    each live driver (by job id) holds of the detached kind."""
+    each live driver (by job id) holds of the detached kind ({"pg", "hosts"})."""
 
     def __init__(self):
         self.kept: list[dict] = []
@@ -122,9 +122,18 @@ def _registry():
                                             get_if_exists=True, num_cpus=0).remote()
 
 
+_versions_checked_by: tuple | None = None   # the driver (cluster, job id) that looked for other versions
+
+
 def _end_other_versions() -> None:
+    """Once per driver: a registry of other code can only come from a driver that ran before it."""
+    global _versions_checked_by
     import ray
 
+    driver = (ray.get_runtime_context().gcs_address, _job())
+    if _versions_checked_by == driver:
+        return
+    _versions_checked_by = driver
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if actor["namespace"] == NAMESPACE and actor["name"].startswith(REGISTRY_PREFIX) and actor["name"] != REGISTRY:
             try:
@@ -183,10 +192,9 @@ async def lend(hosts: dict, pgs: dict, plan, allowed: set[str]) -> None:
     killed, the next one ends them)."""
     if not allowed:
         return
-    groups = [{"key": (), "code": "", "pg": pgs.get(name), "hosts": {}} for name in allowed]
-    for group, name in zip(groups, allowed):
-        group["hosts"] = {r: hosts[r] for r, s in plan.slots.items()
-                          if (s.group if s.group is not None else LOOSE) == name and r in hosts}
+    groups = [{"pg": pgs.get(name), "hosts": {r: hosts[r] for r, s in plan.slots.items()
+                                              if (s.group if s.group is not None else LOOSE) == name and r in hosts}}
+              for name in allowed]
     await _registry().lend.remote(_job(), groups)
 
 
